@@ -1,0 +1,144 @@
+"""The plan's data types: pure data, no torch.
+
+A `Plan` is computed once from matrix shapes and a cost table (see `dmuon.plan.build`), then
+executed by the real runtime (`dmuon.runtime`) and timed by the simulator (`simulator`). Neither
+executor re-derives owners, batches or buckets: they read them from here.
+
+Indices: every reference to a matrix is its index into `Plan.matrices`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class MatrixSpec:
+    """One Muon-managed weight matrix, as the planner sees it.
+
+    rows, cols: the parameter's 2-D shape (out_features, in_features for nn.Linear).
+    layer: forward-order index of the block the matrix belongs to (0 = first used in forward);
+        communication buckets follow this order so their exchange can overlap compute.
+    name: unique name (a module parameter name, or "<component>.<layer>.<matrix>" for workloads).
+    """
+
+    name: str
+    rows: int
+    cols: int
+    layer: int = 0
+
+    def __post_init__(self) -> None:
+        for attr in ("rows", "cols"):
+            v = getattr(self, attr)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"MatrixSpec {self.name!r}: {attr} must be a positive integer, got {v!r}")
+        if isinstance(self.layer, bool) or not isinstance(self.layer, int) or self.layer < 0:
+            raise ValueError(f"MatrixSpec {self.name!r}: layer must be a non-negative integer, got {self.layer!r}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A stack of same-shape matrices that one owner orthogonalizes in one batched call."""
+
+    owner: int
+    rows: int
+    cols: int
+    members: tuple[int, ...]  # matrix indices
+    time_s: float  # cost-table time of this batched call
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A communication unit: matrices whose gradient delivery / weight publication go together.
+
+    Buckets are listed in forward layer order; backward produces them in reverse order.
+    """
+
+    index: int
+    members: tuple[int, ...]  # matrix indices, in forward order
+
+    def numel(self, matrices: tuple[MatrixSpec, ...]) -> int:
+        return sum(matrices[i].numel for i in self.members)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Owners, batches and buckets for one model on one process group."""
+
+    world_size: int
+    matrices: tuple[MatrixSpec, ...]
+    owners: tuple[int, ...]  # owners[i] = rank that runs matrix i's orthogonalization
+    batches: tuple[Batch, ...]
+    buckets: tuple[Bucket, ...]
+    balancer: str
+    method: str  # orthogonalization method the costs assume: "standard" | "gram" | "gram_sym"
+    dtype: str  # iteration dtype the costs assume: "bf16" | "fp16" | "fp32"
+    cost_source: str  # which cost table / profile priced the work
+    makespan_s: float
+    lower_bound_s: float
+    solve_time_s: float
+    gap: float = 0.0  # proven relative optimality gap (MILP); 0 for exact or not applicable
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    # ---- derived views -------------------------------------------------------------------
+    @property
+    def loads_s(self) -> tuple[float, ...]:
+        """Orthogonalization seconds per rank (sum of its batches' times)."""
+        loads = [0.0] * self.world_size
+        for b in self.batches:
+            loads[b.owner] += b.time_s
+        return tuple(loads)
+
+    @property
+    def efficiency(self) -> float:
+        return self.lower_bound_s / self.makespan_s if self.makespan_s > 0 else 1.0
+
+    def batches_of(self, rank: int) -> tuple[Batch, ...]:
+        return tuple(b for b in self.batches if b.owner == rank)
+
+    def owned_by(self, rank: int) -> tuple[int, ...]:
+        return tuple(i for i, o in enumerate(self.owners) if o == rank)
+
+    # ---- serialization -------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["format_version"] = PLAN_FORMAT_VERSION
+        return d
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        d = dict(d)
+        version = d.pop("format_version", PLAN_FORMAT_VERSION)
+        if version != PLAN_FORMAT_VERSION:
+            raise ValueError(f"plan format version {version} is not supported (expected {PLAN_FORMAT_VERSION})")
+        d["matrices"] = tuple(MatrixSpec(**m) for m in d["matrices"])
+        d["owners"] = tuple(d["owners"])
+        d["batches"] = tuple(
+            Batch(owner=b["owner"], rows=b["rows"], cols=b["cols"], members=tuple(b["members"]),
+                  time_s=b["time_s"]) for b in d["batches"]
+        )
+        d["buckets"] = tuple(Bucket(index=b["index"], members=tuple(b["members"])) for b in d["buckets"])
+        d["notes"] = tuple(d.get("notes", ()))
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,1 @@
+"""`harness`: the command-line front end (typer) for runs, sweeps, benchmarks, profiles and figures."""

@@ -1,0 +1,47 @@
+"""The `harness` command: one typer app; each command lives in its own `harness.cmd_*` module.
+
+Every module in `COMMAND_MODULES` defines `register(app, bench)` adding its commands to the main
+app or to the `bench` sub-app. Heavy imports (torch, simpy, pulp) happen inside the commands so
+`harness --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import typer
+
+from harness.errors import UserError
+
+COMMAND_MODULES: list[str] = [
+]
+
+app = typer.Typer(
+    name="harness",
+    help="DMuon harness: simulate, benchmark, plan and sweep distributed Muon experiments.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+bench = typer.Typer(help="Real measurements on this machine (kernels, training steps).", no_args_is_help=True)
+app.add_typer(bench, name="bench")
+
+for _name in COMMAND_MODULES:
+    importlib.import_module(_name).register(app, bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point: bad input -> one clear line on stderr and exit code 2."""
+    try:
+        app(args=argv, prog_name="harness")
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # typer/click end every run with SystemExit (usage errors: code 2)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
