@@ -1,0 +1,43 @@
+"""FLOP counts of one orthogonalization (the formulas of muon.md, for any step count and restarts).
+
+Methods:
+  standard      quintic Newton-Schulz with dense matmuls
+  standard_sym  the same, X X^T and b A + c A^2 computed as symmetric (lower-triangle) products
+  gram          Gram Newton-Schulz (iterates in the n x n Gram space) with dense matmuls
+  gram_sym      Gram Newton-Schulz with every n x n product symmetric (SYRK-style kernels)
+n = min(rows, cols), m = max(rows, cols); a multiply-add counts as 2 FLOPs.
+"""
+
+from __future__ import annotations
+
+METHODS = ("standard", "standard_sym", "gram", "gram_sym")
+DEFAULT_RESTARTS = (2,)
+
+
+def ns_flops(rows: int, cols: int, method: str = "standard", *, steps: int = 5,
+             restarts: tuple[int, ...] = DEFAULT_RESTARTS, batch: int = 1) -> float:
+    """FLOPs of orthogonalizing `batch` matrices of shape (rows, cols) with `method`."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; accepted: {', '.join(METHODS)}")
+    if min(rows, cols) <= 0 or steps < 0 or batch <= 0:
+        raise ValueError(f"rows, cols, batch must be positive and steps >= 0, got {(rows, cols, batch, steps)}")
+    n, m = float(min(rows, cols)), float(max(rows, cols))
+    sym = method.endswith("_sym")
+    gram_xxt = (1.0 if sym else 2.0) * n * n * m  # X X^T, n x n output
+    nnn = (1.0 if sym else 2.0) * n ** 3  # one symmetric n x n x n product
+    full_qx = 2.0 * n * n * m  # Q X or B X: general output, never symmetric
+    if method.startswith("standard"):
+        per_step = gram_xxt + nnn + full_qx
+        return batch * steps * per_step
+    restart_set = {r for r in restarts if 0 < r < steps}
+    total = gram_xxt  # R = X X^T
+    for t in range(steps):
+        if t in restart_set:
+            total += full_qx + gram_xxt  # X <- Q X ; R <- X X^T
+        total += nnn  # Z = b R + c R^2
+        if t != 0 and t not in restart_set:
+            total += nnn  # Q <- Q Z + a Q  (first step after a (re)start: Q = Z + a I, free)
+        if t + 1 < steps and (t + 1) not in restart_set:
+            total += 2 * nnn  # RZ = R Z + a R ; R = Z RZ + a RZ
+    total += full_qx  # X <- Q X
+    return batch * total
