@@ -12,7 +12,7 @@ import sys
 
 import typer
 
-from harness.errors import UserError
+from dmuon.errors import InputError
 
 COMMAND_MODULES: list[str] = [
 ]
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: bad input -> one clear line on stderr and exit code 2."""
     try:
         app(args=argv, prog_name="harness")
-    except UserError as e:
+    except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except SystemExit as e:  # typer/click end every run with SystemExit (usage errors: code 2)

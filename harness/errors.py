@@ -1,13 +1,13 @@
-"""User-facing errors: the CLI turns these into a one-line message and exit code 2 (no traceback)."""
+"""User-facing errors: the CLI turns these into a one-line message and exit code 2 (no traceback).
+
+`UserError` is the harness's name for `dmuon.errors.InputError`; every package raises InputError (or a
+subclass) for bad input, and `harness.cli.main` catches that one type.
+"""
 
 from __future__ import annotations
 
+from dmuon.errors import InputError, choice_error
 
-class UserError(Exception):
-    """Bad input from the user: the message says what was wrong and what is accepted."""
+UserError = InputError
 
-
-def choice_error(what: str, got: object, accepted) -> UserError:
-    """A UserError for a value outside a fixed set, listing the accepted values."""
-    options = ", ".join(sorted(str(a) for a in accepted))
-    return UserError(f"unknown {what} {got!r}; accepted: {options}")
+__all__ = ["InputError", "UserError", "choice_error"]
