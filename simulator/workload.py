@@ -31,7 +31,7 @@ import csv
 import math
 import tomllib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -60,6 +60,7 @@ class ParamSpec:
     cols: int
     layer: int  # global forward-order layer index
     optimizer: str  # "muon" | "adamw"
+    block: int | None = None  # index of the repeated block within its component; None for singles
 
     @property
     def numel(self) -> int:
@@ -95,6 +96,27 @@ class Workload:
     @property
     def n_layers(self) -> int:
         return 1 + max(p.layer for p in self.params)
+
+    def scaled(self, width_scale: float = 1.0, blocks: int | None = None, multiple: int = 8) -> Workload:
+        """A smaller (or larger) model of the same structure, e.g. to run for real on a CPU.
+
+        Every dimension is multiplied by `width_scale` and rounded to a multiple of `multiple` (at least
+        `multiple`); `blocks` keeps only the first `blocks` repeated blocks of each component (singles such
+        as embeddings and heads stay). Layers are renumbered in forward order.
+        """
+        if not width_scale > 0:
+            raise WorkloadError(f"width_scale must be > 0, got {width_scale!r}")
+        if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks <= 0):
+            raise WorkloadError(f"blocks must be a positive integer, got {blocks!r}")
+
+        def dim(d: int) -> int:
+            return max(multiple, multiple * round(d * width_scale / multiple))
+
+        kept = [p for p in self.params if blocks is None or p.block is None or p.block < blocks]
+        renumber = {old: new for new, old in enumerate(sorted({p.layer for p in kept}))}
+        params = tuple(replace(p, rows=dim(p.rows), cols=dim(p.cols), layer=renumber[p.layer]) for p in kept)
+        label = f"{self.name} x{width_scale:g}" + (f", {blocks} blocks" if blocks is not None else "")
+        return Workload(name=label, params=params, notes=self.notes, source=self.source)
 
     def layer_params(self) -> list[tuple[ParamSpec, ...]]:
         """Parameters grouped by layer index, in forward order."""
@@ -172,7 +194,7 @@ def _expand(name: str, rows: list[_Row], source: str, notes: tuple[str, ...]) ->
                 for k in range(per_block):
                     suffix = f".{k}" if per_block > 1 else ""
                     params.append(ParamSpec(f"{comp}.{b}.{r.matrix}{suffix}", comp, r.matrix, r.rows, r.cols,
-                                            layer, r.optimizer))
+                                            layer, r.optimizer, block=b))
             layer += 1
         for r in singles:
             params.append(ParamSpec(f"{comp}.{r.matrix}", comp, r.matrix, r.rows, r.cols, layer, r.optimizer))

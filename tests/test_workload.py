@@ -110,3 +110,19 @@ def test_custom_csv_errors(tmp_path):
         load_workload(p)
     with pytest.raises(InputError, match="does not exist"):
         load_workload(tmp_path / "missing.toml")
+
+
+def test_scaled_workload_keeps_structure():
+    w = load_workload("qwen2.5-7b")
+    s = w.scaled(1 / 16, blocks=4)
+    assert s.n_layers == 6  # embedding, 4 blocks, head
+    q = [p for p in s.params if p.matrix == "q_proj"]
+    assert len(q) == 4 and (q[0].rows, q[0].cols) == (224, 224)
+    gate = [p for p in s.params if p.matrix == "gate_proj"][0]
+    assert (gate.rows, gate.cols) == (1184, 224)
+    assert all(p.rows % 8 == 0 and p.cols % 8 == 0 for p in s.params)
+    assert [p.layer for p in s.params] == sorted(p.layer for p in s.params)
+    with pytest.raises(InputError, match="width_scale must be > 0"):
+        w.scaled(0)
+    with pytest.raises(InputError, match="blocks must be a positive integer"):
+        w.scaled(0.5, blocks=0)
