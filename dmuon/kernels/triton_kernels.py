@@ -10,8 +10,8 @@ L2), times the batch. Each program accumulates its tile in fp32, applies the sca
 the D tile read right there (no extra pass over memory), and writes the tile and its mirror; on
 diagonal tiles only the lower half of the computed tile is used (stored as itself and, transposed,
 above the diagonal), so the output is exactly symmetric, bit for bit. Strides are passed through,
-so transposed or sliced inputs need no copy. In interpreter mode (TRITON_INTERPRET=1, CPU tests) tiles are upcast to fp32
-before tl.dot, where bf16 would give wrong numbers.
+so transposed or sliced inputs need no copy. In interpreter mode (TRITON_INTERPRET=1, CPU tests)
+tiles are upcast to fp32 before tl.dot, where bf16 would give wrong numbers.
 """
 
 from __future__ import annotations
