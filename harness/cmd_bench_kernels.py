@@ -121,12 +121,13 @@ def run_bench(shapes: str = "qwen", dtype: str | None = None, repeats: int = 5, 
         }
         if use_triton:
             sops = get_ops(x, "triton")
-            fns["syrk_s"] = lambda x=x: sops.syrk(x)
+            fns["syrk_s"] = lambda x=x, sops=sops: sops.syrk(x)
             fns["gram_ns_sym_s"] = lambda x=x: orthogonalize(x, method="gram", kernels="triton", dtype=tdtype)
         t = time_side_by_side(fns, repeats=repeats, cuda=cuda)
         syrk_s, sym_s = t.get("syrk_s"), t.get("gram_ns_sym_s")
         rows.append({"kind": "shape", "label": label, "n": n, "m": m, "batch": 1, **common,
-                     "matmul_s": t["matmul_s"], "syrk_s": syrk_s, "syrk_speedup": _ratio(t["matmul_s"], syrk_s),
+                     "matmul_s": t["matmul_s"], "syrk_s": syrk_s,
+                     "syrk_speedup": _ratio(t["matmul_s"], syrk_s),
                      "standard_ns_s": t["standard_ns_s"], "gram_ns_torch_s": t["gram_ns_torch_s"],
                      "gram_ns_sym_s": sym_s,
                      "gram_torch_speedup": _ratio(t["standard_ns_s"], t["gram_ns_torch_s"]),
@@ -195,7 +196,8 @@ def print_tables(rows: list[dict]) -> None:
     for r in (r for r in rows if r["kind"] == "shape"):
         table.add_row(r["label"], str(r["n"]), str(r["m"]), _fmt_ms(r["matmul_s"]), _fmt_ms(r["syrk_s"]),
                       _fmt_x(r["syrk_speedup"]), _fmt_ms(r["standard_ns_s"]), _fmt_ms(r["gram_ns_torch_s"]),
-                      _fmt_ms(r["gram_ns_sym_s"]), _fmt_x(r["gram_torch_speedup"]), _fmt_x(r["gram_sym_speedup"]))
+                      _fmt_ms(r["gram_ns_sym_s"]), _fmt_x(r["gram_torch_speedup"]),
+                      _fmt_x(r["gram_sym_speedup"]))
     console.print(table)
     batch_rows = [r for r in rows if r["kind"] == "batch"]
     if batch_rows:
@@ -217,7 +219,7 @@ def register(app, bench) -> None:
         shapes: str = typer.Option("qwen", help="Shape set: qwen | wall-oss | squares | all."),
         dtype: str = typer.Option(None, help="bf16 | fp16 | fp32 (default: bf16 on CUDA, fp32 on the CPU)."),
         repeats: int = typer.Option(5, help="Timed repeats per variant (median reported), after a warm-up."),
-        scale: int = typer.Option(None, help="Divide every shape by this (default: 8 on the CPU, 1 on CUDA)."),
+        scale: int = typer.Option(None, help="Divide every shape by this (default: 8 on CPU, 1 on CUDA)."),
         csv: str = typer.Option(None, help="Also write the rows to this CSV file."),
     ):
         """Symmetric kernels vs torch matmul, standard vs Gram NS, batched vs loop (measured here)."""
@@ -234,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     """Plain entry point (no typer/rich needed): python -m harness.cmd_bench_kernels [--json] ..."""
     from dmuon.errors import InputError
 
-    p = argparse.ArgumentParser(prog="python -m harness.cmd_bench_kernels", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m harness.cmd_bench_kernels",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--shapes", default="qwen", help="qwen | wall-oss | squares | all")
     p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32")
