@@ -195,7 +195,8 @@ def test_cache_key_composition_and_buckets():
     assert cache_key("NVIDIA H200", "syrk", 3000, 17000, "bf16", "3.6.0") == key  # same shape class
     assert parse_key(key) == {"gpu": "NVIDIA H200", "op": "syrk", "n_bucket": 4096, "m_bucket": 32768,
                               "dtype": "bf16", "triton": "3.6.0"}
-    bads = [("g", "gemm", 1, 1, "bf16", "3"), ("g", "syrk", 1, 1, "fp8", "3"), ("a|b", "syrk", 1, 1, "bf16", "3")]
+    bads = [("g", "gemm", 1, 1, "bf16", "3"), ("g", "syrk", 1, 1, "fp8", "3"),
+            ("a|b", "syrk", 1, 1, "bf16", "3")]
     for bad in bads:
         with pytest.raises(ValueError):
             cache_key(*bad)
