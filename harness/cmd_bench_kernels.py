@@ -93,6 +93,10 @@ def run_bench(shapes: str = "qwen", dtype: str | None = None, repeats: int = 5, 
     from dmuon.errors import InputError, choice_error
     from dmuon.kernels import get_ops, triton_available
 
+    if device not in (None, "cpu", "cuda"):
+        raise choice_error("device", device, ("cpu", "cuda"))
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InputError("device 'cuda' requested but torch sees no CUDA GPU here; accepted: cpu")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = dev.type == "cuda"
     dtype = dtype or ("bf16" if cuda else "fp32")
@@ -221,9 +225,10 @@ def register(app, bench) -> None:
         repeats: int = typer.Option(5, help="Timed repeats per variant (median reported), after a warm-up."),
         scale: int = typer.Option(None, help="Divide every shape by this (default: 8 on CPU, 1 on CUDA)."),
         csv: str = typer.Option(None, help="Also write the rows to this CSV file."),
+        device: str = typer.Option(None, help="cpu | cuda (default: cuda where available)."),
     ):
         """Symmetric kernels vs torch matmul, standard vs Gram NS, batched vs loop (measured here)."""
-        rows = run_bench(shapes, dtype, repeats, scale)
+        rows = run_bench(shapes, dtype, repeats, scale, device)
         if csv:
             write_csv(rows, csv)
         if json_out:
@@ -244,9 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--scale", type=int, default=None)
     p.add_argument("--csv", default=None, help="write the rows to this CSV file")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda where available)")
     a = p.parse_args(argv)
     try:
-        rows = run_bench(a.shapes, a.dtype, a.repeats, a.scale)
+        rows = run_bench(a.shapes, a.dtype, a.repeats, a.scale, a.device)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

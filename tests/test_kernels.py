@@ -343,7 +343,8 @@ def test_config_for_tunes_once_per_shape_class_then_reads_the_cache(tmp_path, mo
 def test_bench_kernels_cli_json_on_cpu(capsys):
     from harness.cli import main
 
-    rc = main(["bench", "kernels", "--json", "--shapes", "qwen", "--scale", "32", "--repeats", "1"])
+    rc = main(["bench", "kernels", "--json", "--shapes", "qwen", "--scale", "32", "--repeats", "1",
+               "--device", "cpu"])
     assert rc == 0
     rows = json.loads(capsys.readouterr().out)
     shape_rows = [r for r in rows if r["kind"] == "shape"]
@@ -359,7 +360,28 @@ def test_bench_kernels_rejects_bad_options(capsys):
     from harness.cli import main
 
     assert main(["bench", "kernels", "--shapes", "llama"]) == 2
-    assert main(["bench", "kernels", "--dtype", "fp16"]) == 2
+    assert main(["bench", "kernels", "--dtype", "fp16", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "unknown shape set 'llama'; accepted: qwen, wall-oss, squares, all" in err
     assert "fp16 matmuls on the CPU" in err
+
+
+def test_gpu_check_script_dry_run_on_cpu(tmp_path):
+    env = {**os.environ, "DMUON_GPU_CHECK_CPU": "1", "DMUON_GPU_CHECK_RESULTS": str(tmp_path),
+           "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    env.pop("OUT", None)
+    res = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
+                         env=env, cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert "selfcheck on cpu: 5/5 passed" in log and "all steps passed" in log
+    import csv
+
+    with open(tmp_path / "cpu_dryrun_kernels.csv") as f:
+        bench = list(csv.DictReader(f))
+    assert {r["kind"] for r in bench} == {"shape", "batch"} and all(r["scale"] == "64" for r in bench)
+    from dmuon.plan.profile_io import read_profile
+
+    ns = [r for r in read_profile(tmp_path / "cpu_dryrun_profile.csv") if r.op == "ns"]
+    assert {(r.rows, r.cols, r.batch, r.method) for r in ns} == {
+        (n, m, b, meth) for n, m in [(8, 24), (16, 40)] for b in (1, 2) for meth in ("standard", "gram")}
