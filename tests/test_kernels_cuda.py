@@ -7,6 +7,8 @@ outputs exactly symmetric; plus autotuning into a fresh cache and the 'auto' cho
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -14,9 +16,16 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("DMUON_CACHE_DIR", str(tmp_path))
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_cache(tmp_path_factory):
+    """One empty autotune cache for this module: each shape class is tuned (and verified) once."""
+    old = os.environ.get("DMUON_CACHE_DIR")
+    os.environ["DMUON_CACHE_DIR"] = str(tmp_path_factory.mktemp("autotune"))
+    yield
+    if old is None:
+        os.environ.pop("DMUON_CACHE_DIR")
+    else:
+        os.environ["DMUON_CACHE_DIR"] = old
 
 
 def _cases():
@@ -33,12 +42,13 @@ def test_cuda_case(case):
     assert ok, line
 
 
-def test_autotune_writes_a_verified_entry_and_auto_uses_it(tmp_path):
+def test_autotune_writes_a_verified_entry_and_auto_uses_it(tmp_path, monkeypatch):
     import triton
 
     from dmuon.kernels import autotune, get_ops, torch_ops, triton_ops
     from dmuon.kernels.configs import cache_key
 
+    monkeypatch.setenv("DMUON_CACHE_DIR", str(tmp_path))
     x = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
     out = triton_ops.syrk(x)
     assert torch.equal(out, out.mT)

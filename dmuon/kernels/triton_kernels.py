@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from .configs import TileConfig
 
@@ -81,7 +80,8 @@ def _sym_product_kernel(
     tl.store(c_base + cols[:, None] * sc_r + rows[None, :] * sc_c, out_t, mask=in_bounds_t & upper_t)
 
 
-INTERPRETED = isinstance(_sym_product_kernel, InterpretedFunction)
+# decided when the kernel was defined (TRITON_INTERPRET read at decoration time)
+INTERPRETED = type(_sym_product_kernel).__name__ == "InterpretedFunction"
 _tile_tables: dict[tuple, torch.Tensor] = {}
 
 
