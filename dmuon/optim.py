@@ -252,6 +252,14 @@ class Muon(torch.optim.Optimizer):
         return group
 
     # ---- state -------------------------------------------------------------------------------
+    _EXTRA_ATTRS = ("ns", "nonfinite", "max_batch", "skipped_steps", "_hparams", "_predicate")
+
+    def __getstate__(self) -> dict:
+        """torch's pickled state plus this optimizer's settings (so copy / pickle keep them)."""
+        state = super().__getstate__()
+        state.update({k: getattr(self, k) for k in self._EXTRA_ATTRS})
+        return state
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, after checking each group is the same kind (Muon / AdamW); the loaded state
         tensors are copied, so the optimizer never shares buffers with `state_dict`."""

@@ -300,6 +300,21 @@ def test_state_dict_round_trip_continues_identically():
     assert torch.equal(model.blocks[1].fc2.weight, saved_model.blocks[1].fc2.weight)
 
 
+def test_named_parameters_and_deepcopy():
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = dmuon.Muon(model.named_parameters(), ns=dmuon.NSConfig(method="gram"), nonfinite="skip")
+    assert {n for g in opt.param_groups if g["use_muon"] for n in g["param_names"]} == HIDDEN | {"tok.weight"}
+    twin_model = copy.deepcopy(model)
+    lm_step(model, opt, torch.Generator().manual_seed(3))
+    twin = copy.deepcopy({"model": model, "opt": opt})
+    assert twin["opt"].ns == opt.ns and twin["opt"].nonfinite == "skip"
+    for m, o in ((model, opt), (twin["model"], twin["opt"])):
+        lm_step(m, o, torch.Generator().manual_seed(4))
+    for a, b, c in zip(model.parameters(), twin["model"].parameters(), twin_model.parameters(), strict=True):
+        assert torch.equal(a, b) and not torch.equal(a, c)
+
+
 def test_load_state_dict_copies_and_checks_routing():
     a = nn.Parameter(torch.randn(4, 6))
     opt = dmuon.Muon([a])
