@@ -194,6 +194,9 @@ class Muon(torch.optim.Optimizer):
         elif isinstance(params, torch.Tensor):
             raise TypeError("params must be an nn.Module, an iterable of tensors / (name, tensor) pairs or "
                             "of param-group dicts; got a single tensor (wrap it in a list)")
+        elif isinstance(params, (set, frozenset)):
+            raise TypeError("params must be an ordered collection (list, tuple, generator), not a set: the "
+                            "order fixes state_dict indices")
         else:
             items = list(params)
             n_dicts = sum(isinstance(i, dict) for i in items)

@@ -113,6 +113,9 @@ def route(params_or_module, predicate: Predicate | None = None) -> list[Route]:
         return _module_routes(params_or_module, predicate)
     if isinstance(params_or_module, torch.Tensor):
         params_or_module = [params_or_module]
+    if isinstance(params_or_module, (set, frozenset)):
+        raise TypeError("parameters must come in an ordered collection (list, tuple, generator), not a set: "
+                        "the order fixes state_dict indices")
     if not isinstance(params_or_module, Iterable):
         raise TypeError("expected an nn.Module, an iterable of parameters, or of (name, parameter) pairs; "
                         f"got {type(params_or_module).__name__}")

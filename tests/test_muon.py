@@ -412,5 +412,9 @@ def test_bad_params():
     p = nn.Parameter(torch.randn(3, 3))
     with pytest.raises(ValueError, match="appears in more than one parameter group"):
         dmuon.Muon([{"params": [p]}, {"params": [p]}])
+    with pytest.raises(TypeError, match="not a set"):
+        dmuon.Muon([{"params": {p}}])
+    with pytest.raises(TypeError, match="not a set"):
+        dmuon.Muon({p})
     with pytest.raises(TypeError, match="all param-group dicts or no dicts"):
         dmuon.Muon([{"params": [p]}, nn.Parameter(torch.randn(2, 2))])
