@@ -36,18 +36,26 @@ def bench_shapes(shapes: str, scale: int = 1) -> list[tuple[str, int, int]]:
 
     if shapes not in SHAPE_SETS:
         raise choice_error("shape set", shapes, SHAPE_SETS)
-    found: dict[tuple[int, int], str] = {}
+    found: dict[tuple[int, int], list[str]] = {}
     if shapes in ("qwen", "wall-oss", "all"):
         from simulator.workload import load_workload
 
         for key in (("qwen", "wall-oss") if shapes == "all" else (shapes,)):
-            for mat in load_workload(_WORKLOADS[key]).muon_matrices:
-                nm = tuple(sorted((mat.rows, mat.cols)))
-                found.setdefault(nm, f"{key}:{mat.name.rsplit('.', 1)[-1]}")
+            for p in load_workload(_WORKLOADS[key]).params:
+                label = f"{key}:{p.matrix}" if key == "qwen" else f"{key}:{p.component}.{p.matrix}"
+                labels = found.setdefault((min(p.rows, p.cols), max(p.rows, p.cols)), [])
+                if p.optimizer == "muon" and label not in labels:
+                    labels.append(label)
     if shapes in ("squares", "all"):
         for n in SQUARES:
-            found.setdefault((n, n), f"square{n}")
-    return [(label, _scaled(n, scale), _scaled(m, scale)) for (n, m), label in sorted(found.items())]
+            found.setdefault((n, n), []).insert(0, f"square{n}")
+    return [(_label(labels), _scaled(n, scale), _scaled(m, scale))
+            for (n, m), labels in sorted(found.items()) if labels]
+
+
+def _label(labels: list[str]) -> str:
+    """The first two names of a shape, '+k' for the rest (one shape is often several matrices)."""
+    return "/".join(labels[:2]) + (f" +{len(labels) - 2}" if len(labels) > 2 else "")
 
 
 def _scaled(x: int, scale: int) -> int:
