@@ -102,8 +102,8 @@ def _check_number(name: str, v, lo: float, hi: float = math.inf, hi_open: bool =
     ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v >= lo and (
         v < hi if hi_open else v <= hi)
     if not ok:
-        rng = f"[{lo}, {hi})" if hi_open else (f">= {lo}" if hi == math.inf else f"[{lo}, {hi}]")
-        raise InputError(f"{name} must be a real number in {rng}, got {v!r}")
+        rng = f"in [{lo}, {hi})" if hi_open else (f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}]")
+        raise InputError(f"{name} must be a real number {rng}, got {v!r}")
 
 
 def _check_muon_hparams(h: dict) -> None:
@@ -335,7 +335,8 @@ class Muon(torch.optim.Optimizer):
                     betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
 
     def _muon_step(self, work: list[MuonWork]) -> None:
-        """Momentum -> one batched NS call per shape -> apply. Distributed optimizers override this."""
+        """Momentum -> one batched NS call per shape -> apply, for the Muon params that have a grad.
+        The hook a distributed optimizer overrides (it runs the same pieces on its owned matrices)."""
         inputs = []
         for w in work:
             st = self.state[w.param]

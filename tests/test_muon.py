@@ -383,7 +383,7 @@ def test_nonfinite_skip_leaves_everything_untouched():
 
 # ---- bad input -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, message", [
-    ({"lr": -1.0}, r"lr must be a real number in >= 0.0, got -1.0"),
+    ({"lr": -1.0}, r"lr must be a real number >= 0.0, got -1.0"),
     ({"momentum": 1.0}, r"momentum must be a real number in \[0.0, 1.0\), got 1.0"),
     ({"adjust_lr": "sqrt"}, "unknown adjust_lr 'sqrt'; accepted: 'match_rms_adamw', 'original'"),
     ({"nonfinite": "warn"}, "unknown nonfinite 'warn'; accepted: 'raise', 'skip', 'ignore'"),
