@@ -35,13 +35,13 @@ if [ "$CPU_MODE" = "1" ]; then
     PROFILE=${DMUON_GPU_CHECK_PROFILE:-$RESULTS/cpu_dryrun_profile.csv}
     BENCH_ARGS=(--device cpu --dtype fp32 --shapes qwen --scale 64 --repeats 1)
     BENCH2_ARGS=()
-    T_TEST=120 T_BENCH=120 T_PROFILE=120
+    T_TEST=120 T_BENCH=120 T_BENCH2=0 T_PROFILE=120
 else
     PREFIX=h200
     PROFILE=${DMUON_GPU_CHECK_PROFILE:-dmuon/plan/profiles/h200.csv}
     BENCH_ARGS=(--device cuda --dtype bf16 --shapes all --repeats 5)
     BENCH2_ARGS=(--device cuda --dtype fp16 --shapes qwen --repeats 5)
-    T_TEST=150 T_BENCH=150 T_PROFILE=200
+    T_TEST=120 T_BENCH=110 T_BENCH2=50 T_PROFILE=180  # worst case 460 s + start-up: < 8 min
 fi
 LOG="$RESULTS/gpu_check.log"
 : >"$LOG"
@@ -100,29 +100,41 @@ fi
 run_step bench "$T_BENCH" "$PY" -m harness.cmd_bench_kernels "${BENCH_ARGS[@]}" \
     --csv "$RESULTS/${PREFIX}_kernels.csv"
 if [ ${#BENCH2_ARGS[@]} -gt 0 ]; then
-    run_step bench-fp16 "$T_BENCH" "$PY" -m harness.cmd_bench_kernels "${BENCH2_ARGS[@]}" \
+    run_step bench-fp16 "$T_BENCH2" "$PY" -m harness.cmd_bench_kernels "${BENCH2_ARGS[@]}" \
         --csv "$RESULTS/${PREFIX}_kernels_fp16.csv"
 fi
 
 # 3. NS profile for the cost table (the Plan package's profiler and CSV writer)
 run_step profile "$T_PROFILE" "$PY" - "$PROFILE" "$CPU_MODE" <<'EOF'
+# peaks and elementwise passes first (seconds), then NS shape by shape; the file is rewritten
+# (atomically) after each shape, so a timeout still leaves every finished shape on disk
 import sys, time
-from dmuon.plan.profile import profile_device
+from dmuon.plan.profile import ns_shapes_of, profile_elementwise, profile_ns, profile_peaks
 from dmuon.plan.profile_io import write_profile
 
 path, cpu = sys.argv[1], sys.argv[2] == "1"
 t0 = time.perf_counter()
 if cpu:
-    shapes, kw = [(8, 24), (16, 40)], dict(device="cpu", methods=("standard", "gram"), dtypes=("fp32",),
-                                           max_batch=2, repeats=1, elementwise_numels=(1 << 10,),
-                                           device_name="cpu-dryrun")
+    device, name, dtypes, methods, max_batch, repeats = "cpu", "cpu-dryrun", ("fp32",), ("standard", "gram"), 2, 1
+    shapes, numels = [(8, 24), (16, 40)], (1 << 10,)
 else:
     from simulator.workload import load_workload
-    shapes = sorted({(m.rows, m.cols) for w in ("qwen2.5-7b", "wall-oss") for m in load_workload(w).muon_matrices})
-    kw = dict(device="cuda", methods=("standard", "gram", "gram_sym"), dtypes=("bf16", "fp16"), max_batch=8,
-              repeats=5, device_name="h200")
-rows = profile_device(shapes, progress=lambda s: print(s, flush=True), **kw)
+    device, name, dtypes, methods, max_batch, repeats = "cuda", "h200", ("bf16", "fp16"), (
+        "standard", "gram", "gram_sym"), 8, 5
+    by_size = lambda s: s[0] * s[0] * s[1]  # noqa: E731
+    qwen, wall = (ns_shapes_of((m.rows, m.cols) for m in load_workload(w).muon_matrices)
+                  for w in ("qwen2.5-7b", "wall-oss"))
+    shapes = sorted(qwen, key=by_size) + sorted((s for s in wall if s not in qwen), key=by_size)
+    numels = (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
+common = dict(device=device, repeats=repeats, device_name=name)
+rows = [r for d in dict.fromkeys(dtypes + ("fp32",)) for r in profile_peaks(dtype=d, **common)]
+rows += profile_elementwise(numels, dtype="fp32", **common)
 write_profile(path, rows)
+for n, m in shapes:  # Qwen2.5-7B first (the paper's main workload), then Wall-OSS
+    rows += profile_ns([(n, m)], methods=methods, dtypes=dtypes, max_batch=max_batch,
+                       progress=lambda s: print(s, flush=True), **common)
+    write_profile(path, rows)
+    print(f"[{time.perf_counter() - t0:.0f} s] ({n}, {m}) done: {len(rows)} rows in {path}", flush=True)
 print(f"wrote {len(rows)} rows to {path} in {time.perf_counter() - t0:.1f} s")
 EOF
 
