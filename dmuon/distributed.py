@@ -1,0 +1,392 @@
+"""Distributed Muon on the replicated (DDP-like) layout: `DMuon` (owner-centric) and `NaiveMuon`
+(gather-then-compute, the paper's baseline). Both take the model itself, install hooks and own the
+gradient synchronization (no DDP wrapper). See docs/runtime.md.
+
+DMuon, per step: backward hooks sum each bucket's gradients onto the owner of each matrix (one owner per
+matrix, from the Plan); step() lets each owner update momentum and orthogonalize its matrices (the plan's
+batches), then publishes the new weights from the owners; the next forward waits per module for its
+own bucket (overlap=True) or step() waits at its end (overlap=False). NaiveMuon all-reduces every
+gradient and runs NS for every matrix on every rank. Non-Muon parameters: all-reduced and updated with
+AdamW on every rank (replicated) in both. The math is `dmuon.optim`'s functional pieces throughout.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+
+import torch
+
+from .errors import InputError, choice_error
+from .optim import NONFINITE, Muon, adamw_step_, lr_scale, muon_apply_, muon_momentum_, nonfinite_names
+from .orthogonalize import NSConfig, as_matrix, orthogonalize, orthogonalize_many
+from .params import route
+from .plan.types import MatrixSpec, Plan
+from .runtime.comm import CommStats, CommWorker
+from .runtime.exchange import EXCHANGE_MODES
+from .runtime.groups import build_groups
+from .runtime.guards import NonFiniteGradientError, agree_flags, check_devices, check_replicas
+from .runtime.hooks import BackwardTracker, ForwardWaits
+from .runtime.model import broadcast_module_state, forward_layers
+from .runtime.planning import batch_method, build_model_plan
+from .runtime.units import AllReduceUnit, Member, OwnerUnit
+
+STATE_FORMAT = "dmuon.replicated/1"
+BALANCERS = ("lpt", "round_robin", "milp")
+
+
+def _check_int(name: str, v, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise InputError(f"{name} must be an integer >= {lo}, got {v!r}")
+    return v
+
+
+class _ReplicatedMuon(torch.optim.Optimizer):
+    """Shared machinery of DMuon and NaiveMuon; see the module docstring and `DMuon`."""
+
+    owner_centric = True
+
+    def __init__(self, model: torch.nn.Module, *, lr: float = 0.02, momentum: float = 0.95,
+                 nesterov: bool = True, weight_decay: float = 0.0, adjust_lr: str = "match_rms_adamw",
+                 ns: NSConfig | None = None, adamw_lr: float = 1e-3,
+                 adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
+                 adamw_weight_decay: float = 0.01, muon_predicate=None, process_group=None,
+                 balancer: str = "lpt", profile: str | None = None, overlap: bool = True,
+                 node_size: int | None = None, bucket_numel: int = 0, nonfinite: str = "raise",
+                 check_consistency_every: int = 0, timeout_s: float = 600.0, exchange: str = "reduce_scatter",
+                 max_batch: int = 8, warn_no_muon: bool = True):
+        if not isinstance(model, torch.nn.Module):
+            raise InputError(f"{type(self).__name__} takes the model (an nn.Module) itself, got "
+                             f"{type(model).__name__}; it installs hooks on it (do not wrap it in DDP)")
+        ns = NSConfig() if ns is None else ns
+        if not isinstance(ns, NSConfig):
+            raise InputError(f"ns must be a dmuon.NSConfig, got {type(ns).__name__}")
+        if nonfinite not in NONFINITE:
+            raise choice_error("nonfinite", nonfinite, NONFINITE)
+        if balancer not in BALANCERS:
+            raise choice_error("balancer", balancer, BALANCERS)
+        if exchange not in EXCHANGE_MODES:
+            raise choice_error("exchange", exchange, EXCHANGE_MODES)
+        if not isinstance(overlap, bool):
+            raise InputError(f"overlap must be True or False, got {overlap!r}")
+        _check_int("bucket_numel", bucket_numel, 0)
+        _check_int("check_consistency_every", check_consistency_every, 0)
+        _check_int("max_batch", max_batch, 1)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise InputError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        routes = route(model, muon_predicate)
+        if not routes:
+            raise InputError("the model has no trainable parameters (all frozen?)")
+        self.device = check_devices((r.name, r.param) for r in routes)
+        hparams = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                       adjust_lr=adjust_lr, adamw_lr=adamw_lr, adamw_betas=tuple(adamw_betas),
+                       adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay)
+        muon_routes = [r for r in routes if r.use_muon]
+        adamw_routes = [r for r in routes if not r.use_muon]
+        if not muon_routes and warn_no_muon:
+            warnings.warn(f"{type(self).__name__}: the model has no matrices routed to Muon; every parameter "
+                          "is trained with AdamW (replicated, all-reduced gradients)", stacklevel=2)
+        groups = [Muon._internal_group(rs, flag, hparams) for rs, flag in ((muon_routes, True),
+                                                                          (adamw_routes, False)) if rs]
+        super().__init__(groups, {})
+        self.ns, self.nonfinite, self.overlap = ns, nonfinite, overlap
+        self.check_consistency_every = check_consistency_every
+        self.timeout_s, self.max_batch = float(timeout_s), max_batch
+        self.skipped_steps = 0
+        self._steps = 0
+
+        self.groups = build_groups(process_group, node_size, timeout_s)
+        broadcast_module_state(model, self.groups)
+        self.rank, self.world_size = self.groups.rank, self.groups.world_size
+        self.names = [r.name for r in muon_routes] + [r.name for r in adamw_routes]
+        self.params = [r.param for r in muon_routes] + [r.param for r in adamw_routes]
+        self.n_muon = len(muon_routes)
+        layer_of = dict(zip([n for n, _ in model.named_parameters()],
+                            forward_layers([n for n, _ in model.named_parameters()]), strict=True))
+        self.layers = [layer_of.get(n, 0) for n in self.names]
+        specs = tuple(MatrixSpec(r.name, r.param.shape[0], math.prod(r.param.shape[1:]), self.layers[i])
+                      for i, r in enumerate(muon_routes))
+        self.plan: Plan | None = self._build_plan(specs, balancer, profile, bucket_numel) if specs else None
+
+        self.comm_stats = CommStats()
+        self._worker = CommWorker(self.rank, self.timeout_s, self.device, self.comm_stats)
+        self._finalizer = weakref.finalize(self, self._worker.close)
+        self.units = self._build_units(exchange, bucket_numel)
+        self._where = {}  # param index -> (unit, position in unit)
+        for u in self.units:
+            for k, m in enumerate(u.members):
+                self._where[m.index] = (u, k)
+        self._tracker = BackwardTracker([u.params for u in self.units], self._launch, enabled=overlap)
+        owner_units = {id(m.param): u for u in self.units if isinstance(u, OwnerUnit) for m in u.members}
+        self._forward_waits = ForwardWaits(model, owner_units, self._wait_publish) if owner_units else None
+
+    # ---- construction ------------------------------------------------------------------------
+    def _build_plan(self, specs, balancer: str, profile: str | None, bucket_numel: int) -> Plan:
+        return build_model_plan(specs, self.world_size, self.ns, self.device, balancer=balancer,
+                                profile=profile, max_batch=self.max_batch, bucket_numel=bucket_numel,
+                                priced=self.owner_centric)
+
+    def _build_units(self, exchange: str, bucket_numel: int) -> list:
+        """Exchange units in launch order: the plan's buckets for the matrices, one unit per layer (merged
+        up to bucket_numel elements) for the AdamW params; ordered by reverse forward layer."""
+        keyed = []
+        if self.plan is not None:
+            for b in self.plan.buckets:
+                members = [Member(i, self.names[i], self.params[i], self.plan.owners[i]) for i in b.members]
+                keyed.append((min(self.layers[i] for i in b.members), 0, members))
+        adamw = list(range(self.n_muon, len(self.params)))
+        chunks: list[list[int]] = []
+        for i in adamw:
+            same_layer = chunks and self.layers[chunks[-1][-1]] == self.layers[i]
+            small = chunks and bucket_numel and sum(self.params[j].numel() for j in chunks[-1]) < bucket_numel
+            if chunks and (same_layer or small):
+                chunks[-1].append(i)
+            else:
+                chunks.append([i])
+        for c in chunks:
+            keyed.append((min(self.layers[i] for i in c), 1,
+                          [Member(i, self.names[i], self.params[i]) for i in c]))
+        keyed.sort(key=lambda t: (-t[0], t[1]))
+        units = []
+        for pos, (_, kind, members) in enumerate(keyed):
+            if kind == 0 and self.owner_centric:
+                units.append(OwnerUnit(pos, members, self.groups, self._worker, exchange))
+            else:
+                units.append(AllReduceUnit(pos, members, self.groups, self._worker))
+        return units
+
+    # ---- communication -------------------------------------------------------------------------
+    def _launch(self, u: int) -> None:
+        unit = self.units[u]
+        unit.launch_reduce(f"gradient exchange of bucket {u} ({unit.kind}, {len(unit.members)} params)")
+
+    def _wait_publish(self, unit) -> None:
+        unit.wait_publish()
+
+    def no_sync(self):
+        """Context manager: backward passes inside only accumulate gradients locally (no exchange)."""
+        return self._tracker.no_sync()
+
+    def synchronize(self) -> None:
+        """Wait for every exchange in flight (new weights on every rank): before eval, checkpoints, or
+        reading parameters outside the model's forward."""
+        for u in self.units:
+            u.wait_reduce()
+            if isinstance(u, OwnerUnit):
+                u.wait_publish()
+
+    def close(self) -> None:
+        """Remove the hooks and stop the communication thread (the optimizer is unusable afterwards)."""
+        self._tracker.remove()
+        if self._forward_waits is not None:
+            self._forward_waits.remove()
+        self._finalizer()
+
+    # ---- the step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._tracker.finish()
+        for u in self.units:
+            if isinstance(u, OwnerUnit):
+                u.wait_publish()
+        if self.check_consistency_every and self._steps % self.check_consistency_every == 0:
+            check_replicas(self._worker, self.groups, self.names, self.params, self.timeout_s)
+        has_grad, nonfinite = self._local_flags()
+        has_any, bad = agree_flags(self._worker, self.groups, has_grad, nonfinite, self.timeout_s)
+        if bad.any():
+            names = [self.names[i] for i in bad.nonzero().flatten().tolist()]
+            if self.nonfinite == "raise":
+                raise NonFiniteGradientError(
+                    f"rank {self.rank}: non-finite gradient (NaN or inf) on some rank in {', '.join(names)}; "
+                    "nothing was updated. Pass nonfinite='skip' to skip such steps")
+            self.skipped_steps += 1
+            return loss
+        self._muon_update(has_any)
+        for u in self.units:
+            if isinstance(u, OwnerUnit):
+                u.launch_publish(f"weight publication of bucket {u.position} ({len(u.members)} matrices)")
+        self._adamw_update(has_any)
+        if not self.overlap:
+            self.synchronize()
+        self._steps += 1
+        return loss
+
+    def _readable(self, i: int) -> bool:
+        """Whether this rank holds the summed gradient of parameter i after the exchange."""
+        unit, _ = self._where[i]
+        return not isinstance(unit, OwnerUnit) or unit.members[self._where[i][1]].owner == self.rank
+
+    def _local_flags(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for the gradient exchange; scale sums to means; local has-grad and non-finite flags."""
+        n = len(self.params)
+        has_grad = torch.zeros(n, dtype=torch.bool)
+        for u in self.units:
+            u.wait_reduce()
+            u.scale_(1.0 / self.world_size)
+            for k, m in enumerate(u.members):
+                has_grad[m.index] = u.has_grad[k]
+        nonfinite = torch.zeros(n, dtype=torch.bool)
+        if self.nonfinite != "ignore":
+            idx = [i for i in range(n) if self._readable(i)]
+            grads = [self._grad(i) for i in idx]
+            bad = set(nonfinite_names(idx, grads)) if grads else set()
+            for i in bad:
+                nonfinite[i] = True
+        return has_grad, nonfinite
+
+    def _grad(self, i: int) -> torch.Tensor:
+        unit, k = self._where[i]
+        return unit.grad(k).view(self.params[i].shape)
+
+    def _muon_inputs(self, indices, group) -> list[torch.Tensor]:
+        out = []
+        for i in indices:
+            p = self.params[i]
+            st = self.state[p]
+            if "momentum_buffer" not in st:
+                st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            g = self._grad(i).to(p.dtype)
+            inp = muon_momentum_(g, st["momentum_buffer"], group["momentum"], group["nesterov"])
+            out.append(as_matrix(inp))
+        return out
+
+    def _apply(self, indices, updates, group) -> None:
+        for i, u in zip(indices, updates, strict=True):
+            p = self.params[i]
+            muon_apply_(p, u, group["lr"], group["weight_decay"], lr_scale(p.shape, group["adjust_lr"]))
+
+    def _muon_update(self, has_any: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _adamw_update(self, has_any: torch.Tensor) -> None:
+        group = next((g for g in self.param_groups if not g["use_muon"]), None)
+        if group is None:
+            return
+        idx = [i for i in range(self.n_muon, len(self.params)) if has_any[i]]
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for i in idx:
+            p = self.params[i]
+            st = self.state[p]
+            if "step" not in st:
+                st["step"] = 0
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["step"] += 1
+            params.append(p)
+            grads.append(self._grad(i).to(p.dtype))
+            exp_avgs.append(st["exp_avg"])
+            exp_avg_sqs.append(st["exp_avg_sq"])
+            steps.append(st["step"])
+        adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps, lr=group["lr"], betas=group["betas"],
+                    eps=group["eps"], weight_decay=group["weight_decay"])
+
+    # ---- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's state: hyperparameters, the plan, and the state of the parameters this rank
+        updates (DMuon: momentum of its owned matrices only; AdamW state everywhere), keyed by name."""
+        self.synchronize()
+        return {
+            "format": STATE_FORMAT, "optimizer": type(self).__name__, "rank": self.rank,
+            "world_size": self.world_size, "plan": self.plan.to_dict() if self.plan is not None else None,
+            "steps": self._steps, "skipped_steps": self.skipped_steps,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "state": {self.names[i]: dict(self.state[p]) for i, p in enumerate(self.params)
+                      if self.state.get(p)},
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what `state_dict()` returned on the same rank of the same set-up (world size, plan)."""
+        sd = state_dict
+        if not isinstance(sd, dict) or sd.get("format") != STATE_FORMAT:
+            raise InputError(f"not a {type(self).__name__} state dict (expected format {STATE_FORMAT!r}, got "
+                             f"{sd.get('format') if isinstance(sd, dict) else type(sd).__name__!r})")
+        checks = (("optimizer", type(self).__name__), ("world_size", self.world_size), ("rank", self.rank))
+        for key, mine in checks:
+            if sd.get(key) != mine:
+                raise InputError(f"state dict was saved with {key}={sd.get(key)!r} but this optimizer has "
+                                 f"{key}={mine!r}; load each rank's own state into the same set-up")
+        saved_plan = sd.get("plan")
+        if (saved_plan is None) != (self.plan is None) or (
+                self.plan is not None and (tuple(saved_plan["owners"]) != self.plan.owners
+                                           or [m["name"] for m in saved_plan["matrices"]]
+                                           != [m.name for m in self.plan.matrices])):
+            raise InputError("state dict was saved with a different plan (matrices or owners differ); "
+                             "rebuild the optimizer with the same model, world size, balancer and profile")
+        if len(sd["param_groups"]) != len(self.param_groups):
+            raise InputError("state dict has a different number of parameter groups")
+        by_name = dict(zip(self.names, self.params, strict=True))
+        unknown = sorted(set(sd["state"]) - set(by_name))
+        if unknown:
+            raise InputError(f"state dict has state for parameters this optimizer does not manage: "
+                             f"{unknown[:5]}")
+        for g, saved in zip(self.param_groups, sd["param_groups"], strict=True):
+            g.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+        self.state.clear()
+        for name, st in sd["state"].items():
+            p = by_name[name]
+            self.state[p] = {k: (v.detach().clone().to(p.device) if isinstance(v, torch.Tensor) else v)
+                             for k, v in st.items()}
+        self._steps, self.skipped_steps = sd.get("steps", 0), sd.get("skipped_steps", 0)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state tensors held on this rank."""
+        return sum(v.numel() * v.element_size() for st in self.state.values() for v in st.values()
+                   if isinstance(v, torch.Tensor))
+
+
+class DMuon(_ReplicatedMuon):
+    """Owner-centric distributed Muon: each matrix is orthogonalized once, by its owner.
+
+    Takes the model (all parameters on one device, replicated on every rank; no DDP wrapper). Arguments
+    as `dmuon.Muon`, plus: process_group (default: the world), balancer ('lpt' | 'round_robin' | 'milp')
+    and profile (cost table name; None: 'cpu' on CPU, the GPU's profile or its datasheet roofline)
+    for the Plan, overlap (publish weights while the next forward runs and exchange gradients during
+    backward; False: both at step()), node_size (ranks per node: two-level exchange), bucket_numel
+    (0: one bucket per layer), nonfinite ('raise' | 'skip' | 'ignore', agreed on every rank),
+    check_consistency_every (K > 0: compare parameter checksums across ranks every K steps),
+    timeout_s (every collective and wait), exchange ('reduce_scatter': one padded reduce-scatter /
+    all-gather per bucket; 'reduce': one reduce / broadcast per owner), max_batch (matrices per NS call).
+    Use `no_sync()` for gradient accumulation and `synchronize()` before reading parameters outside
+    forward. state_dict() is per rank (see docs/runtime.md).
+    """
+
+    owner_centric = True
+
+    def _muon_update(self, has_any: torch.Tensor) -> None:
+        if self.plan is None:
+            return
+        group = self.param_groups[0]
+        for batch in self.plan.batches_of(self.rank):
+            idx = [i for i in batch.members if has_any[i]]
+            if not idx:
+                continue
+            inputs = self._muon_inputs(idx, group)
+            flips = [tuple(x.shape) != (batch.rows, batch.cols) for x in inputs]
+            stack = torch.stack([x.mT if f else x for x, f in zip(inputs, flips, strict=True)])
+            out = orthogonalize(stack, **{**self.ns.kwargs(), "method": batch_method(self.plan, batch)})
+            self._apply(idx, [u.mT if f else u for u, f in zip(out.unbind(0), flips, strict=True)], group)
+
+
+class NaiveMuon(_ReplicatedMuon):
+    """Gather-then-compute distributed Muon (the baseline): every gradient is all-reduced (bucketed,
+    overlapped with backward) and every rank orthogonalizes every matrix, as `dmuon.Muon` does on one
+    device. Same arguments as `DMuon` (balancer / exchange only shape the buckets; momentum everywhere)."""
+
+    owner_centric = False
+
+    def _muon_update(self, has_any: torch.Tensor) -> None:
+        if self.plan is None:
+            return
+        group = self.param_groups[0]
+        idx = [i for i in range(self.n_muon) if has_any[i]]
+        if not idx:
+            return
+        inputs = self._muon_inputs(idx, group)
+        self._apply(idx, orthogonalize_many(inputs, **self.ns.kwargs()), group)
+

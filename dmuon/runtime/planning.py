@@ -1,0 +1,113 @@
+"""Building the Plan for a live model: which cost table, and which NS method each batch will run.
+
+- Cost table (`load_cost`): the `profile` argument, or by default 'cpu' on a CPU, the GPU's measured
+  profile if one exists, else its datasheet roofline (an unknown GPU: the H100 roofline). If the CPU has
+  no measured profile yet, owners are balanced by FLOP counts (`FlopCost`) and a warning says so.
+- Method: the plan prices exactly what the runtime will run. A uniform NS config (method 'standard' or
+  'gram') is passed as is; 'auto' is planned as the plan's per-batch 'auto' with a cost view
+  (`ConfigCost`) that prices only the method this NSConfig resolves for the shape, so each Batch.method
+  is the one the owner executes. '_sym' (symmetric Triton kernels) where the config will use them on
+  CUDA: kernels='triton', or 'auto' with n > 1024 (the dispatch's rule for unmeasured shapes).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..errors import InputError
+from ..kernels import triton_available
+from ..orthogonalize import NSConfig, iteration_dtype
+from ..plan.flops import ns_flops
+from ..plan.types import Plan
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp32"}
+FLOP_COST_RATE = 1e11  # FLOP/s of the FLOP-count fallback (only ratios matter to the balancer)
+
+
+class FlopCost:
+    """Cost by FLOP count at a nominal rate: the balancer's fallback where no profile is measured."""
+
+    name = "flop-count fallback (no measured profile)"
+
+    def ns_time(self, rows, cols, batch=1, method="standard", dtype="fp32"):
+        from ..plan.cost import CostAnswer
+
+        return CostAnswer(ns_flops(rows, cols, method, batch=batch) / FLOP_COST_RATE, False, self.name)
+
+
+class ConfigCost:
+    """A cost table seen through an NSConfig: methods the config would not run on a shape cost inf."""
+
+    def __init__(self, table, ns: NSConfig, device: torch.device):
+        self.table, self.ns, self.device = table, ns, device
+        self.name = getattr(table, "name", type(table).__name__)
+
+    def method_for(self, rows: int, cols: int) -> str:
+        base = self.ns.method_for(rows, cols)
+        return base + ("_sym" if uses_sym(self.ns, min(rows, cols), self.device) else "")
+
+    def ns_time(self, rows, cols, batch=1, method="standard", dtype="fp32"):
+        if method != self.method_for(rows, cols):
+            from ..plan.cost import CostAnswer
+
+            return CostAnswer(float("inf"), False, f"{method} is not what the NS config runs here")
+        return self.table.ns_time(rows, cols, batch, method, dtype)
+
+    def __getattr__(self, item):
+        return getattr(self.table, item)
+
+
+def uses_sym(ns: NSConfig, n: int, device: torch.device) -> bool:
+    if device.type != "cuda" or ns.kernels == "torch" or not triton_available():
+        return False
+    return ns.kernels == "triton" or n > 1024
+
+
+def default_profile(device: torch.device) -> str:
+    """The cost-table name for a device (see the module docstring)."""
+    if device.type != "cuda":
+        return "cpu"
+    from ..plan.cost import ROOFLINE_SUFFIX, available_profiles, hardware
+
+    name = torch.cuda.get_device_name(device).lower()
+    known = sorted(hardware(), key=len, reverse=True)
+    gpu = next((g for g in known if g.lower() in name), "h100")
+    return gpu if gpu in available_profiles() else gpu + ROOFLINE_SUFFIX
+
+
+def load_cost(profile: str | None, device: torch.device):
+    from ..plan.cost import CostTable, available_profiles
+
+    if profile is not None:
+        return CostTable.load(profile)
+    name = default_profile(device)
+    if name == "cpu" and "cpu" not in available_profiles():
+        warnings.warn("no measured 'cpu' profile in dmuon/plan/profiles: owners are balanced by NS FLOP "
+                      "counts instead of measured times", stacklevel=5)
+        return FlopCost()
+    return CostTable.load(name)
+
+
+def build_model_plan(specs, world_size: int, ns: NSConfig, device: torch.device, *, balancer: str,
+                     profile: str | None, max_batch: int, bucket_numel: int, priced: bool = True) -> Plan:
+    """The Plan for these matrices, priced for what this NS config runs on this device (priced=False:
+    FLOP counts, for NaiveMuon, which uses only the plan's buckets)."""
+    from ..plan.build import build_plan
+
+    if not specs:
+        raise InputError("no Muon matrices to plan")
+    cost = ConfigCost(load_cost(profile, device) if priced else FlopCost(), ns, device)
+    methods = {cost.method_for(s.rows, s.cols) for s in specs}
+    method = methods.pop() if len(methods) == 1 else "auto"
+    base = method.removesuffix("_sym") if method != "auto" else "standard"
+    dtype = DTYPE_NAMES[iteration_dtype(base, device, ns.dtype)]
+    return build_plan(specs, world_size, cost, balancer=balancer, method=method, dtype=dtype, batching=True,
+                      max_batch=max_batch, bucket_numel=bucket_numel)
+
+
+def batch_method(plan: Plan, batch) -> str:
+    """The orthogonalize() method of a batch: its own, else the plan's, without the kernel suffix."""
+    m = batch.method or plan.method
+    return m.removesuffix("_sym")

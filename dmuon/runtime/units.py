@@ -1,0 +1,198 @@
+"""Exchange units: one communication bucket's packed buffers and the jobs that move them.
+
+`OwnerUnit` (DMuon): the bucket's gradients are summed onto each matrix's owner (`reduce_to_owners`)
+and, after the step, the owners' new weights are published to every rank (`publish_from_owners`),
+which then copies them into its parameters (on the communication thread, so the compute thread only
+waits where a module needs its weights).
+`AllReduceUnit` (NaiveMuon's matrices, every optimizer's AdamW params): the summed gradient of every
+member lands on every rank.
+
+The compute thread packs (`pack`: gradient, or zeros where a parameter has none this step) and submits;
+the communication thread runs the collectives. A unit never repacks a buffer still in flight.
+Buffers use the members' promoted dtype on their device; they are allocated once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .comm import CommWorker, Handle
+from .exchange import OwnerLayout, all_reduce_sum, padded_numel, publish_from_owners, reduce_to_owners
+from .groups import CommGroups
+
+
+@dataclass
+class Member:
+    """One parameter in a unit: its global index in the optimizer's parameter list."""
+
+    index: int
+    name: str
+    param: torch.Tensor
+    owner: int = -1  # owning rank (OwnerUnit) or -1 (everyone)
+
+
+def _buffer_dtype(members: list[Member]) -> torch.dtype:
+    dtype = members[0].param.dtype
+    for m in members[1:]:
+        dtype = torch.promote_types(dtype, m.param.dtype)
+    return dtype
+
+
+class _Unit:
+    kind = ""
+
+    def __init__(self, position: int, members: list[Member], groups: CommGroups, worker: CommWorker):
+        self.position = position  # launch order (0 = first ready in backward)
+        self.members = members
+        self.groups = groups
+        self.worker = worker
+        self.device = members[0].param.device
+        self.dtype = _buffer_dtype(members)
+        self.reduce_handle: Handle | None = None
+        self.has_grad: list[bool] = [False] * len(members)  # at the last pack
+        self._offsets: list[int] = []
+        self._grad_buf: torch.Tensor | None = None
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [m.param for m in self.members]
+
+    def _alloc(self, numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=self.dtype, device=self.device)
+
+    def pack(self) -> None:
+        """Copy each member's local gradient (zeros where it has none) into the send buffer."""
+        if self.reduce_handle is not None and not self.reduce_handle.done():
+            self.reduce_handle.wait()  # a second backward before step(): the buffer is still in flight
+        buf = self._grad_buf
+        for k, (m, off) in enumerate(zip(self.members, self._offsets, strict=True)):
+            view = buf.narrow(0, off, m.param.numel())
+            g = m.param.grad
+            self.has_grad[k] = g is not None
+            if g is None:
+                view.zero_()
+            else:
+                view.copy_(g.reshape(-1))
+
+    def wait_reduce(self) -> None:
+        if self.reduce_handle is not None:
+            self.reduce_handle.wait()
+
+    def buffer_bytes(self) -> int:
+        return self._grad_buf.numel() * self._grad_buf.element_size()
+
+
+class AllReduceUnit(_Unit):
+    """Members' gradients summed on every rank (DDP-style bucket)."""
+
+    kind = "all_reduce"
+
+    def __init__(self, position: int, members: list[Member], groups: CommGroups, worker: CommWorker):
+        super().__init__(position, members, groups, worker)
+        pos = 0
+        for m in members:
+            self._offsets.append(pos)
+            pos += m.param.numel()
+        total = padded_numel(pos, groups)
+        self._grad_buf = self._alloc(total)
+        g = groups.node_size if groups.two_level else 1
+        self._tmp = self._alloc(total // g) if groups.two_level else None
+
+    def launch_reduce(self, name: str) -> Handle:
+        self.pack()
+        buf, groups, tmp = self._grad_buf, self.groups, self._tmp
+        self.reduce_handle = self.worker.submit(name, lambda: all_reduce_sum(buf, groups, tmp),
+                                                kind="grad_all_reduce", bytes_=self.buffer_bytes())
+        return self.reduce_handle
+
+    def grad(self, k: int) -> torch.Tensor:
+        """Summed gradient of member k (flat view into the buffer; valid after wait_reduce)."""
+        return self._grad_buf.narrow(0, self._offsets[k], self.members[k].param.numel())
+
+    def scale_(self, factor: float) -> None:
+        self._grad_buf.mul_(factor)
+
+
+class OwnerUnit(_Unit):
+    """Members' gradients summed onto their owners; owners' new weights published to everyone."""
+
+    kind = "owner"
+
+    def __init__(self, position: int, members: list[Member], groups: CommGroups, worker: CommWorker,
+                 mode: str):
+        super().__init__(position, members, groups, worker)
+        numels, owners = [m.param.numel() for m in members], [m.owner for m in members]
+        self.layout = OwnerLayout(numels, owners, groups, mode)
+        self._offsets = list(self.layout.offsets)
+        self._grad_buf = self._alloc(self.layout.total)
+        self._pub_buf = self._alloc(self.layout.total)
+        cap, rs = self.layout.chunk_cap, mode == "reduce_scatter"
+        self._out = self._alloc(cap) if rs else None
+        self._mine = self._alloc(cap) if rs else None
+        self._tmp = self._alloc(cap * groups.n_nodes) if rs and groups.two_level else None
+        self._reduced: torch.Tensor | None = None
+        self.publish_handle: Handle | None = None
+        me = groups.rank
+        self.owned = [k for k, m in enumerate(members) if m.owner == me]
+        self._chunk_start = self.layout.chunk_start[me]
+
+    def launch_reduce(self, name: str) -> Handle:
+        self.pack()
+        self._reduced = None
+        buf, layout, groups, out, tmp = self._grad_buf, self.layout, self.groups, self._out, self._tmp
+
+        def job():
+            return reduce_to_owners(buf, layout, groups, out=out, tmp=tmp)
+
+        self.reduce_handle = self.worker.submit(name, job, kind="grad_to_owner", bytes_=self.buffer_bytes())
+        return self.reduce_handle
+
+    def _within(self, k: int) -> int:
+        return self._offsets[k] - self._chunk_start
+
+    def grad(self, k: int) -> torch.Tensor:
+        """Summed gradient of owned member k (flat; valid after wait_reduce)."""
+        if self._reduced is None:
+            self._reduced = self.reduce_handle.wait()
+        return self._reduced.narrow(0, self._within(k), self.members[k].param.numel())
+
+    def scale_(self, factor: float) -> None:
+        """Scale this rank's summed chunk (the only part it reads)."""
+        if self._reduced is None:
+            self._reduced = self.reduce_handle.wait()
+        self._reduced.narrow(0, 0, self.layout.chunk_numel[self.groups.rank]).mul_(factor)
+
+    def wait_reduce(self) -> None:
+        if self.reduce_handle is not None:
+            self._reduced = self.reduce_handle.wait()
+
+    def launch_publish(self, name: str) -> Handle:
+        """Copy the owned members' (already updated) weights into the send chunk and publish; the job
+        copies every other member's new weights into its parameter."""
+        if self.layout.mode == "reduce":
+            chunk, base = self._pub_buf, 0
+        else:
+            chunk, base = self._mine, self._chunk_start
+        for k in self.owned:
+            p = self.members[k].param
+            chunk.narrow(0, self._offsets[k] - base, p.numel()).copy_(p.detach().reshape(-1))
+        buf, layout, groups, mine, tmp = self._pub_buf, self.layout, self.groups, self._mine, self._tmp
+        others = [(m.param, off) for m, off in zip(self.members, self._offsets, strict=True)
+                  if m.owner != groups.rank]
+
+        def job():
+            publish_from_owners(buf, layout, groups, mine=mine, tmp=tmp)
+            for p, off in others:
+                p.detach().copy_(buf.narrow(0, off, p.numel()).view(p.shape))
+
+        self._reduced = None
+        self.publish_handle = self.worker.submit(name, job, kind="weight_publish", bytes_=self.buffer_bytes())
+        return self.publish_handle
+
+    def wait_publish(self) -> None:
+        h = self.publish_handle
+        if h is not None:
+            h.wait()
+            self.publish_handle = None
