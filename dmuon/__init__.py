@@ -4,6 +4,7 @@
 MILP / simulator dependencies are imported inside the functions that use them.
 """
 
+from .distributed import DMuon, NaiveMuon
 from .optim import Muon, adamw_step_, lr_scale, muon_apply_, muon_momentum_
 from .orthogonalize import (
     NSConfig,
@@ -18,6 +19,8 @@ from .params import adamw_params, muon_params, route
 __version__ = "0.1.0"
 
 __all__ = [
+    "DMuon",
+    "NaiveMuon",
     "Muon",
     "NSConfig",
     "adamw_params",
