@@ -385,3 +385,24 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path):
     ns = [r for r in read_profile(tmp_path / "cpu_dryrun_profile.csv") if r.op == "ns"]
     assert {(r.rows, r.cols, r.batch, r.method) for r in ns} == {
         (n, m, b, meth) for n, m in [(8, 24), (16, 40)] for b in (1, 2) for meth in ("standard", "gram")}
+
+
+def test_kernel_compiles_for_hopper_with_wgmma_and_no_spills(tmp_path):
+    """Ahead-of-time compile for sm_90 (no GPU needed): tensor-core wgmma in the PTX, no register spills."""
+    code = (
+        "from dmuon.kernels.compile_check import compile_variant\n"
+        "from dmuon.kernels.configs import TileConfig\n"
+        "for op, dtype, even in [('syrk', 'bf16', True), ('symm', 'fp16', False)]:\n"
+        "    r = compile_variant(op, dtype, TileConfig(128, 64, 4, 8), even=even, arch=90)\n"
+        "    print(r.wgmma, r.mma_sync, int(r.spills), r.shared_bytes, bool(r.ptxas))\n")
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
+                         timeout=240)
+    if res.returncode != 0 and ("ImportError" in res.stderr or "ModuleNotFoundError" in res.stderr):
+        pytest.skip(f"this Triton has no ahead-of-time compile API: {res.stderr.strip().splitlines()[-1]}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    for line in res.stdout.split("\n")[:2]:
+        wgmma, mma_sync, spills, smem, ptxas_ran = line.split()
+        assert int(wgmma) > 0 and int(mma_sync) == 0 and spills == "0" and ptxas_ran == "True"
+        assert int(smem) <= 228 * 1024  # fits an H100/H200 SM

@@ -35,7 +35,7 @@ def _sym_product_kernel(
     sd_b, sd_r, sd_c,
     sc_b, sc_r, sc_c,
     alpha, beta,
-    HAS_D: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_D: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -49,7 +49,7 @@ def _sym_product_kernel(
     q_ptrs = q_ptr + bid * sq_b + ks[:, None] * sq_k + cols[None, :] * sq_n
     acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_N and EVEN_K:
+        if EVEN:  # n % BLOCK == 0 and K % BLOCK_K == 0: no masks in the main loop
             a = tl.load(p_ptrs)
             b = tl.load(q_ptrs)
         else:
@@ -143,7 +143,7 @@ def sym_product(p: torch.Tensor, q: torch.Tensor, d: torch.Tensor | None, alpha:
             pc, qc, dc, oc, table, n, k,
             *pc.stride(), *qc.stride(), *dc.stride(), *oc.stride(),
             float(alpha), float(beta),
-            HAS_D=d is not None, EVEN_N=n % config.block == 0, EVEN_K=k % config.block_k == 0,
+            HAS_D=d is not None, EVEN=n % config.block == 0 and k % config.block_k == 0,
             UPCAST=INTERPRETED,
             PRECISION=_fp32_precision() if p.dtype == torch.float32 else "tf32",
             BLOCK=config.block, BLOCK_K=config.block_k,
