@@ -61,6 +61,7 @@ class ParamSpec:
     layer: int  # global forward-order layer index
     optimizer: str  # "muon" | "adamw"
     block: int | None = None  # index of the repeated block within its component; None for singles
+    note: str = ""  # the catalog / file row's note (e.g. "tied with lm_head", "ASSUMPTION: ...")
 
     @property
     def numel(self) -> int:
@@ -184,7 +185,8 @@ def _expand(name: str, rows: list[_Row], source: str, notes: tuple[str, ...]) ->
         embeds = [r for r in comp_rows if r.count == 1 and "embed" in r.matrix.lower()]
         singles = [r for r in comp_rows if r.count == 1 and r not in embeds]
         for r in embeds:
-            params.append(ParamSpec(f"{comp}.{r.matrix}", comp, r.matrix, r.rows, r.cols, layer, r.optimizer))
+            params.append(ParamSpec(f"{comp}.{r.matrix}", comp, r.matrix, r.rows, r.cols, layer, r.optimizer,
+                                    note=r.note))
             layer += 1
         for b in range(blocks):
             for r in comp_rows:
@@ -194,10 +196,11 @@ def _expand(name: str, rows: list[_Row], source: str, notes: tuple[str, ...]) ->
                 for k in range(per_block):
                     suffix = f".{k}" if per_block > 1 else ""
                     params.append(ParamSpec(f"{comp}.{b}.{r.matrix}{suffix}", comp, r.matrix, r.rows, r.cols,
-                                            layer, r.optimizer, block=b))
+                                            layer, r.optimizer, block=b, note=r.note))
             layer += 1
         for r in singles:
-            params.append(ParamSpec(f"{comp}.{r.matrix}", comp, r.matrix, r.rows, r.cols, layer, r.optimizer))
+            params.append(ParamSpec(f"{comp}.{r.matrix}", comp, r.matrix, r.rows, r.cols, layer, r.optimizer,
+                                    note=r.note))
             layer += 1
     names = Counter(p.name for p in params)
     dup = [n for n, c in names.items() if c > 1]

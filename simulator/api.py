@@ -1,0 +1,259 @@
+"""`simulate(SimConfig) -> SimResult`: one simulated training step, and what each output means.
+
+Outputs (seconds; the simulation runs 2 steps and reports the second, in steady state):
+  step_s          iteration time: end of the previous optimizer step to the end of this one
+                  (= forward_s + backward_s + optimizer_s)
+  forward_s       step start to the end of the last forward compute (publication / all-gather waits
+                  included: they are exposed communication of the forward pass)
+  backward_s      end of forward compute to the end of backward compute
+  optimizer_s     end of backward compute to the point the optimizer has finished on every rank,
+                  including the exposed communication that belongs to it (gradient-reduction tail,
+                  naive's all-gathers, dmuon's bucket exchange; dmuon's publication only when
+                  overlap is off)
+  grad_sync_tail_s  part of optimizer_s spent waiting for the gradient reductions issued in backward
+                  (FSDP2's backward() returns only after them: the published tables count it in backward)
+  exposed_comm_s  time the compute stream waited on communication during the step (max over ranks;
+                  exposed_comm_mean_s: mean over ranks)
+Times are maxima over ranks (the step ends when the slowest rank ends).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, fields
+
+from dmuon.errors import InputError, choice_error
+
+from .step import DTYPE_BYTES, LAYOUTS, STRATEGIES
+
+BALANCERS = ("round_robin", "lpt", "milp")
+NS_METHODS = ("standard", "standard_sym", "gram", "gram_sym", "auto")
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated configuration. Every field has help text in its metadata (`SimConfig.help()`)."""
+
+    workload: object = _f("qwen2.5-7b", "catalog name, a .toml / .csv path, or a simulator.workload.Workload")
+    gpus: int = _f(8, "data-parallel ranks (GPUs, or processes on a CPU)")
+    gpus_per_node: int | None = _f(None, "ranks per node (None: the profile's node size); gpus must be "
+                                         "<= it (one node) or a multiple of it")
+    gpu: object = _f("a800", "hardware profile: a name in simulator/profiles/ (a800, h100, h200, cpu), a "
+                             ".toml path, or a simulator.hardware.Profile")
+    strategy: str = _f("dmuon", "adamw | naive | dmuon")
+    layout: str = _f("fsdp-keep", "fsdp-keep | fsdp-free | hsdp-keep | hsdp-free | ddp | sharded")
+    seq_len: int = _f(2048, "tokens per sequence")
+    micro_batch: int = _f(2, "sequences per GPU per step")
+    gram: bool = _f(True, "dmuon: Gram Newton-Schulz (False: standard NS)")
+    symmetric_kernels: bool = _f(True, "dmuon: symmetric (SYRK-style) products")
+    batching: bool = _f(True, "dmuon: batch same-shape matrices on an owner")
+    balancer: str = _f("lpt", "dmuon owner balancer: round_robin | lpt | milp")
+    overlap: bool = _f(True, "dmuon: overlap publication with the next forward (per-layer wait)")
+    hierarchical: bool = _f(True, "two-level collectives across nodes (False: one flat ring)")
+    nic_gbps: float | None = _f(None, "inter-node NIC bandwidth per node, Gbit/s per direction "
+                                      "(None: profile)")
+    overlap_slowdown: float | None = _f(None, "compute slowdown while communication overlaps it, e.g. 0.1 "
+                                              "(None: profile)")
+    ns_method: str | None = _f(None, "override the dmuon NS method (else from gram / symmetric_kernels): "
+                                     + " | ".join(NS_METHODS))
+    ns_dtype: str = _f("bf16", "NS iteration dtype the plan is priced in: bf16 | fp16 | fp32")
+    param_comm_dtype: str = _f("bf16", "dtype of parameter all-gathers / publications: bf16 | fp16 | fp32")
+    grad_comm_dtype: str = _f("bf16", "dtype of gradient reductions and exchanges: bf16 | fp16 | fp32")
+    max_batch: int = _f(8, "dmuon: largest NS batch")
+    bucket_numel: int = _f(0, "dmuon: elements per communication bucket (0: one bucket per layer)")
+    milp_time_limit_s: float = _f(10.0, "dmuon MILP balancer time limit")
+    plan: object = _f(None, "a dmuon.plan.Plan built elsewhere (e.g. by the runtime); None: build_plan")
+    cost: object = _f(None, "a dmuon CostTable (or any object with ns_time / elementwise_time); None: "
+                            "CostTable.load(profile.cost_profile)")
+
+    @classmethod
+    def help(cls) -> dict[str, str]:
+        return {f.name: f.metadata.get("help", "") for f in fields(cls)}
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What one simulated step produced (see the module docstring for each time's meaning)."""
+
+    workload: str
+    gpus: int
+    gpus_per_node: int
+    strategy: str
+    layout: str
+    profile: str
+    step_s: float
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    grad_sync_tail_s: float
+    exposed_comm_s: float
+    exposed_comm_mean_s: float
+    tokens_per_s: float
+    comm_bytes_per_rank: float  # average bytes each rank sends per step (muon.md's convention)
+    muon_comm_bytes_per_rank: float  # of which Muon-matrix data
+    muon_comm_volume: float  # muon_comm_bytes_per_rank / (P_muon x bytes per element): e.g. 2 (N-1)/N
+    ns_makespan_s: float  # dmuon: the plan's makespan; naive: every rank's NS total; adamw: 0
+    ns_busy_max_s: float  # simulated NS compute of the busiest rank in the step
+    plan_balancer: str
+    plan_method: str
+    settings: dict
+    provenance: dict
+    notes: tuple[str, ...]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---- caches (per process): cost tables by name, plans by their inputs -----------------------------
+_COSTS: dict[str, object] = {}
+_PLANS: dict[tuple, object] = {}
+
+
+def load_cost(names: tuple[str, ...] | str):
+    """The first of `names` that dmuon's CostTable can load (cached)."""
+    from dmuon.plan.cost import CostTable
+
+    names = (names,) if isinstance(names, str) else tuple(names)
+    errors = []
+    for name in names:
+        if name not in _COSTS:
+            try:
+                _COSTS[name] = CostTable.load(name)
+            except InputError as e:
+                errors.append(str(e))
+                continue
+        return _COSTS[name]
+    raise InputError(f"no cost table among {list(names)} loads: " + " | ".join(errors))
+
+
+def plan_for(matrices, world_size: int, cost, *, balancer: str, method: str, dtype: str, batching: bool,
+             max_batch: int, bucket_numel: int, time_limit_s: float):
+    """build_plan once per distinct input (cached in this process)."""
+    key = (tuple(matrices), world_size, id(cost), balancer, method, dtype, batching, max_batch, bucket_numel,
+           time_limit_s)
+    if key not in _PLANS:
+        from dmuon.plan.build import build_plan
+
+        _PLANS[key] = build_plan(matrices, world_size, cost, balancer=balancer, method=method, dtype=dtype,
+                                 batching=batching, max_batch=max_batch, bucket_numel=bucket_numel,
+                                 time_limit_s=time_limit_s)
+    return _PLANS[key]
+
+
+def _check_int(name: str, v, minimum: int = 1) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise InputError(f"{name} must be an integer >= {minimum}, got {v!r}")
+
+
+def validate_config(cfg: SimConfig) -> None:
+    """Raise InputError naming the bad field and what is accepted."""
+    _check_int("gpus", cfg.gpus)
+    if cfg.gpus_per_node is not None:
+        _check_int("gpus_per_node", cfg.gpus_per_node)
+    _check_int("seq_len", cfg.seq_len)
+    _check_int("micro_batch", cfg.micro_batch)
+    _check_int("max_batch", cfg.max_batch)
+    _check_int("bucket_numel", cfg.bucket_numel, 0)
+    if cfg.strategy not in STRATEGIES:
+        raise choice_error("strategy", cfg.strategy, STRATEGIES)
+    if cfg.layout not in LAYOUTS:
+        raise choice_error("layout", cfg.layout, LAYOUTS)
+    if cfg.balancer not in BALANCERS:
+        raise choice_error("balancer", cfg.balancer, BALANCERS)
+    if cfg.ns_method is not None and cfg.ns_method not in NS_METHODS:
+        raise choice_error("NS method", cfg.ns_method, NS_METHODS)
+    for name in ("ns_dtype", "param_comm_dtype", "grad_comm_dtype"):
+        if getattr(cfg, name) not in DTYPE_BYTES:
+            raise choice_error(name.replace("_", " "), getattr(cfg, name), DTYPE_BYTES)
+    nic = cfg.nic_gbps
+    if nic is not None and (isinstance(nic, bool) or not isinstance(nic, (int, float)) or not nic > 0):
+        raise InputError(f"nic_gbps must be a positive number (Gbit/s per node), got {cfg.nic_gbps!r}")
+    if cfg.overlap_slowdown is not None and not cfg.overlap_slowdown >= 0:
+        raise InputError(f"overlap_slowdown must be >= 0, got {cfg.overlap_slowdown!r}")
+    if not cfg.milp_time_limit_s > 0:
+        raise InputError(f"milp_time_limit_s must be > 0, got {cfg.milp_time_limit_s!r}")
+
+
+def node_shape(gpus: int, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, ranks per node); gpus <= gpus_per_node is one (partial) node."""
+    if gpus <= gpus_per_node:
+        return 1, gpus
+    if gpus % gpus_per_node:
+        raise InputError(f"gpus ({gpus}) must be <= gpus_per_node ({gpus_per_node}) or a multiple of it; "
+                         f"accepted here: 1..{gpus_per_node} or {gpus_per_node}, {2 * gpus_per_node}, ...")
+    return gpus // gpus_per_node, gpus_per_node
+
+
+def ns_method_of(cfg: SimConfig) -> str:
+    if cfg.ns_method is not None:
+        return cfg.ns_method
+    return ("gram" if cfg.gram else "standard") + ("_sym" if cfg.symmetric_kernels else "")
+
+
+def simulate(cfg: SimConfig) -> SimResult:
+    """Simulate `cfg` (2 steps, the second reported). Deterministic: same config -> same result."""
+    return run(cfg)[0]
+
+
+def run(cfg: SimConfig):
+    """(SimResult, the finished simulator.step.Built) — the trace writer needs the second."""
+    from .hardware import load_profile
+    from .metrics import measure
+    from .setup import make_spec
+    from .step import build
+
+    validate_config(cfg)
+    from .workload import Workload, load_workload
+
+    workload = cfg.workload if isinstance(cfg.workload, Workload) else load_workload(cfg.workload)
+    from .hardware import Profile
+
+    profile = cfg.gpu if isinstance(cfg.gpu, Profile) else load_profile(cfg.gpu)
+    if cfg.nic_gbps is not None:
+        profile = profile.with_nic_gbps(cfg.nic_gbps)
+    if cfg.overlap_slowdown is not None:
+        profile = profile.with_overlap_slowdown(cfg.overlap_slowdown)
+    per_node_cap = cfg.gpus_per_node or profile.gpus_per_node
+    nodes, per_node = node_shape(cfg.gpus, per_node_cap)
+    cost = cfg.cost if cfg.cost is not None else load_cost(profile.cost_profiles)
+    spec, info = make_spec(cfg, workload, profile, cost, per_node)
+    built = build(spec, overlap_slowdown=profile.overlap_slowdown)
+    built.cluster.run()
+    m = measure(built, step=spec.steps - 1)
+    p_muon = sum(spec.muon_numel)
+    same_width = spec.grad_bytes == spec.param_bytes
+    vol = m["muon_bytes"] / (p_muon * spec.grad_bytes) if p_muon and same_width else 0.0
+    tokens = cfg.gpus * cfg.seq_len * cfg.micro_batch
+    settings = {k: v for k, v in asdict_shallow(cfg).items() if k not in ("workload", "plan", "cost", "gpu")}
+    settings.update(nodes=nodes, ranks_per_node=per_node)
+    result = SimResult(
+        workload=workload.name, gpus=cfg.gpus, gpus_per_node=per_node_cap, strategy=cfg.strategy,
+        layout=cfg.layout, profile=profile.name,
+        step_s=m["step_s"], forward_s=m["forward_s"], backward_s=m["backward_s"],
+        optimizer_s=m["optimizer_s"], grad_sync_tail_s=m["grad_sync_tail_s"],
+        exposed_comm_s=m["exposed_max_s"], exposed_comm_mean_s=m["exposed_mean_s"],
+        tokens_per_s=tokens / m["step_s"] if m["step_s"] > 0 else 0.0,
+        comm_bytes_per_rank=m["bytes"], muon_comm_bytes_per_rank=m["muon_bytes"], muon_comm_volume=vol,
+        ns_makespan_s=info["ns_makespan_s"], ns_busy_max_s=m["ns_busy_max_s"],
+        plan_balancer=info["balancer"], plan_method=info["method"], settings=settings,
+        provenance=info["provenance"], notes=tuple(info["notes"] + built.notes),
+    )
+    return result, built
+
+
+def asdict_shallow(cfg: SimConfig) -> dict:
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+
+
+def timed_simulate(cfg: SimConfig) -> tuple[SimResult, float]:
+    """simulate() and its wall-clock seconds (kept out of SimResult so results stay bitwise equal)."""
+    t0 = time.perf_counter()
+    r = simulate(cfg)
+    return r, time.perf_counter() - t0
+
+
+__all__ = ["SimConfig", "SimResult", "simulate", "run", "timed_simulate"]

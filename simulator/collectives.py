@@ -1,0 +1,207 @@
+"""Closed-form collective costs on a two-level topology (NVLink inside a node, NICs across nodes).
+
+Pure arithmetic (no simpy, no torch): the SimPy engine asks this module for one number per collective.
+Conventions follow nccl-tests (see the shared reference collectives.md):
+
+    S         the full buffer in bytes: the gathered output of an all-gather, the input of a
+              reduce-scatter / all-reduce, the total bytes published by a set of broadcasts (or collected
+              by a set of reduces) from several owners, the per-rank send buffer of an all-to-all.
+    busbw(S)  achieved bus bandwidth of the intra-node fabric for a buffer of S bytes: the profile's
+              efficiency curve (interpolated in log S) times the nominal link bandwidth.
+
+A group of ranks is a `Group`: `nodes` nodes with `per_node` ranks in each; `share` groups of the same
+shape run at the same time on every node and split its NICs (HSDP's inter-node groups: one per local
+rank, so share = gpus per node). With n = nodes * per_node ranks, M = nodes, p = per_node:
+
+single node (M = 1), ring / chain:
+    all-gather, reduce-scatter  base + (n-1) a_nv  + (n-1)/n S / busbw(S)
+    all-reduce                  base + 2(n-1) a_nv + 2(n-1)/n S / busbw(S)
+    owner broadcasts / reduces  base + (n-1) a_nv  + max((n-1)/n S, S_max) / busbw_bcast(S)
+        (concurrent chains rooted at the owners: the links carry (n-1)/n S in total and the largest
+         owner's chain carries its S_max bytes end to end; equal to one broadcast, S/B, for one owner)
+    all-to-all                  base + (n-1) a_nv  + (n-1)/n S / busbw(S)
+across nodes, B_nic = NIC bandwidth per node x inter efficiency / share:
+    flat ring       latency base + (n-M) a_nv + (M-1) a_ib (twice for all-reduce); bandwidth term
+                    max(intra term, (M-1)/M S / B_nic): one pipelined ring, bottleneck link wins
+    hierarchical    two phases in sequence: intra on S (p ranks) then inter on S/p (M ranks, p groups
+                    per node: (M-1)/M S / B_nic) (reduce-scatter; all-gather mirrored; all-reduce =
+                    intra RS + inter AR on S/p + intra AG; owner broadcasts/reduces: inter then intra)
+    all-to-all      the same either way: latency base + (p-1) a_nv + (M-1) a_ib; bandwidth
+                    max((p-1)/n S / busbw(S), (M-1)/M p S / B_nic)
+
+Bytes on the wire (`bytes_per_rank`) is the per-rank average sent, the convention of muon.md's table:
+(n-1)/n S for all-gather, reduce-scatter, owner broadcasts/reduces and all-to-all; 2(n-1)/n S for
+all-reduce.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+from dmuon.errors import InputError, choice_error
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all")
+_CURVE_OF = {  # which measured efficiency curve prices each kind (reduce-scatter mirrors all-gather, ...)
+    "all_gather": "all_gather", "reduce_scatter": "all_gather", "all_reduce": "all_gather",
+    "all_to_all": "all_gather", "broadcast": "broadcast", "reduce": "broadcast",
+}
+
+
+@dataclass(frozen=True)
+class BandwidthCurve:
+    """Achieved intra-node bus bandwidth (bytes/s) vs buffer size, piecewise linear in log(size).
+
+    Clamped outside the measured sizes (no extrapolated speed-up)."""
+
+    sizes_bytes: tuple[float, ...]
+    busbw_Bps: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.sizes_bytes or len(self.sizes_bytes) != len(self.busbw_Bps):
+            raise InputError("a bandwidth curve needs one busbw per size and at least one point")
+        xs = self.sizes_bytes
+        if list(xs) != sorted(xs) or len(set(xs)) != len(xs):
+            raise InputError("bandwidth curve sizes must be strictly increasing")
+        if min(self.sizes_bytes) <= 0 or min(self.busbw_Bps) <= 0:
+            raise InputError("bandwidth curve sizes and bandwidths must be positive")
+
+    def at(self, size_bytes: float) -> float:
+        xs, ys = self.sizes_bytes, self.busbw_Bps
+        if size_bytes <= xs[0]:
+            return ys[0]
+        if size_bytes >= xs[-1]:
+            return ys[-1]
+        i = bisect.bisect_right(xs, size_bytes)
+        x0, x1 = math.log(xs[i - 1]), math.log(xs[i])
+        f = (math.log(size_bytes) - x0) / (x1 - x0)
+        return ys[i - 1] + f * (ys[i] - ys[i - 1])
+
+    def scaled(self, factor: float) -> BandwidthCurve:
+        return BandwidthCurve(self.sizes_bytes, tuple(b * factor for b in self.busbw_Bps))
+
+
+@dataclass(frozen=True)
+class Network:
+    """The fabric: intra-node curves and latencies, inter-node NICs (SI units)."""
+
+    curves: dict[str, BandwidthCurve]  # "all_gather" (ring collectives) and "broadcast" (owner sets)
+    base_latency_s: float  # per collective launch
+    intra_alpha_s: float  # per ring step over NVLink
+    inter_alpha_s: float  # per ring step over the network
+    nic_Bps_per_node: float  # total NIC bandwidth of one node, bytes/s per direction
+    inter_efficiency: float  # achieved / nominal for large inter-node messages
+
+    def __post_init__(self) -> None:
+        for name in ("base_latency_s", "intra_alpha_s", "inter_alpha_s"):
+            if getattr(self, name) < 0:
+                raise InputError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.nic_Bps_per_node > 0:
+            raise InputError(f"NIC bandwidth must be > 0 bytes/s, got {self.nic_Bps_per_node}")
+        if not 0 < self.inter_efficiency <= 1:
+            raise InputError(f"inter_efficiency must be in (0, 1], got {self.inter_efficiency}")
+        for k in ("all_gather", "broadcast"):
+            if k not in self.curves:
+                raise InputError(f"network needs a {k!r} bandwidth curve; has {sorted(self.curves)}")
+
+    def busbw(self, kind: str, size_bytes: float) -> float:
+        return self.curves[_CURVE_OF[kind]].at(size_bytes)
+
+
+@dataclass(frozen=True)
+class Group:
+    """Shape of a process group: `nodes` x `per_node` ranks; `share` such groups split each node's NICs."""
+
+    nodes: int
+    per_node: int
+    share: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "per_node", "share"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise InputError(f"group {name} must be a positive integer, got {v!r}")
+
+    @property
+    def size(self) -> int:
+        return self.nodes * self.per_node
+
+
+def bytes_per_rank(kind: str, size_bytes: float, n: int) -> float:
+    """Average bytes each of the n ranks sends (muon.md's convention)."""
+    if kind not in KINDS:
+        raise choice_error("collective", kind, KINDS)
+    if n <= 1:
+        return 0.0
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    return factor * (n - 1) / n * size_bytes
+
+
+def _intra(kind: str, size: float, n: int, net: Network, max_share: float) -> tuple[float, float]:
+    """(latency, bandwidth time) of one single-node phase over n ranks."""
+    if n <= 1 or size <= 0:
+        return 0.0, 0.0
+    bw = net.busbw(kind, size)
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    lat = net.base_latency_s + steps * net.intra_alpha_s
+    if kind == "all_reduce":
+        return lat, 2.0 * (n - 1) / n * size / bw
+    if kind in ("broadcast", "reduce"):
+        return lat, max((n - 1) / n * size, min(max_share, size)) / bw
+    return lat, (n - 1) / n * size / bw
+
+
+def _inter_bw_s(kind: str, size: float, m: int, nic_Bps: float, max_share: float) -> float:
+    if m <= 1 or size <= 0:
+        return 0.0
+    if kind == "all_reduce":
+        return 2.0 * (m - 1) / m * size / nic_Bps
+    if kind in ("broadcast", "reduce"):
+        return max((m - 1) / m * size, min(max_share, size)) / nic_Bps
+    return (m - 1) / m * size / nic_Bps
+
+
+def collective_time_s(kind: str, size_bytes: float, group: Group, net: Network, *,
+                      hierarchical: bool = True, max_share_bytes: float = 0.0) -> float:
+    """Seconds one collective takes once every participant has arrived (see the module docstring).
+
+    max_share_bytes: for owner broadcasts / reduces, the largest single owner's bytes (0: balanced)."""
+    if kind not in KINDS:
+        raise choice_error("collective", kind, KINDS)
+    if size_bytes < 0:
+        raise InputError(f"collective size must be >= 0 bytes, got {size_bytes}")
+    n, m, p = group.size, group.nodes, group.per_node
+    if n <= 1 or size_bytes == 0:
+        return 0.0
+    if m == 1:
+        lat, bw = _intra(kind, size_bytes, n, net, max_share_bytes)
+        return lat + bw
+    nic = net.nic_Bps_per_node * net.inter_efficiency / group.share
+    if kind == "all_to_all":
+        lat = net.base_latency_s + (p - 1) * net.intra_alpha_s + (m - 1) * net.inter_alpha_s
+        intra_bw = (p - 1) / n * size_bytes / net.busbw(kind, size_bytes) if p > 1 else 0.0
+        inter_bw = (m - 1) / m * p * size_bytes / nic
+        return lat + max(intra_bw, inter_bw)
+    if not hierarchical or p == 1:
+        twice = 2 if kind == "all_reduce" else 1
+        lat = net.base_latency_s + twice * ((n - m) * net.intra_alpha_s + (m - 1) * net.inter_alpha_s)
+        intra_bw = _intra(kind, size_bytes, n, net, max_share_bytes)[1] if p > 1 else 0.0
+        inter_bw = _inter_bw_s(kind, size_bytes, m, nic, max_share_bytes)
+        return lat + max(intra_bw, inter_bw)
+    # two-level: intra phase(s) on S, inter phase on S / p among the m ranks of one local index
+    inter_lat = net.base_latency_s + (m - 1) * net.inter_alpha_s * (2 if kind == "all_reduce" else 1)
+    if kind == "all_reduce":
+        rs_lat, rs_bw = _intra("reduce_scatter", size_bytes, p, net, 0.0)
+        ag_lat, ag_bw = _intra("all_gather", size_bytes, p, net, 0.0)
+        inter_bw = _inter_bw_s("all_reduce", size_bytes / p, m, nic / p, 0.0)
+        return rs_lat + rs_bw + inter_lat + inter_bw + ag_lat + ag_bw
+    if kind in ("broadcast", "reduce"):
+        # owners' data crosses the network once per node (inter, whole S over the node's NICs), then
+        # spreads inside the node (intra); reduces mirror this
+        intra_lat, intra_bw = _intra(kind, size_bytes, p, net, max_share_bytes)
+        inter_bw = _inter_bw_s(kind, size_bytes, m, nic, max_share_bytes)
+        return intra_lat + intra_bw + inter_lat + inter_bw
+    intra_lat, intra_bw = _intra(kind, size_bytes, p, net, 0.0)
+    inter_bw = _inter_bw_s(kind, size_bytes / p, m, nic / p, 0.0)
+    return intra_lat + intra_bw + inter_lat + inter_bw

@@ -1,0 +1,98 @@
+"""Forward / backward compute of a workload, per layer: FLOPs and the profile's time for them.
+
+Per layer l with weight matrices W (rows x cols), per GPU and micro-step, T = micro_batch x seq_len:
+
+    matmul FLOPs   2 x sum(rows x cols) x T   over the matrices that are multiplied: every matrix except
+                   embedding lookups (a matrix whose name contains "embed" costs nothing), plus one
+                   output-head matmul for an embedding tied to the head (its note says "tied") when the
+                   workload has no separate head matrix, charged to the last layer (where it runs)
+    attention      4 x micro_batch x seq_len^2 x d_q x causal, causal = 0.5 (a flash-style kernel skips
+                   the masked half), once per query projection in the layer; d_q = rows of a q-like
+                   matrix (q_proj, q, query), model width (cols) of a fused qkv matrix, rows of the first
+                   of each group of four "..._qkvo" matrices (q, k, v, o stored as four)
+    forward FLOPs  matmul + attention;  backward FLOPs = 2 x forward
+    time           forward FLOPs / fwd_flops + fwd_layer_overhead_s (and the same for backward), the
+                   profile's fitted achieved rates; CPU profiles stretch it by core contention.
+
+ASSUMPTION (stated wherever results are shown): every token goes through every component (for the VLA /
+world-model workloads the token counts per component are not public).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .hardware import Profile
+from .workload import ParamSpec, Workload
+
+CAUSAL_FRACTION = 0.5
+_Q_NAMES = re.compile(r"^(q_proj|q|query|wq)$")
+_QKV_NAMES = re.compile(r"^(qkv|qkv_proj|wqkv|c_attn|query_key_value)$")
+
+
+def _query_width(p: ParamSpec) -> int:
+    """d_q of one attention if `p` is its query (or fused qkv) projection, else 0."""
+    m = p.matrix.lower()
+    if _Q_NAMES.match(m):
+        return p.rows
+    if _QKV_NAMES.match(m):
+        return p.cols
+    if m.endswith("qkvo") and p.name.endswith(".0"):
+        return p.rows
+    return 0
+
+
+def _is_lookup(p: ParamSpec) -> bool:
+    return "embed" in p.matrix.lower()
+
+
+@dataclass(frozen=True)
+class LayerCompute:
+    layer: int
+    matmul_flops: float
+    attention_flops: float
+
+    @property
+    def fwd_flops(self) -> float:
+        return self.matmul_flops + self.attention_flops
+
+    @property
+    def bwd_flops(self) -> float:
+        return 2.0 * self.fwd_flops
+
+
+def layer_flops(workload: Workload, seq_len: int, micro_batch: int) -> list[LayerCompute]:
+    """Forward FLOPs per layer on one GPU for one micro-batch (see the module docstring)."""
+    tokens = seq_len * micro_batch
+    has_head = any("head" in p.matrix.lower() for p in workload.params)
+    out = []
+    tied_head = 0.0
+    for layer, params in enumerate(workload.layer_params()):
+        mm = 0.0
+        attn = 0.0
+        for p in params:
+            if _is_lookup(p):
+                if not has_head and "tied" in p.note.lower():
+                    tied_head += 2.0 * p.numel * tokens
+                continue
+            mm += 2.0 * p.numel * tokens
+            d_q = _query_width(p)
+            if d_q:
+                attn += 4.0 * micro_batch * seq_len * seq_len * d_q * CAUSAL_FRACTION
+        out.append(LayerCompute(layer, mm, attn))
+    if tied_head:  # the tied head runs at the end of the forward pass: charge it to the last layer
+        last = out[-1]
+        out[-1] = LayerCompute(last.layer, last.matmul_flops + tied_head, last.attention_flops)
+    return out
+
+
+def layer_times(workload: Workload, profile: Profile, seq_len: int, micro_batch: int,
+                ranks_per_node: int) -> list[tuple[float, float]]:
+    """(forward seconds, backward seconds) per layer on one device of `profile`."""
+    stretch = profile.contention(ranks_per_node)
+    return [
+        (stretch * (lc.fwd_flops / profile.fwd_flops + profile.fwd_layer_overhead_s),
+         stretch * (lc.bwd_flops / profile.bwd_flops + profile.bwd_layer_overhead_s))
+        for lc in layer_flops(workload, seq_len, micro_batch)
+    ]

@@ -1,0 +1,180 @@
+"""The SimPy cluster: per-rank streams executing ops in program order, collectives as rendezvous.
+
+Model (what the step programs in `simulator.step` build on):
+- Every rank has named streams ("compute", "comm"). A stream is a capacity-1 resource served in
+  program order, like a CUDA stream: one SimPy process per stream takes its ops one by one; an op
+  starts when the stream is free and its dependencies (ops on other streams, of this or, through a
+  collective, other ranks) have finished.
+- A collective is one shared object per participant group: each participant's comm stream arrives at
+  it in its own program order; when the last one arrives it runs for its closed-form time (one SimPy
+  timeout for the whole group, not one per message hop) and every participant's op ends together.
+  Programs that order collectives differently on different ranks deadlock; `Cluster.run` reports it.
+- Compute that overlaps communication on the same rank may run slower: an op that starts while the
+  rank's comm stream is busy is stretched by `overlap_slowdown` x (the overlapped part of its
+  duration, judged from the comm op in flight at its start).
+
+Ops record their start and end; the step programs and the trace read them afterwards. simpy is imported
+when a cluster is built, not when the package is imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dmuon.errors import InputError
+
+
+class Collective:
+    """One collective over `n` participants, taking `cost_s` once all have arrived."""
+
+    __slots__ = ("name", "kind", "n", "cost_s", "arrived", "start", "end", "done", "bytes_per_rank",
+                 "muon_fraction", "group", "step")
+
+    def __init__(self, name: str, kind: str, n: int, cost_s: float, *, bytes_per_rank: float = 0.0,
+                 muon_fraction: float = 0.0, group: str = "", step: int = 0):
+        if n <= 0:
+            raise InputError(f"collective {name!r} needs at least one participant")
+        self.name, self.kind, self.n, self.cost_s = name, kind, n, cost_s
+        self.arrived = 0
+        self.start: float | None = None
+        self.end: float | None = None
+        self.done = None  # simpy Event, created by the cluster
+        self.bytes_per_rank = bytes_per_rank  # average bytes each participant sends
+        self.muon_fraction = muon_fraction  # share of the bytes that are Muon-matrix data
+        self.group = group
+        self.step = step
+
+
+class Op:
+    """One unit of work on one rank's stream: a compute kernel (duration) or a collective."""
+
+    __slots__ = ("rank", "stream", "name", "phase", "step", "dur", "coll", "deps", "start", "end",
+                 "done", "needed", "slowed_s")
+
+    def __init__(self, rank: int, stream: str, name: str, phase: str, step: int, dur: float = 0.0,
+                 coll: Collective | None = None, deps: tuple = ()):
+        self.rank, self.stream, self.name, self.phase, self.step = rank, stream, name, phase, step
+        self.dur, self.coll, self.deps = dur, coll, deps
+        self.start: float | None = None
+        self.end: float | None = None
+        self.done = None
+        self.needed = False  # another stream waits on this op: give it an event
+        self.slowed_s = 0.0
+
+
+@dataclass
+class RunStats:
+    events: int
+    end_s: float
+
+
+class Cluster:
+    """Holds every rank's streams and runs them in one SimPy environment."""
+
+    def __init__(self, n_ranks: int, streams: tuple[str, ...] = ("compute", "comm"),
+                 overlap_slowdown: float = 0.0, compute_stream: str = "compute"):
+        if n_ranks <= 0:
+            raise InputError(f"a cluster needs at least one rank, got {n_ranks}")
+        self.n_ranks = n_ranks
+        self.stream_names = streams
+        self.compute_stream = compute_stream
+        self.overlap_slowdown = overlap_slowdown
+        self.queues: dict[tuple[int, str], list[Op]] = {(r, s): [] for r in range(n_ranks) for s in streams}
+        self.collectives: list[Collective] = []
+        self._in_flight: dict[int, list] = {r: [] for r in range(n_ranks)}  # comm ops running per rank
+
+    # ---- building ------------------------------------------------------------------------------
+    def compute(self, rank: int, name: str, dur: float, *, phase: str, step: int, deps=(),
+                stream: str | None = None) -> Op:
+        if dur < 0:
+            raise InputError(f"op {name!r}: negative duration {dur}")
+        return self._add(Op(rank, stream or self.compute_stream, name, phase, step, dur=dur,
+                            deps=tuple(d for d in deps if d is not None)))
+
+    def collective(self, coll: Collective, rank: int, *, phase: str, step: int, deps=(),
+                   stream: str = "comm") -> Op:
+        return self._add(Op(rank, stream, coll.name, phase, step, coll=coll,
+                            deps=tuple(d for d in deps if d is not None)))
+
+    def new_collective(self, *args, **kwargs) -> Collective:
+        c = Collective(*args, **kwargs)
+        self.collectives.append(c)
+        return c
+
+    def _add(self, op: Op) -> Op:
+        key = (op.rank, op.stream)
+        if key not in self.queues:
+            raise InputError(f"unknown stream {op.stream!r} of rank {op.rank}; streams: {self.stream_names}")
+        for d in op.deps:
+            if d.coll is None:
+                d.needed = True
+        self.queues[key].append(op)
+        return op
+
+    # ---- running -------------------------------------------------------------------------------
+    def run(self) -> RunStats:
+        import simpy
+
+        env = simpy.Environment()
+        for c in self.collectives:
+            c.done = env.event()
+        for ops in self.queues.values():
+            for op in ops:
+                if op.needed:
+                    op.done = env.event()
+        for (rank, stream), ops in self.queues.items():
+            if ops:
+                env.process(self._stream(env, rank, stream, ops))
+        env.run()
+        stuck = [c for c in self.collectives if c.end is None]
+        if stuck:
+            c = stuck[0]
+            raise RuntimeError(f"simulation deadlock: collective {c.name!r} got {c.arrived} of {c.n} "
+                               f"participants ({len(stuck)} collectives unfinished); the step program "
+                               "orders collectives differently on different ranks")
+        return RunStats(events=0, end_s=env.now)
+
+    def _stream(self, env, rank: int, stream: str, ops: list[Op]):
+        is_compute = stream == self.compute_stream
+        slow = self.overlap_slowdown
+        in_flight = self._in_flight[rank]
+        for op in ops:
+            for d in op.deps:
+                ev = d.coll.done if d.coll is not None else d.done
+                if ev.callbacks is not None:  # not processed yet
+                    yield ev
+            c = op.coll
+            if c is None:
+                dur = op.dur
+                if is_compute and slow > 0 and dur > 0:
+                    now = env.now
+                    busy_until = max((x.start + x.cost_s for x in in_flight
+                                      if x.start is not None and x.end is None), default=now)
+                    overlap = min(dur, max(0.0, busy_until - now))
+                    op.slowed_s = slow * overlap
+                    dur += op.slowed_s
+                op.start = env.now
+                if dur > 0:
+                    yield env.timeout(dur)
+                op.end = env.now
+                if op.done is not None:
+                    op.done.succeed()
+                continue
+            c.arrived += 1
+            if slow > 0:
+                in_flight.append(c)
+            if c.arrived == c.n:
+                c.start = env.now
+                if c.cost_s > 0:
+                    yield env.timeout(c.cost_s)
+                c.end = env.now
+                c.done.succeed()
+            else:
+                yield c.done
+            if slow > 0:
+                in_flight.remove(c)
+            op.start, op.end = c.start, c.end
+
+    # ---- reading -------------------------------------------------------------------------------
+    def ops(self, rank: int, stream: str) -> list[Op]:
+        return self.queues[(rank, stream)]

@@ -1,0 +1,218 @@
+"""Hardware profiles: what one GPU (or CPU process) computes and how fast the fabric moves bytes.
+
+A profile is a TOML file in simulator/profiles/ (or a path). Every number carries its provenance:
+
+    fwd_tflops = { value = 191.6, source = "fit: reported.csv a800_8gpu_llm ..." }
+
+Sources say one of: datasheet, derived from reported.csv (which table, which rows), measured here,
+assumption. Files use human units with the unit in the key (ms, us, GB/s, Gb/s); `Profile` holds SI.
+
+Layout of a profile file:
+    name, description, gpu, cost_profile (the dmuon CostTable that prices NS and elementwise passes: a
+    name or a list of names, the first that loads is used),
+    gpus_per_node, cpu_cores (0 = not a CPU profile: no core contention)
+    [compute]  peak_bf16_tflops, hbm_GBps, fwd_tflops, fwd_layer_overhead_ms, bwd_tflops,
+               bwd_layer_overhead_ms, optimizer_overhead_ms, elementwise_scale, overlap_slowdown
+    [network]  nvlink_GBps, base_latency_us, intra_alpha_us, inter_alpha_us, nic_gbps_per_node,
+               inter_efficiency, and either
+               [[network.points]] kind, ranks, size_bytes, time_ms (+ source): measured collective
+               times from which the busbw curve is derived, busbw = (n-1)/n S / (t - latency(n)), or
+               curve_from = "<profile>" + curve_scale: another profile's curve scaled.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import tomllib
+
+from dmuon.errors import InputError, choice_error
+
+from .collectives import BandwidthCurve, Network
+
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+_CURVE_KINDS = ("all_gather", "broadcast")
+_COMPUTE_KEYS = ("peak_bf16_tflops", "hbm_GBps", "fwd_tflops", "fwd_layer_overhead_ms", "bwd_tflops",
+                 "bwd_layer_overhead_ms", "optimizer_overhead_ms", "elementwise_scale", "overlap_slowdown")
+_NETWORK_KEYS = ("nvlink_GBps", "base_latency_us", "intra_alpha_us", "inter_alpha_us", "nic_gbps_per_node",
+                 "inter_efficiency")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One device type and its fabric, SI units. `provenance` maps each key to its source line."""
+
+    name: str
+    description: str
+    gpu: str
+    cost_profiles: tuple[str, ...]  # dmuon CostTable names, first that loads wins
+    gpus_per_node: int
+    cpu_cores: int
+    peak_bf16_flops: float
+    hbm_Bps: float
+    fwd_flops: float  # achieved FLOP/s of forward matmul work
+    fwd_layer_overhead_s: float  # fixed seconds per layer per forward (launches, hooks, norms)
+    bwd_flops: float
+    bwd_layer_overhead_s: float
+    optimizer_overhead_s: float  # fixed seconds per optimizer step
+    elementwise_scale: float  # multiplies the cost table's elementwise (AdamW / momentum) pass times
+    overlap_slowdown: float  # compute runs (1 + this) slower while communication overlaps it
+    nvlink_Bps: float
+    network: Network
+    provenance: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def with_nic_gbps(self, gbps: float) -> Profile:
+        """The same profile with another inter-node NIC bandwidth per node (Gbit/s per direction)."""
+        if isinstance(gbps, bool) or not isinstance(gbps, (int, float)) or not gbps > 0 or math.isinf(gbps):
+            raise InputError(f"NIC bandwidth must be a positive number of Gbit/s per node, got {gbps!r}")
+        prov = dict(self.provenance)
+        prov["nic_gbps_per_node"] = f"given on the command line / config: {gbps:g} Gb/s per node"
+        net = replace(self.network, nic_Bps_per_node=gbps * 1e9 / 8)
+        return replace(self, network=net, provenance=prov)
+
+    def with_overlap_slowdown(self, slowdown: float) -> Profile:
+        if not slowdown >= 0:
+            raise InputError(f"overlap slowdown must be >= 0 (0 = none), got {slowdown!r}")
+        prov = dict(self.provenance)
+        prov["overlap_slowdown"] = f"given in the config: {slowdown:g}"
+        return replace(self, overlap_slowdown=slowdown, provenance=prov)
+
+    def contention(self, ranks_per_node: int) -> float:
+        """CPU profiles: ranks share `cpu_cores` single-threaded cores, so compute stretches by this."""
+        if self.cpu_cores <= 0:
+            return 1.0
+        return max(1.0, ranks_per_node / self.cpu_cores)
+
+
+def profile_names() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in PROFILE_DIR.glob("*.toml")))
+
+
+def _names(v, where: str) -> tuple[str, ...]:
+    names = [v] if isinstance(v, str) else v
+    if not isinstance(names, list) or not names or not all(isinstance(x, str) and x for x in names):
+        raise InputError(f"{where}: cost_profile must be a name or a non-empty list of names, got {v!r}")
+    return tuple(names)
+
+
+def _value(entry, key: str, where: str) -> tuple[float, str]:
+    if isinstance(entry, dict):
+        if "value" not in entry or "source" not in entry:
+            raise InputError(f"{where}: {key} needs value and source")
+        v, src = entry["value"], str(entry["source"])
+    else:
+        raise InputError(f"{where}: {key} must be {{ value = ..., source = \"...\" }} "
+                         "(provenance is required)")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+        raise InputError(f"{where}: {key} must be a non-negative number, got {v!r}")
+    return float(v), src
+
+
+def _read(path: Path) -> dict:
+    try:
+        return tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: malformed TOML: {e}") from None
+
+
+def _curves_from_points(points: list, net_base: dict, where: str, prov: dict) -> dict[str, BandwidthCurve]:
+    base_s, alpha_s = net_base["base_latency_s"], net_base["intra_alpha_s"]
+    per: dict[str, dict[float, list[float]]] = {k: {} for k in _CURVE_KINDS}
+    for i, p in enumerate(points):
+        w = f"{where}: network.points[{i}]"
+        kind = p.get("kind")
+        if kind not in _CURVE_KINDS:
+            raise choice_error(f"point kind in {w}", kind, _CURVE_KINDS)
+        n = p.get("ranks")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+            raise InputError(f"{w}: ranks must be an integer >= 2, got {n!r}")
+        size, t_ms = float(p.get("size_bytes", 0)), float(p.get("time_ms", 0))
+        if size <= 0 or t_ms <= 0:
+            raise InputError(f"{w}: size_bytes and time_ms must be positive")
+        busy = t_ms * 1e-3 - (base_s + (n - 1) * alpha_s)
+        if busy <= 0:
+            raise InputError(f"{w}: time {t_ms} ms is below the latency model's floor for {n} ranks")
+        per[kind].setdefault(size, []).append((n - 1) / n * size / busy)
+        prov[f"network.points[{i}]"] = str(p.get("source", "no source given"))
+    curves = {}
+    for kind, by_size in per.items():
+        if not by_size:
+            raise InputError(f"{where}: no network.points of kind {kind!r}")
+        sizes = tuple(sorted(by_size))
+        curves[kind] = BandwidthCurve(sizes, tuple(statistics.median(by_size[s]) for s in sizes))
+    return curves
+
+
+def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profile:
+    """A profile by name (simulator/profiles/<name>.toml) or from a .toml path."""
+    text = str(name_or_path)
+    path = PROFILE_DIR / f"{text}.toml"
+    if not path.is_file():
+        path = Path(text)
+        if path.suffix.lower() != ".toml" or not path.is_file():
+            raise choice_error("gpu profile", text, list(profile_names()) + ["<path>.toml"])
+    if str(path) in _seen:
+        raise InputError(f"{path}: curve_from cycle through {_seen}")
+    data = _read(path)
+    where = str(path)
+    prov: dict[str, str] = {}
+    comp, net = data.get("compute", {}), data.get("network", {})
+    c: dict[str, float] = {}
+    for key in _COMPUTE_KEYS:
+        if key not in comp:
+            raise InputError(f"{where}: [compute] misses {key}; required: {', '.join(_COMPUTE_KEYS)}")
+        c[key], prov[key] = _value(comp[key], key, where)
+    nv: dict[str, float] = {}
+    for key in _NETWORK_KEYS:
+        if key not in net:
+            raise InputError(f"{where}: [network] misses {key}; required: {', '.join(_NETWORK_KEYS)}")
+        nv[key], prov[key] = _value(net[key], key, where)
+    base = {"base_latency_s": nv["base_latency_us"] * 1e-6, "intra_alpha_s": nv["intra_alpha_us"] * 1e-6}
+    if "points" in net:
+        curves = _curves_from_points(net["points"], base, where, prov)
+    elif "curve_from" in net:
+        other = load_profile(str(net["curve_from"]), _seen + (str(path),))
+        scale, prov["curve_scale"] = _value(net.get("curve_scale"), "curve_scale", where)
+        curves = {k: v.scaled(scale) for k, v in other.network.curves.items()}
+        prov["curve_from"] = f"busbw curve of profile {other.name!r} x {scale:g}"
+    else:
+        raise InputError(f"{where}: [network] needs [[network.points]] or curve_from")
+    gpn = data.get("gpus_per_node", 8)
+    cores = data.get("cpu_cores", 0)
+    for key, v in (("gpus_per_node", gpn), ("cpu_cores", cores)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (1 if key == "gpus_per_node" else 0):
+            raise InputError(f"{where}: {key} must be an integer (>= 1 for gpus_per_node), got {v!r}")
+    for key in ("fwd_tflops", "bwd_tflops", "peak_bf16_tflops", "hbm_GBps", "elementwise_scale"):
+        if not c[key] > 0:
+            raise InputError(f"{where}: {key} must be > 0")
+    network = Network(
+        curves=curves,
+        base_latency_s=base["base_latency_s"],
+        intra_alpha_s=base["intra_alpha_s"],
+        inter_alpha_s=nv["inter_alpha_us"] * 1e-6,
+        nic_Bps_per_node=nv["nic_gbps_per_node"] * 1e9 / 8,
+        inter_efficiency=nv["inter_efficiency"],
+    )
+    return Profile(
+        name=str(data.get("name", path.stem)),
+        description=str(data.get("description", "")),
+        gpu=str(data.get("gpu", "")),
+        cost_profiles=_names(data.get("cost_profile", path.stem), where),
+        gpus_per_node=gpn,
+        cpu_cores=cores,
+        peak_bf16_flops=c["peak_bf16_tflops"] * 1e12,
+        hbm_Bps=c["hbm_GBps"] * 1e9,
+        fwd_flops=c["fwd_tflops"] * 1e12,
+        fwd_layer_overhead_s=c["fwd_layer_overhead_ms"] * 1e-3,
+        bwd_flops=c["bwd_tflops"] * 1e12,
+        bwd_layer_overhead_s=c["bwd_layer_overhead_ms"] * 1e-3,
+        optimizer_overhead_s=c["optimizer_overhead_ms"] * 1e-3,
+        elementwise_scale=c["elementwise_scale"],
+        overlap_slowdown=c["overlap_slowdown"],
+        nvlink_Bps=nv["nvlink_GBps"] * 1e9,
+        network=network,
+        provenance=prov,
+    )

@@ -1,0 +1,133 @@
+"""From a config to the numbers a step program runs on: layer times, NS costs, the plan, provenance.
+
+`make_spec` resolves a `SimConfig` against a workload, a hardware profile and a cost table into a
+`simulator.step.StepSpec`, and says where every input came from (measured / fitted / modelled).
+For dmuon the plan is `dmuon.plan.build.build_plan`'s (once per distinct input) or the one the config
+carries (a Plan built elsewhere, e.g. by the runtime): the simulator never re-derives owners, batches or
+buckets.
+"""
+
+from __future__ import annotations
+
+from dmuon.errors import InputError
+
+from .compute import layer_times
+from .step import DTYPE_BYTES, StepSpec
+
+
+def _check_plan(plan, matrices, world: int) -> None:
+    if plan.world_size != world:
+        raise InputError(f"the given plan is for {plan.world_size} ranks; this layout needs a plan over "
+                         f"{world}")
+    mine = sorted((m.name, m.rows, m.cols) for m in matrices)
+    theirs = sorted((m.name, m.rows, m.cols) for m in plan.matrices)
+    if mine != theirs:
+        missing = sorted(set(mine) - set(theirs))[:3]
+        extra = sorted(set(theirs) - set(mine))[:3]
+        raise InputError(f"the given plan does not match the workload's Muon matrices (missing {missing}, "
+                         f"unexpected {extra})")
+
+
+def make_spec(cfg, workload, profile, cost, per_node: int):
+    """(StepSpec, info) where info has ns_makespan_s, balancer, method, provenance, notes."""
+    from .api import ns_method_of, plan_for
+
+    stretch = profile.contention(per_node)
+    muon = workload.muon_matrices
+    index = {m.name: i for i, m in enumerate(muon)}
+    n_layers = workload.n_layers
+    layer_muon: list[list[int]] = [[] for _ in range(n_layers)]
+    layer_adamw = [0] * n_layers
+    for p in workload.params:
+        if p.optimizer == "muon":
+            layer_muon[p.layer].append(index[p.name])
+        else:
+            layer_adamw[p.layer] += p.numel
+    times = layer_times(workload, profile, cfg.seq_len, cfg.micro_batch, per_node)
+
+    ns_answers = {}
+    for m in muon:
+        key = (m.rows, m.cols)
+        if key not in ns_answers:
+            ns_answers[key] = cost.ns_time(m.rows, m.cols, 1, "standard", "bf16")
+    ns_naive = [ns_answers[(m.rows, m.cols)].time_s * stretch for m in muon]
+
+    ew_answers: dict = {}
+    scale = profile.elementwise_scale * stretch
+
+    def elementwise_s(numel: float, op: str) -> float:
+        n = int(round(numel))
+        if n <= 0:
+            return 0.0
+        a = cost.elementwise_time(n, op, "fp32")
+        ew_answers.setdefault(op, a)
+        return a.time_s * scale
+
+    plan = None
+    info = {"ns_makespan_s": 0.0, "balancer": "", "method": "", "notes": list(workload.notes)}
+    if cfg.strategy == "dmuon":
+        world = per_node if cfg.layout.startswith("hsdp") else cfg.gpus
+        if cfg.plan is not None:
+            _check_plan(cfg.plan, muon, world)
+            plan = cfg.plan
+        else:
+            plan = plan_for(muon, world, cost, balancer=cfg.balancer, method=ns_method_of(cfg),
+                            dtype=cfg.ns_dtype, batching=cfg.batching, max_batch=cfg.max_batch,
+                            bucket_numel=cfg.bucket_numel, time_limit_s=cfg.milp_time_limit_s)
+        info.update(ns_makespan_s=plan.makespan_s * stretch, balancer=plan.balancer, method=plan.method)
+        info["notes"] += list(plan.notes)
+    elif cfg.strategy == "naive":
+        info.update(ns_makespan_s=sum(ns_naive), method="standard (bf16, every rank)")
+
+    spec = StepSpec(
+        strategy=cfg.strategy, layout=cfg.layout, n_ranks=cfg.gpus, per_node=per_node,
+        layer_fwd_s=[t[0] for t in times], layer_bwd_s=[t[1] for t in times], layer_muon=layer_muon,
+        muon_numel=[m.numel for m in muon], muon_shape=[m.shape for m in muon], layer_adamw_numel=layer_adamw,
+        ns_naive_s=ns_naive, elementwise_s=elementwise_s,
+        optimizer_overhead_s=profile.optimizer_overhead_s * stretch, network=profile.network,
+        hierarchical=cfg.hierarchical, overlap=cfg.overlap, param_bytes=DTYPE_BYTES[cfg.param_comm_dtype],
+        grad_bytes=DTYPE_BYTES[cfg.grad_comm_dtype], plan=plan, ns_stretch=stretch,
+    )
+    # touch the elementwise costs once so provenance can name them
+    elementwise_s(1e6, "adamw")
+    if muon:
+        elementwise_s(1e6, "muon_momentum")
+    info["provenance"] = _provenance(profile, cost, ns_answers, ew_answers, plan, cfg.strategy, stretch)
+    if len({p.component for p in workload.params}) > 1:
+        info["notes"].append("ASSUMPTION: every token passes through every component (per-component token "
+                             "counts are not public)")
+    return spec, info
+
+
+def _provenance(profile, cost, ns_answers, ew_answers, plan, strategy, stretch) -> dict:
+    p = profile.provenance
+    cost_name = getattr(cost, "name", type(cost).__name__)
+    prov = {
+        "profile": f"{profile.name}: {profile.description}".strip(": "),
+        "forward_compute": f"modelled: FLOPs / {profile.fwd_flops / 1e12:.4g} TFLOP/s + "
+                           f"{profile.fwd_layer_overhead_s * 1e3:.3g} ms per layer "
+                           f"({p.get('fwd_tflops', '')})",
+        "backward_compute": f"modelled: FLOPs / {profile.bwd_flops / 1e12:.4g} TFLOP/s + "
+                            f"{profile.bwd_layer_overhead_s * 1e3:.3g} ms per layer "
+                            f"({p.get('bwd_tflops', '')})",
+        "intra_node_bandwidth": "modelled from " + (p.get("curve_from") or "; ".join(
+            v for k, v in sorted(p.items()) if k.startswith("network.points"))[:300]),
+        "inter_node_bandwidth": f"{profile.network.nic_Bps_per_node * 8 / 1e9:g} Gb/s per node x "
+                                f"{profile.network.inter_efficiency:g} ({p.get('nic_gbps_per_node', '')}; "
+                                f"{p.get('inter_efficiency', '')})",
+        "latency": "; ".join(p.get(k, "") for k in ("base_latency_us", "intra_alpha_us", "inter_alpha_us")),
+        "elementwise": "; ".join(f"{op}: {a.detail}" + (" (measured)" if a.measured else " (modelled)")
+                                 for op, a in sorted(ew_answers.items())) + f" [cost table {cost_name}]",
+    }
+    if strategy == "naive":
+        n_meas = sum(a.measured for a in ns_answers.values())
+        example = next(iter(ns_answers.values())).detail if ns_answers else ""
+        prov["ns_naive"] = (f"cost table {cost_name}: {n_meas} of {len(ns_answers)} standard-NS shapes "
+                            f"measured, the rest modelled (e.g. {example})")
+    if plan is not None:
+        prov["ns_plan"] = (f"plan from cost table {plan.cost_source}: {plan.balancer}, {plan.method}, "
+                           f"makespan {plan.makespan_s * 1e3:.3f} ms "
+                           f"(lower bound {plan.lower_bound_s * 1e3:.3f} ms)")
+    if stretch != 1.0:
+        prov["cpu_contention"] = f"compute x{stretch:g}: more single-threaded ranks than the profile's cores"
+    return prov

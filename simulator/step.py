@@ -1,0 +1,406 @@
+"""Step programs: what every rank issues on its streams in one training step, per strategy and layout.
+
+Strategies: `adamw` (all parameters AdamW), `naive` (gather-then-compute Muon), `dmuon` (owner-centric
+Muon from a `dmuon.plan.Plan`); non-matrix parameters (embeddings, heads) are AdamW in all three.
+
+Layouts (shard group / replicate group):
+  fsdp-keep   FSDP over all ranks, parameters kept after forward (ZeRO-2-like, FSDP2 reshard=False)
+  fsdp-free   FSDP over all ranks, parameters freed after forward and re-gathered for backward (ZeRO-3)
+  hsdp-keep   sharded inside a node, replicated across nodes; -free as above
+  ddp         replicated; gradients all-reduced
+  sharded     Muon matrices stay FSDP-sharded: momentum on local shards, per bucket one packed
+              all_to_all to the owners, owners run NS, one all_to_all back (adamw / naive: as fsdp-keep)
+
+Per rank and step (the comm stream is one in-order stream; "gather" = all-gather of parameters, or for
+dmuon the owners' broadcast of their matrices, i.e. the publication):
+  forward    gather(l+1) is issued before compute(l) and may start once compute(l-1) is done (one
+             layer of prefetch, as FSDP2); compute(l) waits for gather(l)
+  backward   free layouts re-gather the same way in reverse; after compute(l) its gradients are
+             reduced: reduce-scatter (FSDP), reduce-scatter in the node + all-reduce of the shard
+             across nodes (HSDP), all-reduce (DDP); dmuon sends each complete bucket of Muon gradients
+             to the owners instead (owner reduces = reduce-scatter into owner-aligned buffers)
+  optimizer  a fixed per-step overhead, then
+             adamw: the AdamW pass over the local parameters
+             naive: the AdamW pass over local AdamW parameters, momentum over local shards, then per
+                    matrix: all-gather of the full gradient (not overlapped with the previous NS,
+                    as in the published FSDP2+Muon) and standard NS (bf16, Jordan) on every rank,
+                    keeping its own shard
+             dmuon: each owner runs its plan batches in the plan's order (momentum over the batch +
+                    the batch's cost-table NS time), each once the buckets holding its members have
+                    arrived, then the AdamW pass;
+                    publication per bucket from the owners: overlapped with the next forward (each
+                    layer waits for its buckets) when `overlap`, else before the next forward
+             sharded dmuon: per bucket (backward order) momentum on local shards, all_to_all to the
+                    owners, owners' batches, all_to_all back
+The programs are generated per rank: every rank is simulated (owners differ per rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dmuon.errors import InputError
+
+from .collectives import Group, bytes_per_rank, collective_time_s
+from .engine import Cluster, Op
+
+LAYOUTS = ("fsdp-keep", "fsdp-free", "hsdp-keep", "hsdp-free", "ddp", "sharded")
+STRATEGIES = ("adamw", "naive", "dmuon")
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass
+class StepSpec:
+    """Everything a step program needs, resolved to numbers (built by `simulator.api`)."""
+
+    strategy: str
+    layout: str
+    n_ranks: int
+    per_node: int  # ranks per node
+    layer_fwd_s: list[float]
+    layer_bwd_s: list[float]
+    layer_muon: list[list[int]]  # per layer: indices into `muon_numel` (matrices in forward order)
+    muon_numel: list[int]  # per Muon matrix
+    muon_shape: list[tuple[int, int]]
+    layer_adamw_numel: list[int]
+    ns_naive_s: list[float]  # per Muon matrix: standard NS seconds (naive)
+    elementwise_s: object  # callable (numel, op) -> seconds
+    optimizer_overhead_s: float
+    network: object
+    hierarchical: bool
+    overlap: bool
+    param_bytes: int
+    grad_bytes: int
+    plan: object = None  # dmuon.plan.Plan (dmuon only)
+    ns_stretch: float = 1.0  # CPU contention applied to plan batch times
+    steps: int = 2
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_fwd_s)
+
+
+@dataclass
+class Built:
+    """The cluster plus the handles the metrics need."""
+
+    cluster: Cluster
+    spec: StepSpec
+    notes: list[str] = field(default_factory=list)
+
+
+class _Programs:
+    def __init__(self, spec: StepSpec, cluster: Cluster):
+        self.s = spec
+        self.c = cluster
+        n, p = spec.n_ranks, spec.per_node
+        self.nodes = n // p
+        self.world = Group(self.nodes, p)
+        self.intra = Group(1, p)
+        self.inter = Group(self.nodes, 1, share=p)
+        self.colls: dict = {}
+        lay = spec.layout
+        self.shard = {"ddp": None}.get(lay, "intra" if lay.startswith("hsdp") else "world")
+        self.replicate = "world" if lay == "ddp" else ("inter" if lay.startswith("hsdp") else None)
+        self.free = lay.endswith("-free")
+        self.sharded = lay == "sharded" and spec.strategy == "dmuon"
+        self.shard_size = {None: 1, "world": n, "intra": p}[self.shard]
+        self._prepare_plan()
+
+    # ---- groups and collectives ------------------------------------------------------------------
+    def _instance(self, group: str, rank: int) -> tuple[Group, int]:
+        if group == "world":
+            return self.world, 0
+        if group == "intra":
+            return self.intra, rank // self.s.per_node
+        return self.inter, rank % self.s.per_node
+
+    def coll(self, rank: int, key: tuple, group: str, kind: str, size_bytes: float, *, muon_fraction: float,
+             max_share: float = 0.0, step: int = 0):
+        g, inst = self._instance(group, rank)
+        full = (key, group, inst)
+        c = self.colls.get(full)
+        if c is None:
+            n = g.size
+            cost = collective_time_s(kind, size_bytes, g, self.s.network, hierarchical=self.s.hierarchical,
+                                     max_share_bytes=max_share)
+            c = self.c.new_collective("/".join(str(k) for k in key), kind, n, cost,
+                                      bytes_per_rank=bytes_per_rank(kind, size_bytes, n),
+                                      muon_fraction=muon_fraction, group=f"{group}{inst}", step=step)
+            self.colls[full] = c
+        return c
+
+    # ---- dmuon plan views --------------------------------------------------------------------------
+    def _prepare_plan(self) -> None:
+        s = self.s
+        self.dm = s.strategy == "dmuon"
+        if not self.dm:
+            return
+        plan = s.plan
+        mats = plan.matrices
+        self.bucket_of = [0] * len(mats)
+        self.bucket_layers: list[list[int]] = []
+        for b in plan.buckets:
+            for i in b.members:
+                self.bucket_of[i] = b.index
+            self.bucket_layers.append(sorted({mats[i].layer for i in b.members}))
+        self.n_buckets = len(plan.buckets)
+        self.layer_buckets: dict[int, list[int]] = {}
+        for b, layers in enumerate(self.bucket_layers):
+            for layer in layers:
+                self.layer_buckets.setdefault(layer, []).append(b)
+        self.bucket_numel = [sum(mats[i].numel for i in b.members) for b in plan.buckets]
+        self.owned = [dict() for _ in plan.buckets]  # bucket -> {plan rank: numel}
+        for i, m in enumerate(mats):
+            d = self.owned[self.bucket_of[i]]
+            d[plan.owners[i]] = d.get(plan.owners[i], 0) + m.numel
+        self.batches_of: dict[int, list] = {}
+        for k, bt in enumerate(plan.batches):  # the plan's order (build_plan: readiness order per owner)
+            bks = sorted({self.bucket_of[i] for i in bt.members})
+            numel = sum(mats[i].numel for i in bt.members)
+            self.batches_of.setdefault(bt.owner, []).append((k, bt, bks, numel))
+
+    def plan_rank(self, rank: int) -> int:
+        return rank % self.s.per_node if self.s.layout.startswith("hsdp") else rank
+
+    # ---- one rank's program ---------------------------------------------------------------------
+    def program(self, r: int) -> None:
+        """Issue rank r's ops for every step, in program order."""
+        prev = {"opt_last": None, "adam": None, "pub_deps": {}, "pubs": {}}
+        for step in range(self.s.steps):
+            fwd = self._forward(r, step, prev)
+            red = self._backward(r, step, fwd)
+            self._optimizer(r, step, prev, red)
+
+    def _gathered_numel(self, l: int) -> tuple[int, int]:
+        """(elements, of which Muon) all-gathered for layer l: dmuon publishes its Muon matrices instead."""
+        if self.dm and not self.sharded:
+            return self.s.layer_adamw_numel[l], 0
+        return self._layer_numel(l), self._layer_muon(l)
+
+    def _forward(self, r: int, step: int, prev: dict) -> list[Op]:
+        s, c = self.s, self.c
+        L = s.n_layers
+        publish_here = self.dm and not self.sharded and (s.overlap or step == 0)
+        gathers: dict[int, list[Op]] = {}
+        pubs: dict[int, Op] = {}
+        fwd: list[Op] = []
+
+        def gather(l: int, dep: Op | None) -> None:
+            ops = []
+            numel, mu = self._gathered_numel(l)
+            if self.shard is not None and numel:
+                opt_dep = prev["adam"] if (self.dm and not self.sharded) else prev["opt_last"]
+                col = self.coll(r, ("ag", step, "fwd", l), self.shard, "all_gather", numel * s.param_bytes,
+                                muon_fraction=mu / numel, step=step)
+                ops.append(c.collective(col, r, phase="fwd", step=step, deps=(dep, opt_dep)))
+            if publish_here:
+                for b in self.layer_buckets.get(l, ()):
+                    if self.bucket_layers[b][0] == l:
+                        pubs[b] = self._publish(r, b, step, prev["pub_deps"].get(b, ()),
+                                                phase="pub" if step else "fwd")
+            gathers[l] = ops
+
+        gather(0, None)
+        for l in range(L):
+            if l + 1 < L:
+                gather(l + 1, fwd[l - 1] if l >= 1 else None)
+            deps = list(gathers[l])
+            if publish_here:
+                deps += [pubs[b] for b in self.layer_buckets.get(l, ())]
+            elif l == 0:
+                deps += list(prev["pubs"].values())  # dmuon without overlap: everything published first
+            fwd.append(c.compute(r, f"fwd{l}", s.layer_fwd_s[l], phase="fwd", step=step, deps=deps))
+        return fwd
+
+    def _backward(self, r: int, step: int, fwd: list[Op]) -> dict:
+        s, c = self.s, self.c
+        L = s.n_layers
+        regather = self.free and self.shard is not None
+        gathers: dict[int, list[Op]] = {}
+        pubs: dict[int, Op] = {}
+        bwd: dict[int, Op] = {}
+        red = {"last": None, "adamw_last": None, "bucket": {}, "layer": {}}
+
+        def gather(l: int, dep: Op | None) -> None:
+            ops = []
+            numel, mu = self._gathered_numel(l)
+            if numel:
+                col = self.coll(r, ("ag", step, "bwd", l), self.shard, "all_gather", numel * s.param_bytes,
+                                muon_fraction=mu / numel, step=step)
+                ops.append(c.collective(col, r, phase="bwd", step=step, deps=(dep,)))
+            if self.dm and not self.sharded:
+                for b in self.layer_buckets.get(l, ()):
+                    if self.bucket_layers[b][-1] == l:
+                        pubs[b] = self._publish(r, b, step, (dep,), phase="bwd", tag="regather")
+            gathers[l] = ops
+
+        if regather:
+            gather(L - 1, fwd[L - 1])
+        for l in range(L - 1, -1, -1):
+            deps: list[Op] = []
+            if regather:
+                if l >= 1:
+                    gather(l - 1, bwd[l + 1] if l + 1 < L else fwd[L - 1])
+                deps = list(gathers[l])
+                if self.dm and not self.sharded:
+                    deps += [pubs[b] for b in self.layer_buckets.get(l, ())]
+            bwd[l] = c.compute(r, f"bwd{l}", s.layer_bwd_s[l], phase="bwd", step=step, deps=deps)
+            numel, mu = self._gathered_numel(l)  # reduced like it is gathered
+            if numel:
+                op = self._reduce_layer(r, step, l, numel, mu, bwd[l])
+                red["last"] = red["layer"][l] = op
+                if s.layer_adamw_numel[l]:
+                    red["adamw_last"] = op
+            if self.dm and not self.sharded:
+                for b in self.layer_buckets.get(l, ()):
+                    if self.bucket_layers[b][0] == l:
+                        red["last"] = red["bucket"][b] = self._reduce_bucket(r, b, step, bwd[l])
+        return red
+
+    def _optimizer(self, r: int, step: int, prev: dict, red: dict) -> None:
+        s, c = self.s, self.c
+        cm = c.compute
+        last = cm(r, "opt_overhead", s.optimizer_overhead_s, phase="opt", step=step)
+        local = self._local_fraction()
+        adam_numel = sum(s.layer_adamw_numel) * local
+        if s.strategy == "adamw":
+            adam_numel += sum(s.muon_numel) * local
+            last = prev["adam"] = cm(r, "adamw", s.elementwise_s(adam_numel, "adamw"), phase="opt", step=step,
+                                     deps=(red["last"],))
+        elif s.strategy == "naive":
+            if adam_numel:
+                last = cm(r, "adamw", s.elementwise_s(adam_numel, "adamw"), phase="opt", step=step,
+                          deps=(red["last"],))
+            prev["adam"] = last
+            last = cm(r, "momentum", s.elementwise_s(sum(s.muon_numel) * local, "muon_momentum"),
+                      phase="opt", step=step, deps=(red["last"],))
+            for i, numel in enumerate(s.muon_numel):
+                deps = (last,)
+                if self.shard is not None:
+                    col = self.coll(r, ("ag", step, "opt", i), self.shard, "all_gather", numel * s.grad_bytes,
+                                    muon_fraction=1.0, step=step)
+                    deps = (c.collective(col, r, phase="opt", step=step, deps=(last,)),)
+                last = cm(r, f"ns{i}", s.ns_naive_s[i], phase="opt", step=step, deps=deps)
+        elif self.sharded:
+            last = prev["adam"] = self._sharded_optimizer(r, step, adam_numel, red)
+        else:
+            # the owner's batches first (their buckets arrive during backward), then the AdamW pass
+            # (the embeddings' gradients are the last to be reduced)
+            by_bucket: dict[int, list[Op]] = {}
+            for k, bt, bks, numel in self.batches_of.get(self.plan_rank(r), ()):
+                dur = bt.time_s * s.ns_stretch + s.elementwise_s(numel, "muon_momentum")
+                last = cm(r, f"batch{k}", dur, phase="opt", step=step,
+                          deps=[red["bucket"][b] for b in bks if red["bucket"].get(b) is not None])
+                for b in bks:
+                    by_bucket.setdefault(b, []).append(last)
+            prev["pub_deps"] = {b: tuple(v) for b, v in by_bucket.items()}
+            if adam_numel:
+                last = cm(r, "adamw", s.elementwise_s(adam_numel, "adamw"), phase="opt", step=step,
+                          deps=(red["adamw_last"],))
+            prev["adam"] = last
+            if not s.overlap:
+                prev["pubs"] = {b: self._publish(r, b, step + 1, prev["pub_deps"].get(b, ()), phase="opt",
+                                                 op_step=step) for b in range(self.n_buckets)}
+        prev["opt_last"] = last
+
+    # ---- pieces ---------------------------------------------------------------------------------
+    def _layer_numel(self, l: int) -> int:
+        return self.s.layer_adamw_numel[l] + self._layer_muon(l)
+
+    def _layer_muon(self, l: int) -> int:
+        return sum(self.s.muon_numel[i] for i in self.s.layer_muon[l])
+
+    def _local_fraction(self) -> float:
+        return 1.0 / self.shard_size
+
+    def _reduce_layer(self, r: int, step: int, l: int, numel: int, mu: int, dep: Op) -> Op | None:
+        s, c = self.s, self.c
+        frac = mu / numel
+        size = numel * s.grad_bytes
+        if self.shard is None:  # ddp
+            col = self.coll(r, ("ar", step, l), "world", "all_reduce", size, muon_fraction=frac, step=step)
+            return c.collective(col, r, phase="bwd", step=step, deps=(dep,))
+        col = self.coll(r, ("rs", step, l), self.shard, "reduce_scatter", size, muon_fraction=frac, step=step)
+        op = c.collective(col, r, phase="bwd", step=step, deps=(dep,))
+        if self.replicate == "inter":
+            col = self.coll(r, ("ar", step, l), "inter", "all_reduce", size / s.per_node, muon_fraction=frac,
+                            step=step)
+            op = c.collective(col, r, phase="bwd", step=step)
+        return op
+
+    def _reduce_bucket(self, r: int, b: int, step: int, dep: Op) -> Op:
+        """Muon gradients of bucket b to their owners (dmuon, replicated or FSDP/HSDP layouts)."""
+        s, c = self.s, self.c
+        size = self.bucket_numel[b] * s.grad_bytes
+        share = max(self.owned[b].values()) * s.grad_bytes
+        group = "intra" if self.shard == "intra" else "world"
+        col = self.coll(r, ("reduce", step, b), group, "reduce", size, muon_fraction=1.0, max_share=share,
+                        step=step)
+        op = c.collective(col, r, phase="bwd", step=step, deps=(dep,))
+        if self.replicate == "inter":
+            mine = self.owned[b].get(self.plan_rank(r), 0) * s.grad_bytes
+            col = self.coll(r, ("ar_owned", step, b), "inter", "all_reduce", mine, muon_fraction=1.0,
+                            step=step)
+            op = c.collective(col, r, phase="bwd", step=step)
+        return op
+
+    def _publish(self, r: int, b: int, step: int, deps, *, phase: str, tag: str = "pub",
+                 op_step: int | None = None) -> Op:
+        s, c = self.s, self.c
+        size = self.bucket_numel[b] * s.param_bytes
+        share = max(self.owned[b].values()) * s.param_bytes
+        group = "intra" if self.shard == "intra" else "world"
+        col = self.coll(r, (tag, step, b), group, "broadcast", size, muon_fraction=1.0, max_share=share,
+                        step=step if op_step is None else op_step)
+        return c.collective(col, r, phase=phase, step=step if op_step is None else op_step, deps=tuple(deps))
+
+    def _sharded_optimizer(self, r: int, step: int, adam_numel: float, red: dict) -> Op:
+        s, c, cm = self.s, self.c, self.c.compute
+        n = s.n_ranks
+        last = None
+        if adam_numel:
+            last = cm(r, "adamw", s.elementwise_s(adam_numel, "adamw"), phase="opt", step=step,
+                      deps=(red["adamw_last"],))
+        to_owner: dict[int, Op] = {}
+        for b in range(self.n_buckets - 1, -1, -1):
+            local = self.bucket_numel[b] / n
+            mom = cm(r, f"momentum_b{b}", s.elementwise_s(local, "muon_momentum"), phase="opt", step=step,
+                     deps=(red["layer"].get(self.bucket_layers[b][0]),))
+            share = max(self.owned[b].values()) * s.grad_bytes
+            col = self.coll(r, ("a2a_to", step, b), "world", "all_to_all", local * s.grad_bytes,
+                            muon_fraction=1.0, max_share=share, step=step)
+            to_owner[b] = c.collective(col, r, phase="opt", step=step, deps=(mom,))
+            last = mom
+        by_bucket: dict[int, list[Op]] = {}
+        for k, bt, bks, _numel in self.batches_of.get(r, ()):
+            op = cm(r, f"batch{k}", bt.time_s * s.ns_stretch, phase="opt", step=step,
+                    deps=[to_owner[b] for b in bks])
+            for b in bks:
+                by_bucket.setdefault(b, []).append(op)
+            last = op
+        for b in range(self.n_buckets - 1, -1, -1):
+            local = self.bucket_numel[b] / n
+            share = max(self.owned[b].values()) * s.param_bytes
+            col = self.coll(r, ("a2a_back", step, b), "world", "all_to_all", local * s.param_bytes,
+                            muon_fraction=1.0, max_share=share, step=step)
+            last_comm = c.collective(col, r, phase="opt", step=step, deps=tuple(by_bucket.get(b, ())))
+        return last_comm if self.n_buckets else last
+
+
+def build(spec: StepSpec, overlap_slowdown: float = 0.0) -> Built:
+    """Every rank's program for `spec.steps` steps, ready to run."""
+    if spec.strategy not in STRATEGIES:
+        raise InputError(f"unknown strategy {spec.strategy!r}; accepted: {', '.join(STRATEGIES)}")
+    if spec.layout not in LAYOUTS:
+        raise InputError(f"unknown layout {spec.layout!r}; accepted: {', '.join(LAYOUTS)}")
+    if spec.strategy == "dmuon" and spec.plan is None:
+        raise InputError("the dmuon strategy needs a plan")
+    cluster = Cluster(spec.n_ranks, overlap_slowdown=overlap_slowdown)
+    progs = _Programs(spec, cluster)
+    for r in range(spec.n_ranks):
+        progs.program(r)
+    notes = []
+    if spec.layout == "sharded" and spec.strategy != "dmuon":
+        notes.append(f"layout 'sharded' only changes the dmuon optimizer; {spec.strategy} runs as fsdp-keep")
+    return Built(cluster, spec, notes)
