@@ -24,6 +24,7 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 _TOL = {"bf16": 2e-2, "fp16": 5e-3, "fp32": 5e-3}
 # representative coefficients for tuning the fused epilogue (Jordan's b, c)
 _TUNE_B, _TUNE_C = -4.7750, 2.0315
+_TUNE_MAX_ELEMENTS = 1 << 28  # per tuning input (256 Mi elements)
 
 
 def _as3d(x: torch.Tensor, what: str) -> torch.Tensor:
@@ -48,12 +49,19 @@ def gpu_name(device: torch.device) -> str:
 
 
 def _tune(op: str, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> autotune.Entry:
-    """Search the candidate configs for `op` on random inputs of `shape` = (B, n, K)."""
+    """Search the candidate configs for `op` on random inputs of `shape` = (B, n, K).
+
+    The batch is cut so the inputs stay under _TUNE_MAX_ELEMENTS (the float64 reference is 4x that).
+    """
     bsz, n, k = shape
+    bsz = max(1, min(bsz, _TUNE_MAX_ELEMENTS // (n * k)))
+    shape = (bsz, n, k)
     gen = torch.Generator(device=device).manual_seed(0)
     if op == "syrk":
         x = (torch.randn(shape, generator=gen, device=device) / k ** 0.5).to(dtype)
-        ref = x.double() @ x.double().mT
+        x64 = x.double()
+        ref = x64 @ x64.mT
+        del x64
 
         def run(cfg):
             return sym_product(x, x.mT, None, 1.0, 0.0, cfg)
@@ -63,7 +71,9 @@ def _tune(op: str, shape: tuple[int, int, int], dtype: torch.dtype, device: torc
     else:
         g = torch.randn((bsz, n, n), generator=gen, device=device)
         r = ((g + g.mT) / (2 * n ** 0.5)).to(dtype)
-        ref = _TUNE_B * r.double() + _TUNE_C * (r.double() @ r.double())
+        r64 = r.double()
+        ref = torch.baddbmm(r64, r64, r64, beta=_TUNE_B, alpha=_TUNE_C)
+        del g, r64
 
         def run(cfg):
             return sym_product(r, r, r, _TUNE_C, _TUNE_B, cfg)
