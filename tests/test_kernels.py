@@ -302,6 +302,7 @@ def test_auto_threshold_is_data_driven():
         return cache_key(gpu, op, n, m, dtype, tv)
 
     assert autotune.auto_min_n({}, "H200", "bf16", tv) == autotune.DEFAULT_AUTO_MIN_N
+    assert autotune.auto_min_n({}, "H200", "fp32", tv) == float("inf")  # torch until measured
     entries = {key(512): _entry(2e-3, 1e-3), key(1024): _entry(2e-3, 1e-3), key(2048): _entry(1e-3, 2e-3),
                key(4096): _entry(1e-3, 2e-3), key(8192, gpu="A100"): _entry(9.0, 1.0)}
     assert autotune.auto_min_n(entries, "H200", "bf16", tv) == 1025

@@ -6,8 +6,8 @@
   kernels="triton" -> Triton symmetric kernels: CUDA tensors, or CPU tensors under the Triton
                       interpreter (TRITON_INTERPRET=1 set before the kernels are first imported)
   kernels="auto"   -> Triton for CUDA tensors (compute capability >= 8.0, triton installed) where
-                      measured faster (autotune cache) or, unmeasured, for n = min(rows, cols) > 1024;
-                      torch everywhere else (always on the CPU)
+                      measured faster (autotune cache) or, unmeasured, for bf16/fp16 with
+                      n = min(rows, cols) > 1024; torch everywhere else (always on the CPU)
 Triton is imported only when the Triton ops are chosen: `import dmuon` works without it.
 """
 

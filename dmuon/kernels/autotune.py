@@ -6,7 +6,8 @@ and returns the fastest verified one. Winners are cached per shape class (`confi
 a JSON file: $DMUON_CACHE_DIR/autotune.json, default ~/.cache/dmuon/autotune.json. Each entry
 keeps the torch time of the same op measured side by side, which is what `prefers_triton` reads
 to decide kernels="auto": the exact shape class when measured, else the smallest n above which
-Triton won in every measured n bucket, else the published default (cuBLAS wins for n <= 1024).
+Triton won in every measured n bucket, else the published default (cuBLAS wins for n <= 1024;
+fp32 stays on torch until measured).
 The file is written atomically (temp file + os.replace) after merging with what is on disk; a
 corrupt file is ignored with a warning and rebuilt. No triton import here.
 """
@@ -211,7 +212,8 @@ def auto_min_n(entries: dict[str, Entry], gpu: str, dtype: str, triton_version: 
 
     Per n bucket the summed Triton and torch times decide; the threshold is just above the largest
     bucket where torch won (inf if torch won the largest one); if Triton won everywhere it is the
-    smaller of the default and the lowest measured bucket. No measurements: DEFAULT_AUTO_MIN_N.
+    smaller of the default and the lowest measured bucket. No measurements: DEFAULT_AUTO_MIN_N for
+    bf16/fp16, inf (torch) for fp32.
     """
     per_bucket: dict[int, list[float]] = {}
     for key, e in entries.items():
@@ -223,8 +225,8 @@ def auto_min_n(entries: dict[str, Entry], gpu: str, dtype: str, triton_version: 
         acc = per_bucket.setdefault(k["n_bucket"], [0.0, 0.0])
         acc[0] += e.time_s
         acc[1] += e.torch_time_s
-    if not per_bucket:
-        return DEFAULT_AUTO_MIN_N
+    if not per_bucket:  # fp32: Triton's exact-fp32 dot has no tensor cores; cuBLAS until measured
+        return math.inf if dtype == "fp32" else DEFAULT_AUTO_MIN_N
     buckets = sorted(per_bucket)
     if per_bucket[buckets[-1]][0] >= per_bucket[buckets[-1]][1]:
         return math.inf
