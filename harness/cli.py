@@ -16,6 +16,7 @@ from dmuon.errors import InputError
 
 COMMAND_MODULES: list[str] = [
     "harness.cmd_bench_kernels",
+    "harness.cmd_simulate",
 ]
 
 app = typer.Typer(

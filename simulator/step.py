@@ -25,13 +25,15 @@ dmuon the owners' broadcast of their matrices, i.e. the publication):
                     matrix: all-gather of the full gradient (not overlapped with the previous NS,
                     as in the published FSDP2+Muon) and standard NS (bf16, Jordan) on every rank,
                     keeping its own shard
-             dmuon: each owner runs its plan batches in the plan's order (momentum over the batch +
-                    the batch's cost-table NS time), each once the buckets holding its members have
-                    arrived, then the AdamW pass;
+             dmuon: each owner runs its plan batches in the plan's order (the batch's share of one
+                    momentum pass over the owner's elements + the batch's cost-table NS time), each
+                    once the buckets holding its members have arrived, then the AdamW pass;
                     publication per bucket from the owners: overlapped with the next forward (each
                     layer waits for its buckets) when `overlap`, else before the next forward
-             sharded dmuon: per bucket (backward order) momentum on local shards, all_to_all to the
-                    owners, owners' batches, all_to_all back
+             sharded dmuon: per bucket (backward order) its share of one momentum pass over the
+                    local shards, all_to_all to the owners, owners' batches, all_to_all back
+An elementwise pass (AdamW, momentum) is priced once per step over all the elements it covers (one
+foreach call), so a cost table's per-call intercept is paid once, not per batch.
 The programs are generated per rank: every rank is simulated (owners differ per rank).
 """
 
@@ -288,8 +290,11 @@ class _Programs:
             # the owner's batches first (their buckets arrive during backward), then the AdamW pass
             # (the embeddings' gradients are the last to be reduced)
             by_bucket: dict[int, list[Op]] = {}
-            for k, bt, bks, numel in self.batches_of.get(self.plan_rank(r), ()):
-                dur = bt.time_s * s.ns_stretch + s.elementwise_s(numel, "muon_momentum")
+            mine = self.batches_of.get(self.plan_rank(r), ())
+            owned = sum(t[3] for t in mine)
+            momentum_s = s.elementwise_s(owned, "muon_momentum")  # one pass per step, shared pro rata
+            for k, bt, bks, numel in mine:
+                dur = bt.time_s * s.ns_stretch + momentum_s * numel / owned
                 last = cm(r, f"batch{k}", dur, phase="opt", step=step,
                           deps=[red["bucket"][b] for b in bks if red["bucket"].get(b) is not None])
                 for b in bks:
@@ -363,9 +368,11 @@ class _Programs:
             last = cm(r, "adamw", s.elementwise_s(adam_numel, "adamw"), phase="opt", step=step,
                       deps=(red["adamw_last"],))
         to_owner: dict[int, Op] = {}
+        momentum_s = s.elementwise_s(sum(self.bucket_numel) / n, "muon_momentum")  # one pass, pro rata
         for b in range(self.n_buckets - 1, -1, -1):
             local = self.bucket_numel[b] / n
-            mom = cm(r, f"momentum_b{b}", s.elementwise_s(local, "muon_momentum"), phase="opt", step=step,
+            mom = cm(r, f"momentum_b{b}", momentum_s * self.bucket_numel[b] / sum(self.bucket_numel),
+                     phase="opt", step=step,
                      deps=(red["layer"].get(self.bucket_layers[b][0]),))
             share = max(self.owned[b].values()) * s.grad_bytes
             col = self.coll(r, ("a2a_to", step, b), "world", "all_to_all", local * s.grad_bytes,

@@ -1,0 +1,149 @@
+"""`harness simulate`: one simulated training step per strategy, side by side (SimPy cost model).
+
+Prints forward / backward / optimizer / step time, exposed communication, tokens/s, bytes on the wire
+and the NS makespan for adamw, naive and dmuon (or the one `--strategy` names), then the profile and
+which inputs were measured, fitted or modelled. `--json` prints the same as JSON (one object per
+strategy, a list when several). `--trace FILE` writes a Chrome-trace timeline (Perfetto) per strategy
+(FILE itself for one strategy, FILE with the strategy before the suffix for several).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ALL = "all"
+_ROWS = (  # (label, SimResult field, scale, unit)
+    ("step", "step_s", 1e3, "ms"),
+    ("forward", "forward_s", 1e3, "ms"),
+    ("backward", "backward_s", 1e3, "ms"),
+    ("optimizer", "optimizer_s", 1e3, "ms"),
+    ("  of which grad-sync tail", "grad_sync_tail_s", 1e3, "ms"),
+    ("exposed comm (max rank)", "exposed_comm_s", 1e3, "ms"),
+    ("tokens/s", "tokens_per_s", 1.0, ""),
+    ("comm per rank", "comm_bytes_per_rank", 1e-9, "GB"),
+    ("  of which Muon", "muon_comm_bytes_per_rank", 1e-9, "GB"),
+    ("Muon volume / P", "muon_comm_volume", 1.0, "x"),
+    ("NS makespan", "ns_makespan_s", 1e3, "ms"),
+)
+
+
+def strategies_of(strategy: str) -> tuple[str, ...]:
+    from dmuon.errors import choice_error
+    from simulator.step import STRATEGIES
+
+    if strategy == ALL:
+        return STRATEGIES
+    if strategy not in STRATEGIES:
+        raise choice_error("strategy", strategy, (*STRATEGIES, ALL))
+    return (strategy,)
+
+
+def trace_path(base: Path, strategy: str, several: bool) -> Path:
+    if not several:
+        return base
+    return base.with_name(f"{base.stem}.{strategy}{base.suffix or '.json'}")
+
+
+def run_simulations(configs, trace: str | None):
+    from simulator.api import run
+    from simulator.trace import write_trace
+
+    results = []
+    for cfg in configs:
+        result, built = run(cfg)
+        if trace:
+            path = trace_path(Path(trace), cfg.strategy, len(configs) > 1)
+            write_trace(built, path, ranks_per_node=built.spec.per_node,
+                        metadata={"config": result.settings, "workload": result.workload,
+                                  "profile": result.profile, "strategy": result.strategy})
+        results.append(result)
+    return results
+
+
+def print_table(results) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    first = results[0]
+    title = (f"{first.workload} on {first.gpus} x {first.profile} ({first.settings['nodes']} node(s) of "
+             f"{first.settings['ranks_per_node']}), layout {first.layout}, seq {first.settings['seq_len']} x "
+             f"micro-batch {first.settings['micro_batch']} — SIMULATED")
+    table = Table(title=title)
+    table.add_column("")
+    for r in results:
+        table.add_column(r.strategy, justify="right")
+    for label, attr, scale, unit in _ROWS:
+        cells = []
+        for r in results:
+            v = getattr(r, attr) * scale
+            cells.append(f"{v:,.0f}" if unit == "" else f"{v:,.1f} ms" if unit == "ms" else f"{v:,.2f} {unit}")
+        table.add_row(label, *cells)
+    console = Console()
+    console.print(table)
+    by = {r.strategy: r for r in results}
+    if "naive" in by and "dmuon" in by:
+        n, d = by["naive"], by["dmuon"]
+        console.print(f"dmuon vs naive: optimizer {n.optimizer_s / d.optimizer_s:.2f}x, "
+                      f"step {n.step_s / d.step_s:.2f}x faster")
+    if "adamw" in by and "dmuon" in by:
+        console.print(f"dmuon vs adamw: step {by['dmuon'].step_s / by['adamw'].step_s - 1:+.1%}")
+    console.print("[bold]inputs[/bold]")
+    seen = set()
+    for r in results:
+        for k, v in r.provenance.items():
+            if (k, v) not in seen:
+                seen.add((k, v))
+                console.print(f"  {k}: {v}", highlight=False, soft_wrap=True)
+    for note in dict.fromkeys(n for r in results for n in r.notes):
+        console.print(f"  note: {note}", highlight=False, soft_wrap=True)
+
+
+def register(app, bench) -> None:
+    import typer
+
+    @app.command("simulate")
+    def simulate_cmd(
+        workload: str = typer.Option("qwen2.5-7b", help="Catalog workload or a .toml / .csv file."),
+        gpus: int = typer.Option(8, help="Data-parallel ranks (GPUs)."),
+        gpus_per_node: int = typer.Option(None, help="Ranks per node (default: the profile's, 8 for GPUs)."),
+        gpu: str = typer.Option("a800", help="Hardware profile: a800 | h100 | h200 | cpu | <path>.toml."),
+        strategy: str = typer.Option(ALL, help="adamw | naive | dmuon | all (side by side)."),
+        layout: str = typer.Option("fsdp-keep", help="fsdp-keep | fsdp-free | hsdp-keep | hsdp-free | ddp | "
+                                                     "sharded."),
+        seq_len: int = typer.Option(2048, help="Tokens per sequence."),
+        micro_batch: int = typer.Option(2, help="Sequences per GPU per step."),
+        gram: bool = typer.Option(True, "--gram/--no-gram", help="dmuon: Gram Newton-Schulz."),
+        symmetric_kernels: bool = typer.Option(True, "--symmetric-kernels/--no-symmetric-kernels",
+                                               help="dmuon: symmetric (SYRK-style) products."),
+        batching: bool = typer.Option(True, "--batching/--no-batching", help="dmuon: batch same-shape NS."),
+        balancer: str = typer.Option("lpt", help="dmuon owner balancer: round_robin | lpt | milp."),
+        overlap: bool = typer.Option(True, "--overlap/--no-overlap",
+                                     help="dmuon: overlap publication with the next forward."),
+        hierarchical: bool = typer.Option(True, "--hierarchical/--no-hierarchical",
+                                          help="Two-level collectives across nodes (else one flat ring)."),
+        nic_gbps: float = typer.Option(None, help="Inter-node NIC bandwidth per node, Gbit/s (default: "
+                                                  "profile; a800: 800 = 4 x 200 Gb/s HDR)."),
+        overlap_slowdown: float = typer.Option(None, help="Compute slowdown while communication overlaps it "
+                                                          "(e.g. 0.1; default: profile)."),
+        bucket_numel: int = typer.Option(0, help="dmuon: elements per bucket (0: one bucket per layer)."),
+        trace: str = typer.Option(None, help="Write a Chrome-trace JSON (open in Perfetto) to this file."),
+        json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    ):
+        """Simulate one training step (steady state) of WORKLOAD on GPUS ranks; all strategies by default."""
+        from simulator.api import SimConfig
+
+        configs = [
+            SimConfig(workload=workload, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, strategy=s,
+                      layout=layout, seq_len=seq_len, micro_batch=micro_batch, gram=gram,
+                      symmetric_kernels=symmetric_kernels, batching=batching, balancer=balancer, overlap=overlap,
+                      hierarchical=hierarchical, nic_gbps=nic_gbps, overlap_slowdown=overlap_slowdown,
+                      bucket_numel=bucket_numel)
+            for s in strategies_of(strategy)
+        ]
+        results = run_simulations(configs, trace)
+        if json_out:
+            out = [r.to_dict() for r in results]
+            print(json.dumps(out[0] if len(out) == 1 else out, indent=1, default=str))
+        else:
+            print_table(results)
