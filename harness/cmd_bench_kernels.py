@@ -7,8 +7,8 @@ after warm-up; CUDA events on a GPU, perf_counter on the CPU):
   gram_ns_sym_s  Gram NS, Triton symmetric kernels; *_speedup = standard_ns_s / that time
 and one batching row per kernel set: 28 x (512, 3584) as one batched call vs a loop of 28 calls.
 Shapes: the distinct Muon matrix shapes of qwen2.5-7b / wall-oss (experiments/workloads.csv) and
-squares n in {1024, 2048, 4096, 8192}. Without CUDA the Triton columns are n/a and every shape is
-divided by `--scale` (default 8 on the CPU; rows say so). Also runnable without typer/rich:
+squares n in {1024, 2048, 4096, 8192}; default all of them on CUDA. Without CUDA the default set is
+qwen, the Triton columns are n/a and every shape is divided by `--scale` (default 8; rows say so). Also runnable without typer/rich:
 `python -m harness.cmd_bench_kernels --json` (the GPU check script does that).
 """
 
@@ -92,7 +92,7 @@ def _ratio(num, den):
     return None if num is None or den is None else num / den
 
 
-def run_bench(shapes: str = "qwen", dtype: str | None = None, repeats: int = 5, scale: int | None = None,
+def run_bench(shapes: str | None = None, dtype: str | None = None, repeats: int = 5, scale: int | None = None,
               device: str | None = None, batch_case: bool = True) -> list[dict]:
     """All benchmark rows (dicts) for one shape set and dtype on `device` (default: cuda if available)."""
     import torch
@@ -108,6 +108,7 @@ def run_bench(shapes: str = "qwen", dtype: str | None = None, repeats: int = 5, 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = dev.type == "cuda"
     dtype = dtype or ("bf16" if cuda else "fp32")
+    shapes = shapes or ("all" if cuda else "qwen")
     if dtype not in DTYPES:
         raise choice_error("dtype", dtype, DTYPES)
     if not cuda and dtype == "fp16":
@@ -228,7 +229,8 @@ def register(app, bench) -> None:
     @bench.command("kernels")
     def kernels_cmd(
         json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON instead of tables."),
-        shapes: str = typer.Option("qwen", help="Shape set: qwen | wall-oss | squares | all."),
+        shapes: str = typer.Option(None, help="qwen | wall-oss | squares | all (default: all on CUDA, "
+                                   "qwen on the CPU)."),
         dtype: str = typer.Option(None, help="bf16 | fp16 | fp32 (default: bf16 on CUDA, fp32 on the CPU)."),
         repeats: int = typer.Option(5, help="Timed repeats per variant (median reported), after a warm-up."),
         scale: int = typer.Option(None, help="Divide every shape by this (default: 8 on CPU, 1 on CUDA)."),
@@ -252,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness.cmd_bench_kernels",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
-    p.add_argument("--shapes", default="qwen", help="qwen | wall-oss | squares | all")
+    p.add_argument("--shapes", default=None,
+                   help="qwen | wall-oss | squares | all (default: all on CUDA, qwen on the CPU)")
     p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--scale", type=int, default=None)
