@@ -8,8 +8,8 @@ after warm-up; CUDA events on a GPU, perf_counter on the CPU):
 and one batching row per kernel set: 28 x (512, 3584) as one batched call vs a loop of 28 calls.
 Shapes: the distinct Muon matrix shapes of qwen2.5-7b / wall-oss (experiments/workloads.csv) and
 squares n in {1024, 2048, 4096, 8192}; default all of them on CUDA. Without CUDA the default set is
-qwen, the Triton columns are n/a and every shape is divided by `--scale` (default 8; rows say so). Also runnable without typer/rich:
-`python -m harness.cmd_bench_kernels --json` (the GPU check script does that).
+qwen, the Triton columns are n/a and every shape is divided by `--scale` (default 8; rows say so).
+Also runnable without typer/rich: `python -m harness.cmd_bench_kernels --json` (gpu_check.sh does).
 """
 
 from __future__ import annotations
