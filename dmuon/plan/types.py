@@ -56,6 +56,7 @@ class Batch:
     cols: int
     members: tuple[int, ...]  # matrix indices
     time_s: float  # cost-table time of this batched call
+    method: str = ""  # NS method of this call; "" = the plan's method (differs only for method "auto")
 
     @property
     def size(self) -> int:
@@ -86,7 +87,8 @@ class Plan:
     batches: tuple[Batch, ...]
     buckets: tuple[Bucket, ...]
     balancer: str
-    method: str  # orthogonalization method the costs assume: "standard" | "gram" | "gram_sym"
+    method: str  # orthogonalization method the costs assume: "standard" | "standard_sym" | "gram" |
+    # "gram_sym" | "auto" (cheapest per batch: see Batch.method)
     dtype: str  # iteration dtype the costs assume: "bf16" | "fp16" | "fp32"
     cost_source: str  # which cost table / profile priced the work
     makespan_s: float
@@ -133,7 +135,7 @@ class Plan:
         d["owners"] = tuple(d["owners"])
         d["batches"] = tuple(
             Batch(owner=b["owner"], rows=b["rows"], cols=b["cols"], members=tuple(b["members"]),
-                  time_s=b["time_s"]) for b in d["batches"]
+                  time_s=b["time_s"], method=b.get("method", "")) for b in d["batches"]
         )
         d["buckets"] = tuple(Bucket(index=b["index"], members=tuple(b["members"])) for b in d["buckets"])
         d["notes"] = tuple(d.get("notes", ()))

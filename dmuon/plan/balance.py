@@ -1,0 +1,334 @@
+"""The balancing problem and the greedy balancers (round-robin, LPT); the MILP lives in `milp.py`.
+
+Work model. Matrices are grouped into *shape classes* by their NS shape (n, m) = (min, max): a matrix
+and its transpose cost the same and may share a batch (the runtime transposes tall ones before
+stacking). For a class s, T(s, b) is the cost-table time of one batched call of b matrices. Batch sizes
+a class may use (`sizes`): 1, and every b <= max_batch with T(s, b) < b T(s, 1) (a batch never costs
+more than its members run singly) that is not dominated by a split b = b1 + b2 of usable sizes with
+T(b1) + T(b2) <= T(b) (the split is never worse on the same rank, so the balancers need not see b).
+
+Lower bound (a theorem for every plan over these batch sizes, memory cap or not):
+    unit(s)     = min_b T(s, b) / b        cheapest share of one matrix over every batch size b >= 1
+    min_call(s) = min_b T(s, b)            cheapest call that can contain one matrix of s
+    LB = max( sum_s count(s) unit(s) / N ,  max_s min_call(s),  pigeonhole terms )
+since a batch of b matrices of s costs T(s, b) >= b unit(s) (so total work >= sum count unit, and some
+rank carries >= 1/N of it) and every matrix sits in some call of cost >= min_call(s). The pigeonhole
+terms (`WorkModel.lower_bound_terms`) say that when there are more large matrices than ranks, some rank
+must run two (or more) of them.
+
+An assignment is, per rank and class, the list of batch sizes it runs (`Loads`); which concrete
+matrices fill those slots is decided in `build.py` (layer order).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..errors import InputError, choice_error
+from .flops import METHODS
+from .types import MatrixSpec
+
+AUTO_METHOD = "auto"
+PLAN_METHODS = (*METHODS, AUTO_METHOD)
+# Owned state per matrix element on its owner: the fp32 momentum buffer + a full fp32 copy of the
+# matrix (the gathered gradient / NS input and output). Parameter shards and optimizer state of other
+# params are not counted (they are the same with or without DMuon).
+STATE_BYTES_PER_ELEMENT = 8
+TOP_K_MAX = 8
+
+
+@dataclass(frozen=True)
+class ShapeClass:
+    """All matrices with one NS shape (n, m), with the batch sizes and times they may use."""
+
+    n: int
+    m: int
+    members: tuple[int, ...]  # matrix indices, in (layer, index) order
+    times_s: dict[int, float]  # batch size -> T(s, b), every b in 1..max_batch that was priced
+    methods: dict[int, str]  # batch size -> method that prices it (differs per size only for "auto")
+    sizes: tuple[int, ...]  # usable, non-dominated batch sizes, ascending (see module docstring)
+    state_bytes: int  # owned state of one matrix of this class
+
+    @property
+    def count(self) -> int:
+        return len(self.members)
+
+    @property
+    def unit_s(self) -> float:
+        return min(t / b for b, t in self.times_s.items())
+
+    @property
+    def min_call_s(self) -> float:
+        return min(self.times_s.values())
+
+
+@dataclass
+class WorkModel:
+    """The balancing input: shape classes, rank count, optional memory cap."""
+
+    matrices: tuple[MatrixSpec, ...]
+    world_size: int
+    classes: tuple[ShapeClass, ...]
+    memory_cap_bytes: float | None = None
+    _split_cache: dict = field(default_factory=dict, repr=False)
+    _lb_terms: dict[str, float] | None = field(default=None, repr=False)
+
+    @property
+    def lower_bound_s(self) -> float:
+        return max(self.lower_bound_terms().values())
+
+    def lower_bound_terms(self) -> dict[str, float]:
+        """Every valid lower bound on the makespan, by name (see the module docstring for the first two).
+
+        pigeonhole <class>: count(s) matrices on N ranks -> some rank holds q = ceil(count / N) of them and
+            runs batches covering >= q matrices of s: >= cover(s, q) = min_{j >= q} best batching of j.
+        top-<k>: of the k N + 1 matrices with the largest min_call, some rank holds k + 1: >= the cheapest
+            way to hold k + 1 of them (a small knapsack over classes of cover(s, j)); k <= TOP_K_MAX.
+        """
+        if self._lb_terms is None:
+            n_ranks = self.world_size
+            work = sum(c.count * c.unit_s for c in self.classes)
+            terms = {"work/N": work / n_ranks, "largest call": max(c.min_call_s for c in self.classes)}
+            for s, c in enumerate(self.classes):
+                q = -(-c.count // n_ranks)
+                if q > 1:
+                    terms[f"pigeonhole {c.n}x{c.m}"] = self.cover_s(s, q)
+            order = sorted(range(len(self.classes)), key=lambda s: (-self.classes[s].min_call_s, s))
+            total = sum(c.count for c in self.classes)
+            for k in range(1, TOP_K_MAX + 1):
+                if k * n_ranks + 1 > total:
+                    break
+                left, avail = k * n_ranks + 1, {}
+                for s in order:
+                    avail[s] = min(left, self.classes[s].count)
+                    left -= avail[s]
+                    if not left:
+                        break
+                best = [0.0] + [math.inf] * (k + 1)  # best[j]: cheapest way to hold j of the top set
+                for s, a in avail.items():
+                    best = [min(best[j - i] + (self.cover_s(s, i) if i else 0.0) for i in range(min(a, j) + 1))
+                            for j in range(k + 2)]
+                terms[f"top-{k}"] = best[k + 1]
+            self._lb_terms = terms
+        return self._lb_terms
+
+    def split_cost_s(self, s: int, k: int) -> float:
+        return sum(self.classes[s].times_s[b] for b in self.best_split(s, k))
+
+    def cover_s(self, s: int, k: int) -> float:
+        """Cheapest batches of class s that hold at least k of its matrices."""
+        return self.split_cost_s(s, self.cover_count(s, k))
+
+    def cover_count(self, s: int, k: int) -> int:
+        """The j >= k whose best batching is cheapest (j = k unless the table is not monotone)."""
+        return min(range(k, self.classes[s].count + 1), key=lambda j: (self.split_cost_s(s, j), j))
+
+    def best_split(self, s: int, k: int, max_size: int | None = None) -> tuple[int, ...]:
+        """Batch sizes (descending) covering k matrices of class s at least total time (DP over the usable
+        sizes <= max_size; ties: fewer batches, then larger batches first)."""
+        key = (s, max_size)
+        table = self._split_cache.setdefault(key, [(0.0, 0, ())])
+        cls = self.classes[s]
+        sizes = [b for b in cls.sizes if max_size is None or b <= max_size]
+        for j in range(len(table), k + 1):
+            cands = [(table[j - b][0] + cls.times_s[b], table[j - b][1] + 1,
+                      tuple(sorted((*table[j - b][2], b), reverse=True))) for b in sizes if b <= j]
+            table.append(min(cands, key=lambda c: (c[0], c[1], tuple(-x for x in c[2]))))
+        return table[k][2]
+
+
+Loads = list[dict[int, list[int]]]  # per rank: class index -> batch sizes it runs
+
+
+def build_work_model(matrices: Sequence[MatrixSpec], world_size: int, cost, *, method: str = "gram_sym",
+                     dtype: str = "bf16", batching: bool = True, max_batch: int = 8,
+                     memory_cap_bytes: float | None = None) -> WorkModel:
+    """Group matrices into shape classes and price every batch size with the cost table."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise InputError(f"world_size must be a positive integer, got {world_size!r}")
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise InputError(f"max_batch must be a positive integer, got {max_batch!r}")
+    if method not in PLAN_METHODS:
+        raise choice_error("method", method, PLAN_METHODS)
+    matrices = tuple(matrices)
+    if not matrices:
+        raise InputError("no matrices to plan: the workload has no Muon-managed matrices")
+    names = [mat.name for mat in matrices]
+    if len(set(names)) != len(names):
+        dup = sorted({x for x in names if names.count(x) > 1})
+        raise InputError(f"matrix names must be unique; repeated: {dup[:5]}")
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in sorted(range(len(matrices)), key=lambda i: (matrices[i].layer, i)):
+        mat = matrices[i]
+        groups.setdefault((min(mat.shape), max(mat.shape)), []).append(i)
+    classes = []
+    for (n, m), members in sorted(groups.items()):
+        top = min(max_batch, len(members)) if batching else 1
+        times, meths = {}, {}
+        for b in range(1, top + 1):
+            cands = METHODS if method == AUTO_METHOD else (method,)
+            priced = [(cost.ns_time(n, m, b, mt, dtype).time_s, METHODS.index(mt), mt) for mt in cands]
+            t, _, mt = min(priced)
+            times[b], meths[b] = t, mt
+        usable = [1] + [b for b in range(2, top + 1) if times[b] < b * times[1]]
+        sizes = tuple(b for b in usable if not any(
+            b1 in usable and (b - b1) in usable and times[b1] + times[b - b1] <= times[b]
+            for b1 in range(1, b // 2 + 1)))
+        classes.append(ShapeClass(n, m, tuple(members), times, meths, sizes,
+                                  n * m * STATE_BYTES_PER_ELEMENT))
+    model = WorkModel(matrices, world_size, tuple(classes), memory_cap_bytes)
+    _check_memory(model)
+    return model
+
+
+def _check_memory(model: WorkModel) -> None:
+    cap = model.memory_cap_bytes
+    if cap is None:
+        return
+    if not cap > 0:
+        raise InputError(f"memory_cap_bytes must be positive, got {cap!r}")
+    biggest = max(c.state_bytes for c in model.classes)
+    if biggest > cap:
+        raise InputError(f"memory cap {cap:.4g} B per rank is below the owned state of one matrix "
+                         f"({biggest:.4g} B = numel x {STATE_BYTES_PER_ELEMENT} B: fp32 momentum + fp32 copy)")
+    total = sum(c.count * c.state_bytes for c in model.classes)
+    if total > cap * model.world_size:
+        raise InputError(f"memory cap {cap:.4g} B x {model.world_size} ranks cannot hold the owned state "
+                         f"{total:.4g} B (numel x {STATE_BYTES_PER_ELEMENT} B); raise the cap or add ranks")
+
+
+def rank_load_s(model: WorkModel, loads: dict[int, list[int]]) -> float:
+    return sum(model.classes[s].times_s[b] for s, sizes in loads.items() for b in sizes)
+
+
+def rank_state_bytes(model: WorkModel, loads: dict[int, list[int]]) -> int:
+    return sum(model.classes[s].state_bytes * b for s, sizes in loads.items() for b in sizes)
+
+
+def rebatch(model: WorkModel, loads: Loads) -> Loads:
+    """Per rank and class, the cheapest batching of the matrices it holds (never increases a load)."""
+    out: Loads = []
+    for rank in loads:
+        new = {}
+        for s, sizes in rank.items():
+            k = sum(sizes)
+            if k:
+                best = list(model.best_split(s, k))
+                cls = model.classes[s]
+                new[s] = best if sum(cls.times_s[b] for b in best) < sum(cls.times_s[b] for b in sizes) \
+                    else sorted(sizes, reverse=True)
+        out.append(new)
+    return out
+
+
+def round_robin(model: WorkModel) -> tuple[Loads, tuple[int, ...]]:
+    """Matrix i (in (layer, index) order) -> the next rank with room, cyclically; then each rank batches
+    what it holds. Returns the loads and the explicit owner of every matrix."""
+    n_ranks = model.world_size
+    cls_of = {i: s for s, c in enumerate(model.classes) for i in c.members}
+    owners = [-1] * len(model.matrices)
+    used = [0] * n_ranks
+    cap = model.memory_cap_bytes
+    rank = 0
+    for i in sorted(cls_of, key=lambda i: (model.matrices[i].layer, i)):
+        need = model.classes[cls_of[i]].state_bytes
+        for step in range(n_ranks):
+            r = (rank + step) % n_ranks
+            if cap is None or used[r] + need <= cap:
+                break
+        else:
+            raise InputError(f"memory cap {cap:.4g} B per rank: no rank has room for matrix "
+                             f"{model.matrices[i].name!r} under round-robin; raise the cap")
+        owners[i] = r
+        used[r] += need
+        rank = (r + 1) % n_ranks
+    counts: list[dict[int, int]] = [{} for _ in range(n_ranks)]
+    for i, r in enumerate(owners):
+        counts[r][cls_of[i]] = counts[r].get(cls_of[i], 0) + 1
+    loads = [{s: list(model.best_split(s, k)) for s, k in sorted(c.items())} for c in counts]
+    return loads, tuple(owners)
+
+
+def lpt_for_cap(model: WorkModel, max_size: int) -> Loads | None:
+    """LPT with batches of at most `max_size`: each class split at least work, batches longest first, each
+    to the least-loaded rank with memory room (ties: lowest rank). None if the memory cap blocks it."""
+    jobs = []
+    for s, cls in enumerate(model.classes):
+        for b in model.best_split(s, cls.count, max_size):
+            jobs.append((-cls.times_s[b], s, -b))
+    jobs.sort()
+    n_ranks = model.world_size
+    load = [0.0] * n_ranks
+    used = [0] * n_ranks
+    loads: Loads = [{} for _ in range(n_ranks)]
+    cap = model.memory_cap_bytes
+    heap = [(0.0, r) for r in range(n_ranks)]  # (load, rank): least loaded, lowest rank first
+    for neg_t, s, neg_b in jobs:
+        b, need = -neg_b, model.classes[s].state_bytes * -neg_b
+        if cap is None:
+            _, best = heapq.heappop(heap)
+        else:
+            fits = [r for r in range(n_ranks) if used[r] + need <= cap]
+            if not fits:
+                return None
+            best = min(fits, key=lambda r: (load[r], r))
+        load[best] -= neg_t
+        used[best] += need
+        loads[best].setdefault(s, []).append(b)
+        if cap is None:
+            heapq.heappush(heap, (load[best], best))
+    return loads
+
+
+def lpt_marginal(model: WorkModel) -> Loads | None:
+    """LPT over single matrices (largest T(s, 1) first), each to the rank whose load grows least, where
+    adding a matrix of class s to a rank holding k of them costs cover(k + 1) - cover(k): batching
+    economies make small matrices gather on the ranks that already run their class. None if the memory
+    cap blocks it."""
+    n_ranks = model.world_size
+    counts = [[0] * len(model.classes) for _ in range(n_ranks)]
+    load, used = [0.0] * n_ranks, [0] * n_ranks
+    cap = model.memory_cap_bytes
+    order = sorted(((-c.times_s[1], s) for s, c in enumerate(model.classes) for _ in range(c.count)))
+    for _, s in order:
+        need = model.classes[s].state_bytes
+        best_key, best = None, -1
+        for r in range(n_ranks):
+            if cap is not None and used[r] + need > cap:
+                continue
+            k = counts[r][s]
+            new = load[r] + model.split_cost_s(s, k + 1) - model.split_cost_s(s, k)
+            if best_key is None or (new, r) < best_key:
+                best_key, best = (new, r), r
+        if best < 0:
+            return None
+        load[best] = best_key[0]
+        counts[best][s] += 1
+        used[best] += need
+    return [{s: list(model.best_split(s, k)) for s, k in enumerate(row) if k} for row in counts]
+
+
+def lpt(model: WorkModel) -> Loads:
+    """Greedy LPT: over batches with every batch-size cap 1..max usable size, and over single matrices
+    with marginal batching costs (`lpt_marginal`); the best makespan wins (ties: less total work, then
+    candidate order). Each rank then re-batches what it holds."""
+    top = max(max(c.sizes) for c in model.classes)
+    best_key, best = None, None
+    candidates = [lambda cap=cap: lpt_for_cap(model, cap) for cap in range(1, top + 1)]
+    candidates.append(lambda: lpt_marginal(model))
+    for idx, make in enumerate(candidates):
+        loads = make()
+        if loads is None:
+            continue
+        loads = rebatch(model, loads)
+        per_rank = [rank_load_s(model, r) for r in loads]
+        key = (max(per_rank), sum(per_rank), idx)
+        if best_key is None or key < best_key:
+            best_key, best = key, loads
+    if best is None:
+        raise InputError(f"memory cap {model.memory_cap_bytes:.4g} B per rank: LPT found no placement of "
+                         "every matrix; raise the cap or add ranks")
+    return best

@@ -1,0 +1,156 @@
+"""build_plan: matrices + rank count + cost table -> the Plan both executors use.
+
+Steps: price every shape class and batch size (`balance.build_work_model`); assign batches to ranks
+with the chosen balancer (round_robin | lpt | milp); map each rank's per-class slots to concrete
+matrices in layer order; cut communication buckets in layer order.
+
+Mapping slots to matrices (LPT, MILP): the matrices of all classes are visited in forward (layer,
+index) order; each goes to a rank with a free slot of its class, preferring (1, only with
+anti_affinity) a rank owning the fewest matrices of this layer so far, then (2) the rank furthest behind
+its share of the class (stride scheduling), so each owner's matrices are spread over the whole model
+and its publications interleave with everyone else's; ties go to the lowest rank. Loads never change.
+
+Batches: a rank's matrices of one class are cut into its batch sizes (largest first) in reverse layer
+order, so the first batch holds the highest layers (their gradients arrive first in backward). Plan
+batches are sorted by owner, then by readiness (lowest member layer, descending). A batch's rows/cols
+are the NS shape (n, m) = (min, max); members of shape (m, n) are transposed by the runtime.
+
+Buckets: bucket_numel = 0 -> one bucket per layer; else consecutive layers are merged until a bucket
+holds >= bucket_numel elements (the last may be smaller). Members in forward order.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Sequence
+
+from ..errors import InputError, choice_error
+from .balance import Loads, WorkModel, build_work_model, lpt, rank_load_s, round_robin
+from .types import Batch, Bucket, MatrixSpec, Plan
+
+BALANCERS = ("round_robin", "lpt", "milp")
+
+
+def build_plan(matrices: Sequence[MatrixSpec], world_size: int, cost, *, balancer: str = "lpt",
+               method: str = "gram_sym", dtype: str = "bf16", batching: bool = True, max_batch: int = 8,
+               bucket_numel: int = 0, memory_cap_bytes: float | None = None, anti_affinity: bool = False,
+               time_limit_s: float = 10.0, seed: int = 0) -> Plan:
+    """Owners, batches and buckets for `matrices` on `world_size` ranks, priced by `cost` (a CostTable).
+
+    seed: only breaks ties that the deterministic order leaves open (none today); same input -> same
+    plan regardless of it. time_limit_s: MILP solver time (both phases together).
+    """
+    if balancer not in BALANCERS:
+        raise choice_error("balancer", balancer, BALANCERS)
+    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 0:
+        raise InputError(f"bucket_numel must be a non-negative integer (0 = one bucket per layer), "
+                         f"got {bucket_numel!r}")
+    if not time_limit_s > 0:
+        raise InputError(f"time_limit_s must be positive, got {time_limit_s!r}")
+    t_start = time.perf_counter()
+    model = build_work_model(matrices, world_size, cost, method=method, dtype=dtype, batching=batching,
+                             max_batch=max_batch, memory_cap_bytes=memory_cap_bytes)
+    notes: list[str] = []
+    gap = 0.0
+    owners: tuple[int, ...] | None = None
+    if balancer == "round_robin":
+        loads, owners = round_robin(model)
+    elif balancer == "lpt":
+        loads = lpt(model)
+    else:
+        from .milp import solve_milp
+
+        result = solve_milp(model, time_limit_s=time_limit_s, seed=seed)
+        loads, gap = result.loads, result.gap
+        notes += result.notes
+        if result.fallback:
+            warnings.warn(f"MILP balancer fell back to LPT: {result.notes[-1]}", RuntimeWarning, stacklevel=2)
+    if owners is None:
+        owners = map_slots(model, loads, anti_affinity=anti_affinity)
+    batches = make_batches(model, loads, owners)
+    solve_time_s = time.perf_counter() - t_start
+    per_rank = [rank_load_s(model, r) for r in loads]
+    makespan = max(per_rank)
+    lb = model.lower_bound_s
+    if balancer != "milp":
+        gap = (makespan - lb) / makespan if makespan > 0 else 0.0
+    if not batching:
+        notes.append("batching off: every matrix is its own NS call")
+    return Plan(
+        world_size=world_size, matrices=model.matrices, owners=owners, batches=batches,
+        buckets=make_buckets(model.matrices, bucket_numel), balancer=balancer, method=method, dtype=dtype,
+        cost_source=getattr(cost, "name", type(cost).__name__), makespan_s=makespan, lower_bound_s=lb,
+        solve_time_s=solve_time_s, gap=max(0.0, gap), notes=tuple(notes),
+    )
+
+
+def map_slots(model: WorkModel, loads: Loads, *, anti_affinity: bool = False) -> tuple[int, ...]:
+    """Concrete owner of every matrix from per-rank class slots (see the module docstring)."""
+    n_ranks = model.world_size
+    slots = [[sum(loads[r].get(s, ())) for r in range(n_ranks)] for s in range(len(model.classes))]
+    for s, cls in enumerate(model.classes):
+        if sum(slots[s]) != cls.count:
+            raise AssertionError(f"class {cls.n}x{cls.m}: {sum(slots[s])} slots for {cls.count} matrices")
+    assigned = [[0] * n_ranks for _ in model.classes]
+    seen = [0] * len(model.classes)
+    cls_of = {i: s for s, c in enumerate(model.classes) for i in c.members}
+    owners = [-1] * len(model.matrices)
+    in_layer: dict[int, dict[int, int]] = {}
+    for i in sorted(cls_of, key=lambda i: (model.matrices[i].layer, i)):
+        s, layer = cls_of[i], model.matrices[i].layer
+        seen[s] += 1
+        count = model.classes[s].count
+        per_layer = in_layer.setdefault(layer, {})
+        best_key, best = None, -1
+        for r in range(n_ranks):
+            if assigned[s][r] >= slots[s][r]:
+                continue
+            behind = slots[s][r] * seen[s] / count - assigned[s][r]
+            key = (per_layer.get(r, 0) if anti_affinity else 0, -behind, r)
+            if best_key is None or key < best_key:
+                best_key, best = key, r
+        owners[i] = best
+        assigned[s][best] += 1
+        per_layer[best] = per_layer.get(best, 0) + 1
+    return tuple(owners)
+
+
+def make_batches(model: WorkModel, loads: Loads, owners: Sequence[int]) -> tuple[Batch, ...]:
+    """Cut each rank's matrices of each class into its batch sizes (see the module docstring)."""
+    out = []
+    for s, cls in enumerate(model.classes):
+        for r in range(model.world_size):
+            sizes = sorted(loads[r].get(s, ()), reverse=True)
+            mine = sorted((i for i in cls.members if owners[i] == r),
+                          key=lambda i: (-model.matrices[i].layer, -i))
+            if len(mine) != sum(sizes):
+                raise AssertionError(f"rank {r} class {cls.n}x{cls.m}: {len(mine)} matrices, slots {sizes}")
+            pos = 0
+            for b in sizes:
+                members = tuple(sorted(mine[pos:pos + b], key=lambda i: (model.matrices[i].layer, i)))
+                pos += b
+                out.append(Batch(owner=r, rows=cls.n, cols=cls.m, members=members, time_s=cls.times_s[b],
+                                 method=cls.methods[b]))
+    ready = {id(b): min(model.matrices[i].layer for i in b.members) for b in out}
+    out.sort(key=lambda b: (b.owner, -ready[id(b)], b.rows, b.cols, b.members))
+    return tuple(out)
+
+
+def make_buckets(matrices: Sequence[MatrixSpec], bucket_numel: int = 0) -> tuple[Bucket, ...]:
+    """Communication buckets in forward layer order (see the module docstring)."""
+    by_layer: dict[int, list[int]] = {}
+    for i in sorted(range(len(matrices)), key=lambda i: (matrices[i].layer, i)):
+        by_layer.setdefault(matrices[i].layer, []).append(i)
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    numel = 0
+    for layer in sorted(by_layer):
+        current += by_layer[layer]
+        numel += sum(matrices[i].numel for i in by_layer[layer])
+        if bucket_numel == 0 or numel >= bucket_numel:
+            buckets.append(current)
+            current, numel = [], 0
+    if current:
+        buckets.append(current)
+    return tuple(Bucket(index=k, members=tuple(m)) for k, m in enumerate(buckets))

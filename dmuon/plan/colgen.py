@@ -1,0 +1,297 @@
+"""Configuration search: identical ranks aggregated exactly, by column generation (HiGHS) + a MILP.
+
+Identical ranks make a rank's work a *configuration*: k(s) matrices of each shape class s, costing
+C(k) = sum_s cover(s, k(s)) when it batches them optimally (`WorkModel.cover_s`). A makespan T is
+feasible iff N configurations of cost <= T cover every class. For a trial T:
+
+  bound:  the configuration LP  min sum_p y_p  s.t.  sum_p k_p(s) y_p >= count(s), y >= 0, over every
+          configuration with C <= T, solved by column generation (pricing: a knapsack over classes,
+          dynamic programming on a grid of G steps of T). Costs are rounded DOWN to the grid, so the LP
+          is a relaxation: if it needs more than N ranks, no plan has makespan <= T (a proof). Bisection
+          over T gives the largest such T: a lower bound on the optimal makespan, usually far above
+          max(work / N, largest call) because it knows that large matrices do not split.
+  plan:   at a trial T (first just above the LP bound, then bisecting up towards the start's makespan):
+          column generation with costs rounded UP (every configuration truly fits in T), then residual
+          rounding ("diving": fix the configurations the LP uses, re-solve for what is left), and if that
+          fails the MILP over the generated configurations (pulp + HiGHS): min sum_p y_p C_p s.t. cover,
+          sum_p y_p <= N, y integer, exact cost <= T. Once the smallest feasible T is found, the same MILP
+          at that makespan minimizes the total work (lexicographic: makespan first, then work).
+The size of every model is independent of N (256 ranks cost what 8 do). numpy, highspy and pulp are
+imported inside `configuration_search`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from .balance import Loads, WorkModel, rank_load_s
+from .milp import new_highs
+
+GRID = 2000  # pricing grid steps per trial makespan
+BISECTION_REL_TOL = 2e-4
+
+
+@dataclass
+class ConfigResult:
+    loads: Loads | None  # None: no integer plan found in time
+    bound_s: float  # proven lower bound on the makespan (0 if none proven)
+    notes: list[str] = field(default_factory=list)
+
+
+class _Pool:
+    """Generated configurations (count vectors) with their exact costs."""
+
+    def __init__(self, model: WorkModel):
+        self.model = model
+        self.configs: dict[tuple[int, ...], float] = {}
+
+    def cost(self, k: tuple[int, ...]) -> float:
+        return sum(self.model.cover_s(s, ks) for s, ks in enumerate(k) if ks)
+
+    def add(self, k: tuple[int, ...]) -> None:
+        if any(k) and k not in self.configs:
+            self.configs[k] = self.cost(k)
+
+
+def _cover_table(model: WorkModel) -> list[list[float]]:
+    return [[model.cover_s(s, k) if k else 0.0 for k in range(c.count + 1)]
+            for s, c in enumerate(model.classes)]
+
+
+def _grid_cost(cover_s_k: float, unit: float, rounding: str) -> int:
+    x = cover_s_k / unit
+    return int(math.floor(x + 1e-9)) if rounding == "floor" else int(math.ceil(x - 1e-9))
+
+
+def _price(np, cover: list[list[float]], duals: list[float], t_s: float, counts: list[int],
+           rounding: str) -> tuple[float, tuple]:
+    """max sum_s duals[s] k(s) s.t. sum_s grid_cost(cover(s, k(s))) <= GRID with unit T / GRID: costs
+    rounded down (a relaxation of C(k) <= T, for bounds) or up (only truly feasible configurations)."""
+    unit = t_s / GRID
+    best = np.zeros(GRID + 1)  # best[c] = max value with grid cost <= c (non-decreasing in c)
+    choices = []
+    for s, pi in enumerate(duals):
+        choice = np.zeros(GRID + 1, dtype=np.int64)
+        if pi > 1e-12:
+            new = best.copy()
+            for k in range(1, counts[s] + 1):
+                w = _grid_cost(cover[s][k], unit, rounding)
+                if w > GRID:
+                    break
+                cand = np.full(GRID + 1, -np.inf)
+                cand[w:] = best[: GRID + 1 - w] + pi * k
+                better = cand > new + 1e-12
+                new = np.where(better, cand, new)
+                choice = np.where(better, k, choice)
+            best = new
+        choices.append(choice)
+    c = GRID
+    value = float(best[c])
+    k = [0] * len(duals)
+    for s in range(len(duals) - 1, -1, -1):
+        ks = int(choices[s][c])
+        if ks:
+            k[s] = ks
+            c -= _grid_cost(cover[s][ks], unit, rounding)
+    return value, tuple(k)
+
+
+@dataclass
+class _LP:
+    status: str  # "needs_more" | "fits" | "timeout"
+    value: float = math.inf  # ranks the LP needs
+    columns: dict[tuple, float] = field(default_factory=dict)  # configuration -> LP multiplicity
+
+
+def _column_generation(np, highspy, pool: _Pool, cover, demands: list[int], n_ranks: int, t_s: float,
+                       deadline: float, *, rounding: str, stop_when_fits: bool) -> _LP:
+    """Configuration LP  min sum y  s.t. sum_p k_p y_p >= demands  at makespan T, by column generation.
+    status "needs_more": the LP needs more than n_ranks (with floor rounding: a proof that T is
+    infeasible); "fits": an LP solution with <= n_ranks (with stop_when_fits, possibly not optimal);
+    "timeout"."""
+    unit = t_s / GRID
+    classes = range(len(demands))
+
+    def grid_cost(k):
+        return sum(_grid_cost(cover[s][ks], unit, rounding) for s, ks in enumerate(k) if ks)
+
+    h = new_highs(highspy)
+    h.setOptionValue("threads", 1)
+    inf = highspy.kHighsInf
+    empty_i, empty_v = np.array([], dtype=np.int32), np.array([], dtype=np.float64)
+    for d in demands:
+        h.addRow(float(d), inf, 0, empty_i, empty_v)
+    cols: list[tuple] = []
+
+    def add_col(k):
+        idx = np.array([s for s in classes if k[s]], dtype=np.int32)
+        h.addCol(1.0, 0.0, inf, len(idx), idx, np.array([float(k[s]) for s in idx]))
+        cols.append(k)
+
+    for k in pool.configs:
+        if grid_cost(k) <= GRID:
+            add_col(k)
+    for s in classes:  # one single-class column per class with demand keeps the LP feasible
+        if not demands[s]:
+            continue
+        ks = max((j for j in range(1, demands[s] + 1) if _grid_cost(cover[s][j], unit, rounding) <= GRID),
+                 default=0)
+        if ks == 0:
+            return _LP("needs_more")  # one matrix of s alone exceeds T
+        k = tuple(ks if j == s else 0 for j in classes)
+        pool.add(k)
+        add_col(k)
+    while True:
+        h.run()
+        if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return _LP("timeout")
+        lp = h.getInfo().objective_function_value
+        sol = h.getSolution()
+        if stop_when_fits and lp <= n_ranks + 1e-9:
+            return _LP("fits", lp)
+        duals = [max(0.0, d) for d in sol.row_dual]
+        value, k = _price(np, cover, duals, t_s, demands, rounding)
+        if value <= 1.0 + 1e-9:  # LP optimal
+            if lp > n_ranks + 1e-9:
+                return _LP("needs_more", lp)
+            return _LP("fits", lp, {c: y for c, y in zip(cols, sol.col_value, strict=True) if y > 1e-9})
+        if lp / value > n_ranks + 1e-9:  # Farley: LP optimum >= lp / value
+            return _LP("needs_more", lp / value)
+        if time.perf_counter() > deadline:
+            return _LP("timeout")
+        pool.add(k)
+        add_col(k)
+
+
+def _dive(np, highspy, model: WorkModel, pool: _Pool, cover, t_s: float, deadline: float) -> Loads | None:
+    """Residual rounding: solve the LP, fix the columns it uses at least once (else its largest one),
+    subtract what they cover, repeat on what is left; None if the ranks run out."""
+    demands = [c.count for c in model.classes]
+    ranks_left = model.world_size
+    fixed: list[tuple] = []
+    while any(demands):
+        lp = _column_generation(np, highspy, pool, cover, demands, ranks_left, t_s, deadline,
+                                rounding="ceil", stop_when_fits=False)
+        if lp.status != "fits" or not lp.columns:
+            return None
+        take = {k: math.floor(y + 1e-6) for k, y in lp.columns.items() if y >= 1 - 1e-6}
+        if not take:
+            k = max(lp.columns, key=lambda c: (lp.columns[c], c))
+            take = {k: 1}
+        for k, copies in sorted(take.items()):
+            copies = min(copies, ranks_left)
+            useful = min(copies, max(-(-demands[s] // k[s]) for s in range(len(k)) if k[s]))
+            for _ in range(useful):
+                fixed.append(k)
+                demands = [max(0, d - ks) for d, ks in zip(demands, k, strict=True)]
+            ranks_left -= useful
+        if ranks_left < 0 or (any(demands) and ranks_left == 0):
+            return None
+    return _realize(model, fixed)
+
+
+def _realize(model: WorkModel, configs: list[tuple]) -> Loads | None:
+    """Configurations -> per-rank batch sizes (empty ranks appended), surplus slots dropped."""
+    from .milp import trim_surplus
+
+    if len(configs) > model.world_size:
+        return None
+    ranks: Loads = [{s: list(model.best_split(s, model.cover_count(s, ks))) for s, ks in enumerate(k) if ks}
+                    for k in configs]
+    ranks += [{} for _ in range(model.world_size - len(ranks))]
+    return trim_surplus(model, ranks)
+
+
+def _integer_plan(pulp, model: WorkModel, pool: _Pool, t_s: float, time_limit_s: float, solver_cls):
+    """Cheapest (total work) choice of <= N configurations of exact cost <= T covering every class."""
+    cols = sorted(k for k, c in pool.configs.items() if c <= t_s * (1 + 1e-12))
+    if not cols:
+        return None
+    prob = pulp.LpProblem("dmuon_configurations", pulp.LpMinimize)
+    y = [pulp.LpVariable(f"y_{i}", 0, model.world_size, cat="Integer") for i in range(len(cols))]
+    scale = max(t_s, 1e-30)
+    prob += pulp.lpSum(pool.configs[k] / scale * v for k, v in zip(cols, y, strict=True))
+    prob += pulp.lpSum(y) <= model.world_size, "ranks"
+    for s, cls in enumerate(model.classes):
+        prob += pulp.lpSum(k[s] * v for k, v in zip(cols, y, strict=True) if k[s]) >= cls.count, f"cover_{s}"
+    prob.solve(solver_cls(None, msg=False, timeLimit=max(0.2, time_limit_s), threads=1, gapRel=1e-6))
+    if prob.solverModel.getInfo().primal_solution_status == 0:
+        return None
+    configs = [k for k, v in zip(cols, y, strict=True) for _ in range(round(v.varValue or 0.0))]
+    return _realize(model, configs)
+
+
+def configuration_search(model: WorkModel, start: Loads, *, time_limit_s: float, solver_cls) -> ConfigResult:
+    """Lower bound and plan from the configuration model (see the module docstring)."""
+    import highspy
+    import numpy as np
+    import pulp
+
+    t_begin = time.perf_counter()
+    deadline = t_begin + time_limit_s
+    pool = _Pool(model)
+    for r in start:
+        pool.add(tuple(sum(r.get(s, ())) for s in range(len(model.classes))))
+    cover = _cover_table(model)
+    start_mk = max(rank_load_s(model, r) for r in start)
+    lo, hi = model.lower_bound_s, start_mk  # lo: infeasible or unproven; hi: an LP-feasible makespan
+    proven = 0.0
+    # bound: bisection on T for the configuration LP, leaving about half the time for the integer plan
+    lp_deadline = t_begin + 0.5 * time_limit_s
+
+    counts = [c.count for c in model.classes]
+
+    def lp_says(t_s, until):
+        return _column_generation(np, highspy, pool, cover, counts, model.world_size, t_s, until,
+                                  rounding="floor", stop_when_fits=True).status
+
+    verdict = lp_says(lo, lp_deadline)
+    if verdict == "fits":
+        hi = lo
+    elif verdict == "needs_more":
+        proven = lo
+    while hi - lo > BISECTION_REL_TOL * hi and time.perf_counter() < lp_deadline:
+        mid = 0.5 * (lo + hi)
+        verdict = lp_says(mid, lp_deadline)
+        if verdict == "timeout":
+            break
+        if verdict == "needs_more":
+            lo = proven = mid
+        else:
+            hi = mid
+    notes = [f"configurations: LP bound {proven * 1e3:.3f} ms" if proven > model.lower_bound_s else
+             "configurations: the LP bound is no better than the combinatorial bound"]
+    # plan: complete column generation with exact-safe (rounded-up) costs at a trial T, then the integer
+    # program; bisection between the first trial (just above the LP bound) and the start's makespan
+    best: Loads | None = None
+    fail, ok = None, start_mk
+    trial = min(start_mk, hi * (1 + len(model.classes) / GRID))  # floor rounding hid <= 1 step per class
+    while time.perf_counter() < deadline:
+        plan = _dive(np, highspy, model, pool, cover, trial, deadline)
+        if plan is None:
+            plan = _integer_plan(pulp, model, pool, trial, deadline - time.perf_counter(), solver_cls)
+        if plan is not None:
+            mk = max(rank_load_s(model, r) for r in plan)
+            if best is None or mk < max(rank_load_s(model, r) for r in best):
+                best = plan
+            ok = min(ok, mk)
+        else:
+            fail = trial
+        if fail is None or ok - fail <= BISECTION_REL_TOL * ok:
+            break
+        trial = 0.5 * (fail + ok)
+    if best is not None:
+        mk = max(rank_load_s(model, r) for r in best)
+        # lexicographic second step: least total work among plans with this makespan
+        if time.perf_counter() < deadline:
+            lean = _integer_plan(pulp, model, pool, mk, deadline - time.perf_counter(), solver_cls)
+            if lean is not None and max(rank_load_s(model, r) for r in lean) <= mk * (1 + 1e-9) and \
+                    sum(rank_load_s(model, r) for r in lean) < sum(rank_load_s(model, r) for r in best):
+                best = lean
+        notes.append(f"configurations: integer plan makespan {mk * 1e3:.3f} ms from {len(pool.configs)} "
+                     "configurations")
+    else:
+        notes.append("configurations: no integer plan in time")
+    return ConfigResult(best, proven, notes)

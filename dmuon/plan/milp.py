@@ -1,0 +1,279 @@
+"""The MILP balancer: batching and owner assignment in one integer program (pulp + HiGHS).
+
+Variables x[s, b, r] = number of batches of b matrices of shape class s that rank r runs (b over the
+class's usable sizes, see `balance`), and the makespan M:
+    sum_{b, r} b x[s, b, r] = count(s)                       every matrix in exactly one batch
+    load(r) = sum_{s, b} T(s, b) x[s, b, r] <= M
+    load(r) >= load(r + 1)                                   identical ranks: symmetry broken by load order
+    sum_{s, b} b state(s) x[s, b, r] <= memory cap           (optional)
+    M >= lower bound                                         (a valid cut: the bound is a theorem)
+Phase 1 minimizes M; phase 2 fixes M <= M* and minimizes the total work sum_r load(r) (lexicographic:
+the makespan is never traded for work). Both phases are warm-started (phase 1 from LPT, phase 2 from
+phase 1), so the result is never worse than LPT. Times are scaled by the lower bound (M ~ 1).
+
+Scale: identical ranks are aggregated into groups when N x (variables per rank) exceeds
+`MAX_EXACT_VARS`: G groups of (nearly) equal size; every rank of a group runs the same batches, the
+cover constraint becomes sum_g size(g) sum_b b x[s, b, g] >= count(s) and surplus slots are dropped
+afterwards (dropping only lowers loads). That is a restriction of the exact model: its solver bound is
+then not a bound for the real problem, so the reported gap uses the combinatorial lower bound only.
+
+The bundled CBC reports "Optimal" when it stops at its time limit; HiGHS reports kTimeLimit, and the
+proven gap is read from its dual bound (exact model only). No solver, no solution or a wrong solution
+-> LPT, with a RuntimeWarning (from build_plan) and a note in the Plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .balance import Loads, WorkModel, lpt, rank_load_s, rebatch
+
+MAX_EXACT_VARS = 6000  # x variables of the exact (per-rank) model; above: rank groups
+PHASE1_SHARE = 0.7  # of the time limit
+GAP_TOLERANCE = 1e-3  # a plan this close to a proven bound is not searched further
+
+
+@dataclass
+class MilpResult:
+    loads: Loads
+    gap: float  # proven relative gap of the makespan (0 = optimal)
+    bound_s: float  # best proven lower bound on the makespan
+    notes: list[str] = field(default_factory=list)
+    fallback: bool = False
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    """Silence C-level stdout (HiGHS prints a banner when its first model is created)."""
+    try:
+        sys.stdout.flush()
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        yield
+        return
+    saved = os.dup(fd)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), fd)
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
+def new_highs(highspy):
+    """A silent highspy.Highs (the banner of the first model in a process goes to C stdout)."""
+    with _quiet_stdout():
+        h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    return h
+
+
+def _fallback(model: WorkModel, why: str, notes: list[str]) -> MilpResult:
+    loads = lpt(model)
+    notes.append(f"MILP fell back to LPT: {why}")
+    mk = max(rank_load_s(model, r) for r in loads)
+    lb = model.lower_bound_s
+    return MilpResult(loads, (mk - lb) / mk if mk > 0 else 0.0, lb, notes, fallback=True)
+
+
+def _makespan(model: WorkModel, loads: Loads) -> float:
+    return max(rank_load_s(model, r) for r in loads)
+
+
+def solve_milp(model: WorkModel, *, time_limit_s: float = 10.0, seed: int = 0,
+               max_exact_vars: int = MAX_EXACT_VARS) -> MilpResult:
+    """Best owner/batch assignment found within the time limit; see the module docstring."""
+    t0 = time.perf_counter()
+    notes: list[str] = []
+    try:
+        import highspy  # noqa: F401
+        import numpy  # noqa: F401
+        import pulp
+    except ImportError as e:
+        return _fallback(model, f"no MILP solver ({e.name} is not installed)", notes)
+    start = lpt(model)
+    start_mk = _makespan(model, start)
+    best, best_mk = start, start_mk
+    bound = model.lower_bound_s
+    if start_mk <= bound * (1 + 1e-9):
+        notes.append("MILP: the LPT start meets the lower bound, so it is optimal; no solve needed")
+        return MilpResult(start, 0.0, bound, notes)
+    n_ranks = model.world_size
+    per_rank_vars = sum(len(c.sizes) for c in model.classes)
+    exact = n_ranks * per_rank_vars <= max_exact_vars
+    solver_cls = _warm_highs(pulp, seed)
+    how = []
+    if model.memory_cap_bytes is None:
+        from .colgen import configuration_search
+
+        share = 0.5 if exact else 1.0
+        cfg = configuration_search(model, start, time_limit_s=share * (time_limit_s - (time.perf_counter() - t0)),
+                                   solver_cls=solver_cls)
+        notes += cfg.notes
+        bound = max(bound, cfg.bound_s)
+        if cfg.loads is not None and _makespan(model, cfg.loads) < best_mk:
+            best, best_mk = cfg.loads, _makespan(model, cfg.loads)
+        how.append("configuration model")
+    if best_mk > bound * (1 + GAP_TOLERANCE) and (exact or model.memory_cap_bytes is not None):
+        groups = [1] * n_ranks
+        if not exact:
+            g = max(1, max_exact_vars // per_rank_vars)
+            groups = [n_ranks // g + (1 if k < n_ranks % g else 0) for k in range(g)]
+            notes.append(f"MILP: {n_ranks} identical ranks aggregated into {g} groups of "
+                         f"{min(groups)}-{max(groups)} ranks running the same batches (memory cap set)")
+        solver = _Solver(pulp, solver_cls, model, groups, model.lower_bound_s)
+        remaining = time_limit_s - (time.perf_counter() - t0)
+        sol1 = solver.solve(best if exact else None, phase=1, time_limit_s=max(0.5, remaining * PHASE1_SHARE))
+        if sol1 is not None:
+            loads1, bound1 = sol1
+            bound = max(bound, bound1)
+            if _makespan(model, loads1) <= best_mk * (1 + 1e-12):
+                best, best_mk = loads1, _makespan(model, loads1)
+            remaining = time_limit_s - (time.perf_counter() - t0)
+            sol2 = solver.solve(best, phase=2, time_limit_s=max(0.5, remaining), makespan_cap_s=best_mk) \
+                if exact and remaining > 0.2 else None
+            if sol2 is not None and _makespan(model, sol2[0]) <= best_mk * (1 + 1e-9):
+                best = sol2[0]
+        notes.append(solver.last_status)
+        how.append("per-rank model" if exact else "grouped per-rank model")
+    best = rebatch(model, best)
+    mk = _makespan(model, best)
+    if mk > start_mk:
+        best, mk = start, start_mk
+    gap = max(0.0, (mk - bound) / mk) if mk > 0 else 0.0
+    notes.append(f"MILP ({' + '.join(how)}): makespan {mk * 1e3:.3f} ms vs LPT {start_mk * 1e3:.3f} ms; proven "
+                 f"lower bound {bound * 1e3:.3f} ms, gap {gap:.2%}; {time.perf_counter() - t0:.2f} s")
+    return MilpResult(best, gap, bound, notes)
+
+
+class _Solver:
+    """Builds and solves one phase of the (exact or grouped) model with pulp's HiGHS interface."""
+
+    def __init__(self, pulp, solver_cls, model: WorkModel, groups: list[int], scale_s: float):
+        self.pulp, self.solver_cls, self.model, self.groups, self.scale = pulp, solver_cls, model, groups, scale_s
+        self.status_text: dict[int, str] = {}
+        self.last_status = ""
+
+    def solve(self, start: Loads | None, *, phase: int, time_limit_s: float,
+              makespan_cap_s: float | None = None) -> tuple[Loads, float] | None:
+        pulp, model, groups = self.pulp, self.model, self.groups
+        exact = all(g == 1 for g in groups)
+        prob = pulp.LpProblem(f"dmuon_balance_phase{phase}", pulp.LpMinimize)
+        x = {}
+        for s, cls in enumerate(model.classes):
+            for b in cls.sizes:
+                for g in range(len(groups)):
+                    x[s, b, g] = pulp.LpVariable(f"x_{s}_{b}_{g}", 0, cls.count // b, cat="Integer")
+        makespan = pulp.LpVariable("M", model.lower_bound_s / self.scale * (1 - 1e-9))
+        loads = []
+        for g in range(len(groups)):
+            load = pulp.LpAffineExpression([(x[s, b, g], cls.times_s[b] / self.scale)
+                                            for s, cls in enumerate(model.classes) for b in cls.sizes])
+            loads.append(load)
+            prob += load - makespan <= 0, f"load_{g}"
+            if model.memory_cap_bytes is not None:
+                prob += pulp.LpAffineExpression([(x[s, b, g], b * cls.state_bytes / model.memory_cap_bytes)
+                                                 for s, cls in enumerate(model.classes) for b in cls.sizes]) <= 1, \
+                    f"memory_{g}"
+        for g in range(len(groups) - 1):
+            if groups[g] == groups[g + 1]:
+                prob += loads[g] - loads[g + 1] >= 0, f"order_{g}"
+        for s, cls in enumerate(model.classes):
+            cover = pulp.LpAffineExpression([(x[s, b, g], b * groups[g]) for b in cls.sizes
+                                             for g in range(len(groups))])
+            prob += (cover == cls.count) if exact else (cover >= cls.count), f"cover_{s}"
+        if phase == 1:
+            prob += makespan
+        else:
+            prob += makespan <= makespan_cap_s / self.scale * (1 + 1e-9), "makespan_fixed"
+            prob += pulp.lpSum(groups[g] * loads[g] for g in range(len(groups)))
+        warm = None
+        if start is not None:
+            order = sorted(range(len(start)), key=lambda r: -rank_load_s(model, start[r]))
+            warm = {v.name: 0.0 for v in x.values()}
+            for g, r in enumerate(order):
+                for s, sizes in start[r].items():
+                    for b in sizes:
+                        if (s, b, g) in x:
+                            warm[x[s, b, g].name] += 1
+            warm["M"] = max(rank_load_s(model, r) for r in start) / self.scale
+        solver = self.solver_cls(warm, msg=False, timeLimit=time_limit_s, threads=1, gapRel=1e-6)
+        prob.solve(solver)
+        highs = prob.solverModel
+        status = highs.getModelStatus()
+        info = highs.getInfo()
+        self.status_text[phase] = f"HiGHS phase {phase}: {highs.modelStatusToString(status)}, " \
+                                  f"gap {info.mip_gap:.2%}"
+        self.last_status = self.status_text[phase]
+        if info.primal_solution_status == 0:
+            self.last_status += " (no solution)"
+            return None
+        out: Loads = []
+        for g, size in enumerate(groups):
+            ranks = [{} for _ in range(size)]
+            for s, cls in enumerate(model.classes):
+                for b in cls.sizes:
+                    k = round(x[s, b, g].varValue or 0.0)
+                    for rank in ranks:
+                        rank.setdefault(s, []).extend([b] * k)
+            out += ranks
+        out = trim_surplus(model, out)
+        if out is None:
+            self.last_status += " (solution does not cover every matrix)"
+            return None
+        bound = info.mip_dual_bound * self.scale if phase == 1 and exact and math.isfinite(info.mip_dual_bound) \
+            else 0.0
+        return out, bound
+
+
+def trim_surplus(model: WorkModel, loads: Loads) -> Loads | None:
+    """Drop slots beyond each class's count (grouped model), from the most loaded ranks first, shrinking
+    batches; None if the slots do not cover every matrix."""
+    loads = [{s: sorted(v, reverse=True) for s, v in r.items() if v} for r in loads]
+    for s, cls in enumerate(model.classes):
+        surplus = sum(sum(r.get(s, ())) for r in loads) - cls.count
+        if surplus < 0:
+            return None
+        while surplus > 0:
+            r = max((r for r in range(len(loads)) if loads[r].get(s)),
+                    key=lambda r: (rank_load_s(model, loads[r]), -r))
+            sizes = loads[r][s]
+            b = sizes.pop()  # the smallest batch of this class on that rank
+            drop = min(b, surplus)
+            if b - drop:
+                sizes.extend(model.best_split(s, b - drop))
+                sizes.sort(reverse=True)
+            surplus -= drop
+    return loads
+
+
+def _warm_highs(pulp, seed: int):
+    class WarmHiGHS(pulp.HiGHS):
+        """pulp's HiGHS with a MIP start, a fixed random seed and a silent banner."""
+
+        def __init__(self, start, **kwargs):
+            super().__init__(random_seed=seed, **kwargs)
+            self.start = start
+
+        def createAndConfigureSolver(self, lp):
+            with _quiet_stdout():
+                super().createAndConfigureSolver(lp)
+
+        def callSolver(self, lp):
+            if self.start:
+                import numpy as np
+
+                cols = [v for v in lp.variables() if v.name in self.start]
+                idx = np.array([v.index for v in cols], dtype=np.int32)
+                val = np.array([self.start[v.name] for v in cols], dtype=np.float64)
+                lp.solverModel.setSolution(len(cols), idx, val)
+            lp.solverModel.run()
+
+    return WarmHiGHS
