@@ -77,7 +77,8 @@ def print_table(results) -> None:
         cells = []
         for r in results:
             v = getattr(r, attr) * scale
-            cells.append(f"{v:,.0f}" if unit == "" else f"{v:,.1f} ms" if unit == "ms" else f"{v:,.2f} {unit}")
+            fmt = {"": f"{v:,.0f}", "ms": f"{v:,.1f} ms"}
+            cells.append(fmt.get(unit, f"{v:,.2f} {unit}"))
         table.add_row(label, *cells)
     console = Console()
     console.print(table)
@@ -131,13 +132,17 @@ def register(app, bench) -> None:
         json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     ):
         """Simulate one training step (steady state) of WORKLOAD on GPUS ranks; all strategies by default."""
+        from dmuon.errors import InputError
         from simulator.api import SimConfig
 
+        if trace and not Path(trace).parent.is_dir():
+            raise InputError(f"trace directory {str(Path(trace).parent)!r} does not exist")
         configs = [
             SimConfig(workload=workload, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, strategy=s,
                       layout=layout, seq_len=seq_len, micro_batch=micro_batch, gram=gram,
-                      symmetric_kernels=symmetric_kernels, batching=batching, balancer=balancer, overlap=overlap,
-                      hierarchical=hierarchical, nic_gbps=nic_gbps, overlap_slowdown=overlap_slowdown,
+                      symmetric_kernels=symmetric_kernels, batching=batching, balancer=balancer,
+                      overlap=overlap, hierarchical=hierarchical, nic_gbps=nic_gbps,
+                      overlap_slowdown=overlap_slowdown,
                       bucket_numel=bucket_numel)
             for s in strategies_of(strategy)
         ]

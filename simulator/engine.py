@@ -11,7 +11,8 @@ Model (what the step programs in `simulator.step` build on):
   Programs that order collectives differently on different ranks deadlock; `Cluster.run` reports it.
 - Compute that overlaps communication on the same rank may run slower: an op that starts while the
   rank's comm stream is busy is stretched by `overlap_slowdown` x (the overlapped part of its
-  duration, judged from the comm op in flight at its start).
+  duration, judged from the collectives in flight at its start; one that starts later during the
+  compute op is not seen: an approximation that keeps one event per op).
 
 Ops record their start and end; the step programs and the trace read them afterwards. simpy is imported
 when a cluster is built, not when the package is imported.
@@ -64,8 +65,7 @@ class Op:
 
 @dataclass
 class RunStats:
-    events: int
-    end_s: float
+    end_s: float  # simulated time when the last op finished
 
 
 class Cluster:
@@ -122,7 +122,9 @@ class Cluster:
             for op in ops:
                 if op.needed:
                     op.done = env.event()
-        for (rank, stream), ops in self.queues.items():
+        # communication streams first: at equal times their ops start before compute ops look for overlap
+        order = sorted(self.queues.items(), key=lambda kv: kv[0][1] == self.compute_stream)
+        for (rank, stream), ops in order:
             if ops:
                 env.process(self._stream(env, rank, stream, ops))
         env.run()
@@ -132,7 +134,7 @@ class Cluster:
             raise RuntimeError(f"simulation deadlock: collective {c.name!r} got {c.arrived} of {c.n} "
                                f"participants ({len(stuck)} collectives unfinished); the step program "
                                "orders collectives differently on different ranks")
-        return RunStats(events=0, end_s=env.now)
+        return RunStats(end_s=env.now)
 
     def _stream(self, env, rank: int, stream: str, ops: list[Op]):
         is_compute = stream == self.compute_stream

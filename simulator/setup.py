@@ -113,7 +113,8 @@ def _provenance(profile, cost, ns_answers, ew_answers, plan, strategy, stretch) 
                                 f"{profile.network.inter_efficiency:g} ({p.get('nic_gbps_per_node', '')}; "
                                 f"{p.get('inter_efficiency', '')})",
         "latency": f"base {profile.network.base_latency_s * 1e6:g} us, "
-                   f"{profile.network.intra_alpha_s * 1e6:g} us per NVLink step, {profile.network.inter_alpha_s * 1e6:g} us per network step "
+                   f"{profile.network.intra_alpha_s * 1e6:g} us per NVLink step, "
+                   f"{profile.network.inter_alpha_s * 1e6:g} us per network step "
                    f"({p.get('base_latency_us', '')})",
         "elementwise": "; ".join(f"{op} over {n:,} elements: {a.detail}" + (" (measured)" if a.measured
                                                                              else " (modelled)")

@@ -1,0 +1,192 @@
+"""Validation of the simulator: the published 8 x A800 table, the paper's headline ranges, the closed
+loop against real CPU runs, and the simulator's own speed. Every function returns rows (dicts) so
+`harness validate` can print or save them; `python -m simulator.validate` prints them all.
+
+1. `published_rows()`  every (workload, method, metric) of reported.csv table a800_8gpu_llm next to the
+   simulation of the same setting (a800 profile, 8 GPUs, bf16, seq 2048, micro-batch 2; FSDP2+* and
+   DMuon = fsdp-keep, DDP+Muon = naive on ddp). Published convention: FSDP2's backward() returns after
+   its gradient reduce-scatters, so the simulated grad-sync tail moves from optimizer to backward
+   (`backward = backward_s + grad_sync_tail_s`, `optimizer = optimizer_s - grad_sync_tail_s`).
+   `in_sample` marks numbers the inputs were fitted to: AdamW forward / backward of the fit models
+   (simulator.calibrate_a800), and every AdamW optimizer row (the a800 cost table's adamw points are
+   those rows).
+2. `headline_rows()` DMuon vs naive vs AdamW on the paper's workloads over 8..256 A800s, and
+   `headline_summary()` the ranges next to the paper's claims (reported.csv paper_claims).
+3. `closed_loop(row)` one measured CPU bench row -> the same run simulated with the cpu profile.
+4. `speed_rows()` wall seconds of the simulator itself.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+from .reference import LLM_GPUS, LLM_MICRO_BATCH, LLM_SEQ_LEN, claims, llm_rows
+
+TOLERANCE = 0.25
+HEADLINE_WORKLOADS = ("qwen2.5-7b", "pi0", "wall-oss", "wall-wm")
+HEADLINE_GPUS = (8, 16, 32, 64, 128, 256)
+STRATEGIES = ("adamw", "naive", "dmuon")
+
+
+def _published_convention(r) -> dict[str, float]:
+    return {"forward": r.forward_s, "backward": r.backward_s + r.grad_sync_tail_s,
+            "optimizer": r.optimizer_s - r.grad_sync_tail_s, "step": r.step_s}
+
+
+def published_rows(gpu: str = "a800") -> list[dict]:
+    from .api import SimConfig, simulate
+    from .calibrate_a800 import FIT_MODELS
+
+    out = []
+    for row in sorted(llm_rows(), key=lambda r: (r.workload, r.method)):
+        sim = simulate(SimConfig(workload=row.workload, gpus=LLM_GPUS, gpu=gpu, strategy=row.strategy,
+                                 layout=row.layout, seq_len=LLM_SEQ_LEN, micro_batch=LLM_MICRO_BATCH))
+        conv = _published_convention(sim)
+        for metric in ("forward", "backward", "optimizer", "step"):
+            pub = getattr(row, f"{metric}_s")
+            in_sample = row.strategy == "adamw" and (
+                metric == "optimizer" or (metric in ("forward", "backward") and row.workload in FIT_MODELS))
+            err = conv[metric] / pub - 1
+            out.append({"workload": row.workload, "method": row.method, "strategy": row.strategy,
+                        "layout": row.layout, "metric": metric, "published_ms": pub * 1e3,
+                        "simulated_ms": conv[metric] * 1e3, "error": err,
+                        "within_25pct": abs(err) <= TOLERANCE,
+                        "in_sample": in_sample, "profile": sim.profile})
+    return out
+
+
+def headline_rows(workloads=HEADLINE_WORKLOADS, gpus=HEADLINE_GPUS, gpu: str = "a800") -> list[dict]:
+    from .api import SimConfig, simulate
+
+    out = []
+    for w in workloads:
+        for n in gpus:
+            res = {s: simulate(SimConfig(workload=w, gpus=n, gpu=gpu, strategy=s)) for s in STRATEGIES}
+            a, nv, d = res["adamw"], res["naive"], res["dmuon"]
+            pa, pn, pd = (_published_convention(x) for x in (a, nv, d))
+            out.append({
+                "workload": w, "gpus": n, "profile": d.profile,
+                "adamw_step_ms": a.step_s * 1e3, "naive_step_ms": nv.step_s * 1e3,
+                "dmuon_step_ms": d.step_s * 1e3,
+                "naive_optimizer_ms": nv.optimizer_s * 1e3, "dmuon_optimizer_ms": d.optimizer_s * 1e3,
+                "optimizer_speedup": nv.optimizer_s / d.optimizer_s,
+                "optimizer_speedup_published_convention": pn["optimizer"] / pd["optimizer"],
+                "step_speedup": nv.step_s / d.step_s,
+                "dmuon_over_adamw": d.step_s / a.step_s - 1,
+                "naive_optimizer_over_fwd_bwd": nv.optimizer_s / (nv.forward_s + nv.backward_s),
+                "dmuon_ns_makespan_ms": d.ns_makespan_s * 1e3,
+                "notes": "; ".join(d.notes),
+            })
+    return out
+
+
+def headline_summary(rows: list[dict]) -> list[dict]:
+    """Ranges over `rows` next to the paper's claims."""
+    c = claims()
+    opt = [r["optimizer_speedup"] for r in rows]
+    opt_pub = [r["optimizer_speedup_published_convention"] for r in rows]
+    step = [r["step_speedup"] for r in rows]
+    over = [r["dmuon_over_adamw"] for r in rows]
+    naive_ratio = [r["naive_optimizer_over_fwd_bwd"] for r in rows]
+    return [
+        {"quantity": "optimizer speedup dmuon/naive, min", "simulated": min(opt),
+         "simulated_published_convention": min(opt_pub), "paper": c.get("optimizer_speedup_min")},
+        {"quantity": "optimizer speedup dmuon/naive, max", "simulated": max(opt),
+         "simulated_published_convention": max(opt_pub), "paper": c.get("optimizer_speedup_max")},
+        {"quantity": "step speedup dmuon/naive, min", "simulated": min(step),
+         "paper": c.get("step_speedup_min")},
+        {"quantity": "step speedup dmuon/naive, max", "simulated": max(step),
+         "paper": c.get("step_speedup_max")},
+        {"quantity": "dmuon step overhead over adamw, mean %", "simulated": 100 * statistics.mean(over),
+         "paper": c.get("step_overhead_mean")},
+        {"quantity": "naive optimizer / (fwd + bwd), min", "simulated": min(naive_ratio),
+         "paper": c.get("optimizer_over_fwd_bwd_min")},
+    ]
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One measured CPU run of `harness bench step` (the Runtime's benchmark)."""
+
+    ranks: int
+    strategy: str  # adamw | naive | dmuon
+    width_scale: float  # load_workload(workload).scaled(width_scale, blocks)
+    blocks: int | None
+    seq_len: int
+    micro_batch: int
+    step_s: float  # measured
+    optimizer_s: float | None = None  # measured, if the bench reports it
+    workload: str = "qwen2.5-7b"
+    layout: str = "ddp"
+    gpu: str = "cpu"
+
+
+def closed_loop(row: BenchRow) -> dict:
+    """Simulate the measured run with the CPU profile; return both and the relative errors."""
+    from .api import SimConfig, simulate
+    from .workload import load_workload
+
+    w = load_workload(row.workload).scaled(row.width_scale, row.blocks)
+    sim = simulate(SimConfig(workload=w, gpus=row.ranks, gpu=row.gpu, strategy=row.strategy,
+                             layout=row.layout,
+                             seq_len=row.seq_len, micro_batch=row.micro_batch))
+    out = {"workload": w.name, "ranks": row.ranks, "strategy": row.strategy, "layout": row.layout,
+           "profile": sim.profile, "measured_step_s": row.step_s, "simulated_step_s": sim.step_s,
+           "step_error": sim.step_s / row.step_s - 1}
+    if row.optimizer_s is not None:
+        sim_opt = _published_convention(sim)["optimizer"]
+        out.update(measured_optimizer_s=row.optimizer_s, simulated_optimizer_s=sim_opt,
+                   optimizer_error=sim_opt / row.optimizer_s - 1)
+    return out
+
+
+def speed_rows(gpus=(256, 1024), workload: str = "qwen2.5-7b") -> list[dict]:
+    """Wall seconds to simulate one dmuon configuration (plan building excluded: a warm-up run builds it)."""
+    from .api import SimConfig, simulate
+
+    out = []
+    for n in gpus:
+        cfg = SimConfig(workload=workload, gpus=n, strategy="dmuon")
+        t0 = time.perf_counter()
+        simulate(cfg)
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        simulate(cfg)
+        out.append({"workload": workload, "gpus": n, "strategy": "dmuon", "first_run_s": first,
+                    "cached_plan_s": time.perf_counter() - t0})
+    return out
+
+
+def _print(title: str, rows: list[dict]) -> None:
+    print(f"\n== {title}")
+    if not rows:
+        return
+    keys = list(rows[0])
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Validate the simulator against published numbers.")
+    ap.add_argument("--quick", action="store_true", help="headline on 8, 64, 256 GPUs only; no speed check")
+    args = ap.parse_args(argv)
+    pub = published_rows()
+    _print("8 x A800 published table (reported.csv a800_8gpu_llm) vs simulated, published convention", pub)
+    bad = [r for r in pub if not r["within_25pct"] and r["metric"] in ("optimizer", "step")]
+    print(f"optimizer/step rows outside 25%: {len(bad)} of "
+          f"{sum(r['metric'] in ('optimizer', 'step') for r in pub)}")
+    head = headline_rows(gpus=(8, 64, 256) if args.quick else HEADLINE_GPUS)
+    _print("headline: dmuon vs naive vs adamw on A800 (simulated)", head)
+    _print("headline ranges vs the paper", headline_summary(head))
+    if not args.quick:
+        _print("simulator speed", speed_rows())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
