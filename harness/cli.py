@@ -15,6 +15,7 @@ import typer
 from dmuon.errors import InputError
 
 COMMAND_MODULES: list[str] = [
+    "harness.cmd_plan",
     "harness.cmd_bench_kernels",
     "harness.cmd_simulate",
 ]

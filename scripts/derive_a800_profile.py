@@ -48,7 +48,9 @@ def kernel_rows() -> list[ProfileRow]:
         n, m = (int(x) for x in r["workload"].split("x"))
         method = KERNEL_METHOD[r["method"]]
         src = f"reported.csv a800_gram_ns_kernel {r['workload']} {r['method']} ({r['setting']}, {r['note']})"
-        out.append(ProfileRow("a800", "ns", n, m, 1, method, "fp16", float(r["value"]) * UNIT_S[r["unit"]], src))
+        out.append(
+            ProfileRow("a800", "ns", n, m, 1, method, "fp16", float(r["value"]) * UNIT_S[r["unit"]], src)
+        )
     return out
 
 
@@ -58,16 +60,25 @@ def adamw_rows() -> list[ProfileRow]:
         if r["method"] == "FSDP2+AdamW" and r["metric"] == "optimizer" and r["workload"] in LLMS:
             gpus = int(r["gpus"])
             numel = load_workload(r["workload"]).n_params // gpus
-            src = (f"reported.csv a800_8gpu_llm {r['workload']} FSDP2+AdamW optimizer {r['value']} {r['unit']} on "
-                   f"{gpus} GPUs, read as one fp32 AdamW pass over params/{gpus} = {numel} elements")
-            out.append(ProfileRow("a800", "adamw", numel, 1, 1, "", "fp32", float(r["value"]) * UNIT_S[r["unit"]], src))
+            src = (
+                f"reported.csv a800_8gpu_llm {r['workload']} FSDP2+AdamW optimizer "
+                f"{r['value']} {r['unit']} on "
+                f"{gpus} GPUs, read as one fp32 AdamW pass over params/{gpus} = {numel} elements"
+            )
+            out.append(
+                ProfileRow(
+                    "a800", "adamw", numel, 1, 1, "", "fp32", float(r["value"]) * UNIT_S[r["unit"]], src
+                )
+            )
     return out
 
 
 def replay() -> dict[tuple[str, str], float]:
     """(workload, method label) -> seconds, table a800_8gpu_ns_replay."""
-    return {(r["workload"], r["method"]): float(r["value"]) * UNIT_S[r["unit"]]
-            for r in reported_rows("a800_8gpu_ns_replay")}
+    return {
+        (r["workload"], r["method"]): float(r["value"]) * UNIT_S[r["unit"]]
+        for r in reported_rows("a800_8gpu_ns_replay")
+    }
 
 
 def naive_total_s(table: CostTable, workload: str, method_of) -> float:
@@ -104,9 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     target = rep[(CALIBRATE_ON, "naive, standard NS")]
     model = naive_total_s(uncalibrated, CALIBRATE_ON, standard)
     scale = target / model
-    src = (f"calibrated on reported.csv a800_8gpu_ns_replay {CALIBRATE_ON} 'naive, standard NS' "
-           f"{target * 1e3:.0f} ms (dense-kernel fit alone: {model * 1e3:.1f} ms); validated on {VALIDATE_ON} "
-           "by scripts/derive_a800_profile.py")
+    src = (
+        f"calibrated on reported.csv a800_8gpu_ns_replay {CALIBRATE_ON} 'naive, standard NS' "
+        f"{target * 1e3:.0f} ms (dense-kernel fit alone: {model * 1e3:.1f} ms); validated on {VALIDATE_ON} "
+        "by scripts/derive_a800_profile.py"
+    )
     rows.append(ProfileRow("a800", "model_scale", 1, 1, 1, "standard", "", scale, src))
     write_profile(args.out, rows)
     table = CostTable.from_rows("a800", rows, allow_borrow=False)
@@ -123,21 +136,38 @@ def main(argv: list[str] | None = None) -> int:
 
     for wl in (CALIBRATE_ON, VALIDATE_ON):
         before = naive_total_s(uncalibrated, wl, standard)
-        show(wl, "naive, standard NS", naive_total_s(table, wl, standard),
-             ("calibration target" if wl == CALIBRATE_ON else "validation") + f"; uncalibrated {before * 1e3:.1f} ms")
-        show(wl, "naive, Gram NS + SYRK", naive_total_s(table, wl, gram_sym_above_1024),
-             "gram_sym for n > 1024, dense gram below (muon.md: cuBLAS wins for n <= 1024)")
-        show(wl, "naive, Gram NS + SYRK", naive_total_s(table, wl, gram_sym_everywhere), "gram_sym everywhere")
+        show(
+            wl,
+            "naive, standard NS",
+            naive_total_s(table, wl, standard),
+            ("calibration target" if wl == CALIBRATE_ON else "validation")
+            + f"; uncalibrated {before * 1e3:.1f} ms",
+        )
+        show(
+            wl,
+            "naive, Gram NS + SYRK",
+            naive_total_s(table, wl, gram_sym_above_1024),
+            "gram_sym for n > 1024, dense gram below (muon.md: cuBLAS wins for n <= 1024)",
+        )
+        show(
+            wl, "naive, Gram NS + SYRK", naive_total_s(table, wl, gram_sym_everywhere), "gram_sym everywhere"
+        )
     if not args.no_plans:
         for wl in (CALIBRATE_ON, VALIDATE_ON):
             mats = load_workload(wl).muon_matrices
-            for label, method, dtype in (("DMuon, standard NS", "standard", "bf16"),
-                                         ("DMuon, Gram NS + SYRK", "gram_sym", "fp16")):
+            for label, method, dtype in (
+                ("DMuon, standard NS", "standard", "bf16"),
+                ("DMuon, Gram NS + SYRK", "gram_sym", "fp16"),
+            ):
                 for balancer in ("lpt", "milp"):
                     plan = build_plan(mats, 8, table, balancer=balancer, method=method, dtype=dtype)
-                    show(wl, label, plan.makespan_s,
-                         f"{balancer} makespan, 8 ranks, batching up to 8, {method} everywhere "
-                         f"(lower bound {plan.lower_bound_s * 1e3:.1f} ms)")
+                    show(
+                        wl,
+                        label,
+                        plan.makespan_s,
+                        f"{balancer} makespan, 8 ranks, batching up to 8, {method} everywhere "
+                        f"(lower bound {plan.lower_bound_s * 1e3:.1f} ms)",
+                    )
     return 0
 
 

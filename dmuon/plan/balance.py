@@ -109,8 +109,10 @@ class WorkModel:
                         break
                 best = [0.0] + [math.inf] * (k + 1)  # best[j]: cheapest way to hold j of the top set
                 for s, a in avail.items():
-                    best = [min(best[j - i] + (self.cover_s(s, i) if i else 0.0) for i in range(min(a, j) + 1))
-                            for j in range(k + 2)]
+                    best = [
+                        min(best[j - i] + (self.cover_s(s, i) if i else 0.0) for i in range(min(a, j) + 1))
+                        for j in range(k + 2)
+                    ]
                 terms[f"top-{k}"] = best[k + 1]
             self._lb_terms = terms
         return self._lb_terms
@@ -134,8 +136,15 @@ class WorkModel:
         cls = self.classes[s]
         sizes = [b for b in cls.sizes if max_size is None or b <= max_size]
         for j in range(len(table), k + 1):
-            cands = [(table[j - b][0] + cls.times_s[b], table[j - b][1] + 1,
-                      tuple(sorted((*table[j - b][2], b), reverse=True))) for b in sizes if b <= j]
+            cands = [
+                (
+                    table[j - b][0] + cls.times_s[b],
+                    table[j - b][1] + 1,
+                    tuple(sorted((*table[j - b][2], b), reverse=True)),
+                )
+                for b in sizes
+                if b <= j
+            ]
             table.append(min(cands, key=lambda c: (c[0], c[1], tuple(-x for x in c[2]))))
         return table[k][2]
 
@@ -143,9 +152,17 @@ class WorkModel:
 Loads = list[dict[int, list[int]]]  # per rank: class index -> batch sizes it runs
 
 
-def build_work_model(matrices: Sequence[MatrixSpec], world_size: int, cost, *, method: str = "gram_sym",
-                     dtype: str = "bf16", batching: bool = True, max_batch: int = 8,
-                     memory_cap_bytes: float | None = None) -> WorkModel:
+def build_work_model(
+    matrices: Sequence[MatrixSpec],
+    world_size: int,
+    cost,
+    *,
+    method: str = "gram_sym",
+    dtype: str = "bf16",
+    batching: bool = True,
+    max_batch: int = 8,
+    memory_cap_bytes: float | None = None,
+) -> WorkModel:
     """Group matrices into shape classes and price every batch size with the cost table."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InputError(f"world_size must be a positive integer, got {world_size!r}")
@@ -174,11 +191,15 @@ def build_work_model(matrices: Sequence[MatrixSpec], world_size: int, cost, *, m
             t, _, mt = min(priced)
             times[b], meths[b] = t, mt
         usable = [1] + [b for b in range(2, top + 1) if times[b] < b * times[1]]
-        sizes = tuple(b for b in usable if not any(
-            b1 in usable and (b - b1) in usable and times[b1] + times[b - b1] <= times[b]
-            for b1 in range(1, b // 2 + 1)))
-        classes.append(ShapeClass(n, m, tuple(members), times, meths, sizes,
-                                  n * m * STATE_BYTES_PER_ELEMENT))
+        sizes = tuple(
+            b
+            for b in usable
+            if not any(
+                b1 in usable and (b - b1) in usable and times[b1] + times[b - b1] <= times[b]
+                for b1 in range(1, b // 2 + 1)
+            )
+        )
+        classes.append(ShapeClass(n, m, tuple(members), times, meths, sizes, n * m * STATE_BYTES_PER_ELEMENT))
     model = WorkModel(matrices, world_size, tuple(classes), memory_cap_bytes)
     _check_memory(model)
     return model
@@ -192,12 +213,16 @@ def _check_memory(model: WorkModel) -> None:
         raise InputError(f"memory_cap_bytes must be positive, got {cap!r}")
     biggest = max(c.state_bytes for c in model.classes)
     if biggest > cap:
-        raise InputError(f"memory cap {cap:.4g} B per rank is below the owned state of one matrix "
-                         f"({biggest:.4g} B = numel x {STATE_BYTES_PER_ELEMENT} B: fp32 momentum + fp32 copy)")
+        raise InputError(
+            f"memory cap {cap:.4g} B per rank is below the owned state of one matrix "
+            f"({biggest:.4g} B = numel x {STATE_BYTES_PER_ELEMENT} B: fp32 momentum + fp32 copy)"
+        )
     total = sum(c.count * c.state_bytes for c in model.classes)
     if total > cap * model.world_size:
-        raise InputError(f"memory cap {cap:.4g} B x {model.world_size} ranks cannot hold the owned state "
-                         f"{total:.4g} B (numel x {STATE_BYTES_PER_ELEMENT} B); raise the cap or add ranks")
+        raise InputError(
+            f"memory cap {cap:.4g} B x {model.world_size} ranks cannot hold the owned state "
+            f"{total:.4g} B (numel x {STATE_BYTES_PER_ELEMENT} B); raise the cap or add ranks"
+        )
 
 
 def rank_load_s(model: WorkModel, loads: dict[int, list[int]]) -> float:
@@ -218,8 +243,11 @@ def rebatch(model: WorkModel, loads: Loads) -> Loads:
             if k:
                 best = list(model.best_split(s, k))
                 cls = model.classes[s]
-                new[s] = best if sum(cls.times_s[b] for b in best) < sum(cls.times_s[b] for b in sizes) \
+                new[s] = (
+                    best
+                    if sum(cls.times_s[b] for b in best) < sum(cls.times_s[b] for b in sizes)
                     else sorted(sizes, reverse=True)
+                )
         out.append(new)
     return out
 
@@ -240,8 +268,10 @@ def round_robin(model: WorkModel) -> tuple[Loads, tuple[int, ...]]:
             if cap is None or used[r] + need <= cap:
                 break
         else:
-            raise InputError(f"memory cap {cap:.4g} B per rank: no rank has room for matrix "
-                             f"{model.matrices[i].name!r} under round-robin; raise the cap")
+            raise InputError(
+                f"memory cap {cap:.4g} B per rank: no rank has room for matrix "
+                f"{model.matrices[i].name!r} under round-robin; raise the cap"
+            )
         owners[i] = r
         used[r] += need
         rank = (r + 1) % n_ranks
@@ -329,6 +359,8 @@ def lpt(model: WorkModel) -> Loads:
         if best_key is None or key < best_key:
             best_key, best = key, loads
     if best is None:
-        raise InputError(f"memory cap {model.memory_cap_bytes:.4g} B per rank: LPT found no placement of "
-                         "every matrix; raise the cap or add ranks")
+        raise InputError(
+            f"memory cap {model.memory_cap_bytes:.4g} B per rank: LPT found no placement of "
+            "every matrix; raise the cap or add ranks"
+        )
     return best

@@ -32,10 +32,22 @@ from .types import Batch, Bucket, MatrixSpec, Plan
 BALANCERS = ("round_robin", "lpt", "milp")
 
 
-def build_plan(matrices: Sequence[MatrixSpec], world_size: int, cost, *, balancer: str = "lpt",
-               method: str = "gram_sym", dtype: str = "bf16", batching: bool = True, max_batch: int = 8,
-               bucket_numel: int = 0, memory_cap_bytes: float | None = None, anti_affinity: bool = False,
-               time_limit_s: float = 10.0, seed: int = 0) -> Plan:
+def build_plan(
+    matrices: Sequence[MatrixSpec],
+    world_size: int,
+    cost,
+    *,
+    balancer: str = "lpt",
+    method: str = "gram_sym",
+    dtype: str = "bf16",
+    batching: bool = True,
+    max_batch: int = 8,
+    bucket_numel: int = 0,
+    memory_cap_bytes: float | None = None,
+    anti_affinity: bool = False,
+    time_limit_s: float = 10.0,
+    seed: int = 0,
+) -> Plan:
     """Owners, batches and buckets for `matrices` on `world_size` ranks, priced by `cost` (a CostTable).
 
     seed: only breaks ties that the deterministic order leaves open (none today); same input -> same
@@ -44,13 +56,22 @@ def build_plan(matrices: Sequence[MatrixSpec], world_size: int, cost, *, balance
     if balancer not in BALANCERS:
         raise choice_error("balancer", balancer, BALANCERS)
     if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 0:
-        raise InputError(f"bucket_numel must be a non-negative integer (0 = one bucket per layer), "
-                         f"got {bucket_numel!r}")
+        raise InputError(
+            f"bucket_numel must be a non-negative integer (0 = one bucket per layer), got {bucket_numel!r}"
+        )
     if not time_limit_s > 0:
         raise InputError(f"time_limit_s must be positive, got {time_limit_s!r}")
     t_start = time.perf_counter()
-    model = build_work_model(matrices, world_size, cost, method=method, dtype=dtype, batching=batching,
-                             max_batch=max_batch, memory_cap_bytes=memory_cap_bytes)
+    model = build_work_model(
+        matrices,
+        world_size,
+        cost,
+        method=method,
+        dtype=dtype,
+        batching=batching,
+        max_batch=max_batch,
+        memory_cap_bytes=memory_cap_bytes,
+    )
     notes: list[str] = []
     gap = 0.0
     owners: tuple[int, ...] | None = None
@@ -78,10 +99,20 @@ def build_plan(matrices: Sequence[MatrixSpec], world_size: int, cost, *, balance
     if not batching:
         notes.append("batching off: every matrix is its own NS call")
     return Plan(
-        world_size=world_size, matrices=model.matrices, owners=owners, batches=batches,
-        buckets=make_buckets(model.matrices, bucket_numel), balancer=balancer, method=method, dtype=dtype,
-        cost_source=getattr(cost, "name", type(cost).__name__), makespan_s=makespan, lower_bound_s=lb,
-        solve_time_s=solve_time_s, gap=max(0.0, gap), notes=tuple(notes),
+        world_size=world_size,
+        matrices=model.matrices,
+        owners=owners,
+        batches=batches,
+        buckets=make_buckets(model.matrices, bucket_numel),
+        balancer=balancer,
+        method=method,
+        dtype=dtype,
+        cost_source=getattr(cost, "name", type(cost).__name__),
+        makespan_s=makespan,
+        lower_bound_s=lb,
+        solve_time_s=solve_time_s,
+        gap=max(0.0, gap),
+        notes=tuple(notes),
     )
 
 
@@ -122,16 +153,25 @@ def make_batches(model: WorkModel, loads: Loads, owners: Sequence[int]) -> tuple
     for s, cls in enumerate(model.classes):
         for r in range(model.world_size):
             sizes = sorted(loads[r].get(s, ()), reverse=True)
-            mine = sorted((i for i in cls.members if owners[i] == r),
-                          key=lambda i: (-model.matrices[i].layer, -i))
+            mine = sorted(
+                (i for i in cls.members if owners[i] == r), key=lambda i: (-model.matrices[i].layer, -i)
+            )
             if len(mine) != sum(sizes):
                 raise AssertionError(f"rank {r} class {cls.n}x{cls.m}: {len(mine)} matrices, slots {sizes}")
             pos = 0
             for b in sizes:
-                members = tuple(sorted(mine[pos:pos + b], key=lambda i: (model.matrices[i].layer, i)))
+                members = tuple(sorted(mine[pos : pos + b], key=lambda i: (model.matrices[i].layer, i)))
                 pos += b
-                out.append(Batch(owner=r, rows=cls.n, cols=cls.m, members=members, time_s=cls.times_s[b],
-                                 method=cls.methods[b]))
+                out.append(
+                    Batch(
+                        owner=r,
+                        rows=cls.n,
+                        cols=cls.m,
+                        members=members,
+                        time_s=cls.times_s[b],
+                        method=cls.methods[b],
+                    )
+                )
     ready = {id(b): min(model.matrices[i].layer for i in b.members) for b in out}
     out.sort(key=lambda b: (b.owner, -ready[id(b)], b.rows, b.cols, b.members))
     return tuple(out)

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from .balance import Loads, WorkModel, rank_load_s
-from .milp import new_highs
+from .milp import new_highs, new_var
 
 GRID = 2000  # pricing grid steps per trial makespan
 BISECTION_REL_TOL = 2e-4
@@ -56,8 +56,9 @@ class _Pool:
 
 
 def _cover_table(model: WorkModel) -> list[list[float]]:
-    return [[model.cover_s(s, k) if k else 0.0 for k in range(c.count + 1)]
-            for s, c in enumerate(model.classes)]
+    return [
+        [model.cover_s(s, k) if k else 0.0 for k in range(c.count + 1)] for s, c in enumerate(model.classes)
+    ]
 
 
 def _grid_cost(cover_s_k: float, unit: float, rounding: str) -> int:
@@ -65,8 +66,9 @@ def _grid_cost(cover_s_k: float, unit: float, rounding: str) -> int:
     return int(math.floor(x + 1e-9)) if rounding == "floor" else int(math.ceil(x - 1e-9))
 
 
-def _price(np, cover: list[list[float]], duals: list[float], t_s: float, counts: list[int],
-           rounding: str) -> tuple[float, tuple]:
+def _price(
+    np, cover: list[list[float]], duals: list[float], t_s: float, counts: list[int], rounding: str
+) -> tuple[float, tuple]:
     """max sum_s duals[s] k(s) s.t. sum_s grid_cost(cover(s, k(s))) <= GRID with unit T / GRID: costs
     rounded down (a relaxation of C(k) <= T, for bounds) or up (only truly feasible configurations)."""
     unit = t_s / GRID
@@ -105,8 +107,19 @@ class _LP:
     columns: dict[tuple, float] = field(default_factory=dict)  # configuration -> LP multiplicity
 
 
-def _column_generation(np, highspy, pool: _Pool, cover, demands: list[int], n_ranks: int, t_s: float,
-                       deadline: float, *, rounding: str, stop_when_fits: bool) -> _LP:
+def _column_generation(
+    np,
+    highspy,
+    pool: _Pool,
+    cover,
+    demands: list[int],
+    n_ranks: int,
+    t_s: float,
+    deadline: float,
+    *,
+    rounding: str,
+    stop_when_fits: bool,
+) -> _LP:
     """Configuration LP  min sum y  s.t. sum_p k_p y_p >= demands  at makespan T, by column generation.
     status "needs_more": the LP needs more than n_ranks (with floor rounding: a proof that T is
     infeasible); "fits": an LP solution with <= n_ranks (with stop_when_fits, possibly not optimal);
@@ -136,8 +149,10 @@ def _column_generation(np, highspy, pool: _Pool, cover, demands: list[int], n_ra
     for s in classes:  # one single-class column per class with demand keeps the LP feasible
         if not demands[s]:
             continue
-        ks = max((j for j in range(1, demands[s] + 1) if _grid_cost(cover[s][j], unit, rounding) <= GRID),
-                 default=0)
+        ks = max(
+            (j for j in range(1, demands[s] + 1) if _grid_cost(cover[s][j], unit, rounding) <= GRID),
+            default=0,
+        )
         if ks == 0:
             return _LP("needs_more")  # one matrix of s alone exceeds T
         k = tuple(ks if j == s else 0 for j in classes)
@@ -172,8 +187,18 @@ def _dive(np, highspy, model: WorkModel, pool: _Pool, cover, t_s: float, deadlin
     ranks_left = model.world_size
     fixed: list[tuple] = []
     while any(demands):
-        lp = _column_generation(np, highspy, pool, cover, demands, ranks_left, t_s, deadline,
-                                rounding="ceil", stop_when_fits=False)
+        lp = _column_generation(
+            np,
+            highspy,
+            pool,
+            cover,
+            demands,
+            ranks_left,
+            t_s,
+            deadline,
+            rounding="ceil",
+            stop_when_fits=False,
+        )
         if lp.status != "fits" or not lp.columns:
             return None
         take = {k: math.floor(y + 1e-6) for k, y in lp.columns.items() if y >= 1 - 1e-6}
@@ -198,8 +223,10 @@ def _realize(model: WorkModel, configs: list[tuple]) -> Loads | None:
 
     if len(configs) > model.world_size:
         return None
-    ranks: Loads = [{s: list(model.best_split(s, model.cover_count(s, ks))) for s, ks in enumerate(k) if ks}
-                    for k in configs]
+    ranks: Loads = [
+        {s: list(model.best_split(s, model.cover_count(s, ks))) for s, ks in enumerate(k) if ks}
+        for k in configs
+    ]
     ranks += [{} for _ in range(model.world_size - len(ranks))]
     return trim_surplus(model, ranks)
 
@@ -210,7 +237,7 @@ def _integer_plan(pulp, model: WorkModel, pool: _Pool, t_s: float, time_limit_s:
     if not cols:
         return None
     prob = pulp.LpProblem("dmuon_configurations", pulp.LpMinimize)
-    y = [pulp.LpVariable(f"y_{i}", 0, model.world_size, cat="Integer") for i in range(len(cols))]
+    y = [new_var(pulp, prob, f"y_{i}", 0, model.world_size, "Integer") for i in range(len(cols))]
     scale = max(t_s, 1e-30)
     prob += pulp.lpSum(pool.configs[k] / scale * v for k, v in zip(cols, y, strict=True))
     prob += pulp.lpSum(y) <= model.world_size, "ranks"
@@ -244,8 +271,18 @@ def configuration_search(model: WorkModel, start: Loads, *, time_limit_s: float,
     counts = [c.count for c in model.classes]
 
     def lp_says(t_s, until):
-        return _column_generation(np, highspy, pool, cover, counts, model.world_size, t_s, until,
-                                  rounding="floor", stop_when_fits=True).status
+        return _column_generation(
+            np,
+            highspy,
+            pool,
+            cover,
+            counts,
+            model.world_size,
+            t_s,
+            until,
+            rounding="floor",
+            stop_when_fits=True,
+        ).status
 
     verdict = lp_says(lo, lp_deadline)
     if verdict == "fits":
@@ -261,8 +298,11 @@ def configuration_search(model: WorkModel, start: Loads, *, time_limit_s: float,
             lo = proven = mid
         else:
             hi = mid
-    notes = [f"configurations: LP bound {proven * 1e3:.3f} ms" if proven > model.lower_bound_s else
-             "configurations: the LP bound is no better than the combinatorial bound"]
+    notes = [
+        f"configurations: LP bound {proven * 1e3:.3f} ms"
+        if proven > model.lower_bound_s
+        else "configurations: the LP bound is no better than the combinatorial bound"
+    ]
     # plan: complete column generation with exact-safe (rounded-up) costs at a trial T, then the integer
     # program; bisection between the first trial (just above the LP bound) and the start's makespan
     best: Loads | None = None
@@ -287,11 +327,15 @@ def configuration_search(model: WorkModel, start: Loads, *, time_limit_s: float,
         # lexicographic second step: least total work among plans with this makespan
         if time.perf_counter() < deadline:
             lean = _integer_plan(pulp, model, pool, mk, deadline - time.perf_counter(), solver_cls)
-            if lean is not None and max(rank_load_s(model, r) for r in lean) <= mk * (1 + 1e-9) and \
-                    sum(rank_load_s(model, r) for r in lean) < sum(rank_load_s(model, r) for r in best):
+            if (
+                lean is not None
+                and max(rank_load_s(model, r) for r in lean) <= mk * (1 + 1e-9)
+                and sum(rank_load_s(model, r) for r in lean) < sum(rank_load_s(model, r) for r in best)
+            ):
                 best = lean
-        notes.append(f"configurations: integer plan makespan {mk * 1e3:.3f} ms from {len(pool.configs)} "
-                     "configurations")
+        notes.append(
+            f"configurations: integer plan makespan {mk * 1e3:.3f} ms from {len(pool.configs)} configurations"
+        )
     else:
         notes.append("configurations: no integer plan in time")
     return ConfigResult(best, proven, notes)

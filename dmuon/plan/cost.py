@@ -9,10 +9,11 @@ profile CSV (`profile_io`) plus datasheet figures (`profiles/hardware.csv`):
   between the measured batches, and outside them the nearest measured point scaled along the fitted
   curve (never flat).
 - Everything else: the roofline  t = FLOPs / (peak(dtype) x efficiency(FLOPs)) + per-call overhead,
-  with the efficiency curve of `fit.Curve` fitted to the device's measured NS points: per kernel family
-  (dense: standard, gram; symmetric: standard_sym, gram_sym) when the family has >= 4 points, else one
-  curve shared by all points. FLOPs are those of the whole call (`flops.ns_flops`, batch included), so
-  batching small matrices raises efficiency and saves overhead while large ones gain ~nothing.
+  with the efficiency curve of `fit.Curve` fitted to the device's measured NS points: per method when
+  it has >= 4 points, else per kernel family (dense: standard, gram; symmetric: standard_sym, gram_sym),
+  else one curve shared by all points. FLOPs are those of the whole call (`flops.ns_flops`, batch
+  included), so batching small matrices raises efficiency and saves overhead while large ones gain
+  ~nothing.
   A `model_scale` row multiplies the modelled time of one method (a calibration; see its source).
 - A GPU without measured points (h100, or any "<gpu>-roofline") borrows the efficiency curve of the
   nearest measured GPU profile (closest bf16 peak) and says so in `detail`.
@@ -67,12 +68,14 @@ def hardware() -> dict[str, Hardware]:
     with open(HARDWARE_CSV, newline="") as f:
         for r in csv.DictReader(f):
             peaks = {d: float(r[f"{d}_flops"]) for d in DTYPES}
-            out[r["device"]] = Hardware(r["device"], peaks, float(r["hbm_bytes_per_s"]), r["profile"], r["source"])
+            out[r["device"]] = Hardware(
+                r["device"], peaks, float(r["hbm_bytes_per_s"]), r["profile"], r["source"]
+            )
     return out
 
 
 def _profile_files() -> dict[str, Path]:
-    return {p.stem: p for p in sorted(PROFILES_DIR.glob("*.csv")) if p != HARDWARE_CSV}
+    return {p.stem: p for p in sorted(PROFILES_DIR.glob("*.csv")) if p.name != HARDWARE_CSV.name}
 
 
 def available_profiles() -> list[str]:
@@ -100,8 +103,17 @@ class _Fits:
 class CostTable:
     """Seconds per NS call and per elementwise pass on one device; see the module docstring."""
 
-    def __init__(self, name: str, device: str, rows: list[ProfileRow], *, peaks_flops: dict[str, float],
-                 hbm_bytes_per_s: float | None, borrow: CostTable | None = None, source: str = ""):
+    def __init__(
+        self,
+        name: str,
+        device: str,
+        rows: list[ProfileRow],
+        *,
+        peaks_flops: dict[str, float],
+        hbm_bytes_per_s: float | None,
+        borrow: CostTable | None = None,
+        source: str = "",
+    ):
         self.name = name
         self.device = device
         self.source = source
@@ -132,8 +144,10 @@ class CostTable:
         if text.lower().endswith(".csv") or "/" in text or "\\" in text:
             path = Path(text)
             if not path.is_file():
-                raise InputError(f"profile file {text!r} does not exist; accepted: a profile CSV path or one of "
-                                 f"{', '.join(available_profiles())}")
+                raise InputError(
+                    f"profile file {text!r} does not exist; accepted: a profile CSV path or one of "
+                    f"{', '.join(available_profiles())}"
+                )
             return cls.from_rows(path.stem, read_profile(path), source=str(path))
         if text in files:
             return cls.from_rows(text, read_profile(files[text]), source=str(files[text]))
@@ -144,14 +158,18 @@ class CostTable:
             raise InputError(
                 f"profile {text!r} is not measured yet: {PROFILES_DIR / hw[text].profile} does not exist "
                 f"(scripts/gpu_check.sh writes it on a {text.upper()}); accepted now: "
-                f"{', '.join(available_profiles())} (e.g. {text + ROOFLINE_SUFFIX!r} for its datasheet roofline)")
+                f"{', '.join(available_profiles())} "
+                f"(e.g. {text + ROOFLINE_SUFFIX!r} for its datasheet roofline)"
+            )
         raise choice_error("profile", text, available_profiles() + ["<path>.csv"])
 
     @classmethod
-    def from_rows(cls, name: str, rows: list[ProfileRow], *, source: str = "",
-                  allow_borrow: bool = True) -> CostTable:
+    def from_rows(
+        cls, name: str, rows: list[ProfileRow], *, source: str = "", allow_borrow: bool = True
+    ) -> CostTable:
         """A table from profile rows; the device (rows' `device` column) gives the datasheet figures, or,
-        for a device without a datasheet (cpu), its measured `matmul` / `copy` rows do."""
+        for a device without a datasheet (cpu), its measured rows do: peak = the highest FLOP rate of its
+        `matmul` and `ns` rows per dtype, bandwidth = the highest `copy` rate (read + write)."""
         devices = sorted({r.device for r in rows if r.device})
         if len(devices) > 1:
             raise InputError(f"profile {name!r} mixes devices {devices}; one profile describes one device")
@@ -161,9 +179,12 @@ class CostTable:
             peaks, hbm = dict(hw.peaks_flops), hw.hbm_bytes_per_s
         else:
             peaks, hbm = {}, None
-            for r in rows:
+            for r in rows:  # the fastest rate measured on the device: its matmul rows, or an NS call
                 if r.op == "matmul":
-                    peaks[r.dtype] = max(peaks.get(r.dtype, 0.0), 2.0 * r.rows ** 3 / r.time_s)
+                    peaks[r.dtype] = max(peaks.get(r.dtype, 0.0), 2.0 * r.rows**3 / r.time_s)
+                elif r.op == NS_OP:
+                    rate = ns_flops(r.rows, r.cols, r.method, batch=r.batch) / r.time_s
+                    peaks[r.dtype] = max(peaks.get(r.dtype, 0.0), rate)
                 elif r.op == "copy":
                     hbm = max(hbm or 0.0, 2.0 * r.numel * DTYPE_BYTES[r.dtype] / r.time_s)
         borrow = None
@@ -180,8 +201,15 @@ class CostTable:
         if hw is None:
             raise choice_error("gpu", gpu, sorted(hardware()))
         borrow = _nearest_gpu_profile(gpu, exclude=None)
-        return cls(f"{gpu} datasheet roofline", gpu, [], peaks_flops=hw.peaks_flops,
-                   hbm_bytes_per_s=hw.hbm_bytes_per_s, borrow=borrow, source=hw.source)
+        return cls(
+            f"{gpu} datasheet roofline",
+            gpu,
+            [],
+            peaks_flops=hw.peaks_flops,
+            hbm_bytes_per_s=hw.hbm_bytes_per_s,
+            borrow=borrow,
+            source=hw.source,
+        )
 
     # ---- datasheet / measured peaks ------------------------------------------------------------
     @property
@@ -193,8 +221,10 @@ class CostTable:
         if dtype not in DTYPES:
             raise choice_error("dtype", dtype, DTYPES)
         if dtype not in self._peaks:
-            raise InputError(f"profile {self.name!r} has no {dtype} peak (it was not measured); accepted dtypes: "
-                             f"{', '.join(self.dtypes) or 'none'}")
+            raise InputError(
+                f"profile {self.name!r} has no {dtype} peak (it was not measured); accepted dtypes: "
+                f"{', '.join(self.dtypes) or 'none'}"
+            )
         return self._peaks[dtype]
 
     @property
@@ -217,7 +247,7 @@ class CostTable:
             if peak is None:
                 continue
             w = ns_flops(n, m, method, batch=b)
-            for g in (KERNEL_FAMILY[method], "all"):
+            for g in (method, KERNEL_FAMILY[method], "all"):
                 groups.setdefault((g, peak), []).append((w, r.time_s))
         for key, pts in groups.items():
             if len({w for w, _ in pts}) >= MIN_FIT_POINTS:
@@ -237,19 +267,29 @@ class CostTable:
         """The roofline curve that prices `method` in `dtype` here, and where it comes from."""
         family, peak = KERNEL_FAMILY[method], self.peak_flops(dtype)
         fits = self._fits.ns
+        if (method, peak) in fits:
+            return fits[(method, peak)], f"fit to {fits[(method, peak)].n_points} {method} points"
         if (family, peak) in fits:
             return fits[(family, peak)], f"fit to {fits[(family, peak)].n_points} {family}-kernel points"
         if ("all", peak) in fits:
-            return fits[("all", peak)], f"shared fit to {fits[('all', peak)].n_points} points (no {family}-kernel fit)"
-        for g in (family, "all"):
+            return fits[
+                ("all", peak)
+            ], f"shared fit to {fits[('all', peak)].n_points} points (no {family}-kernel fit)"
+        for g in (method, family, "all"):
             other = sorted(k for k in fits if k[0] == g)
             if other:
-                return fits[other[-1]].with_rate(peak), f"{g} fit at another dtype's peak, rescaled to {dtype}"
+                return fits[other[-1]].with_rate(
+                    peak
+                ), f"{g} fit at another dtype's peak, rescaled to {dtype}"
         if self._borrow is not None:
             curve, how = self._borrow.ns_curve(method, dtype if dtype in self._borrow.dtypes else "bf16")
-            return curve.with_rate(peak), f"efficiency curve borrowed from the {self._borrow.name} profile ({how})"
-        raise InputError(f"profile {self.name!r} cannot price NS: fewer than {MIN_FIT_POINTS} NS points and no "
-                         "measured GPU profile to borrow an efficiency curve from")
+            return curve.with_rate(
+                peak
+            ), f"efficiency curve borrowed from the {self._borrow.name} profile ({how})"
+        raise InputError(
+            f"profile {self.name!r} cannot price NS: fewer than {MIN_FIT_POINTS} NS points and no "
+            "measured GPU profile to borrow an efficiency curve from"
+        )
 
     def mem_curve(self, op: str) -> tuple[Curve, str]:
         fits = self._fits.mem
@@ -259,13 +299,18 @@ class CostTable:
             return fits["all"], f"shared fit to {fits['all'].n_points} elementwise points"
         if self._borrow is not None and self._hbm is not None:
             curve, how = self._borrow.mem_curve(op)
-            return curve.with_rate(self._hbm), f"bandwidth curve borrowed from the {self._borrow.name} profile ({how})"
-        raise InputError(f"profile {self.name!r} cannot price elementwise ops: fewer than {MIN_FIT_POINTS} "
-                         "elementwise points, or no bandwidth, and no GPU profile to borrow from")
+            return curve.with_rate(
+                self._hbm
+            ), f"bandwidth curve borrowed from the {self._borrow.name} profile ({how})"
+        raise InputError(
+            f"profile {self.name!r} cannot price elementwise ops: fewer than {MIN_FIT_POINTS} "
+            "elementwise points, or no bandwidth, and no GPU profile to borrow from"
+        )
 
     # ---- queries -------------------------------------------------------------------------------
-    def ns_time(self, rows: int, cols: int, batch: int = 1, method: str = "gram_sym",
-                dtype: str = "bf16") -> CostAnswer:
+    def ns_time(
+        self, rows: int, cols: int, batch: int = 1, method: str = "gram_sym", dtype: str = "bf16"
+    ) -> CostAnswer:
         """One orthogonalization call of a (batch, rows, cols) stack (5 steps, restart at 2)."""
         key = ("ns", rows, cols, batch, method, dtype)
         if key not in self._cache:
@@ -337,19 +382,26 @@ class CostTable:
             t, detail = _anchor(family, numel, model, f"{self.name} profile")
         else:
             t = model(numel)
-            detail = f"{self.name} memory roofline ({curve.efficiency(numel * per_elem):.2f} of " \
-                     f"{curve.rate / 1e9:.0f} GB/s; {how})"
+            detail = (
+                f"{self.name} memory roofline ({curve.efficiency(numel * per_elem):.2f} of "
+                f"{curve.rate / 1e9:.0f} GB/s; {how})"
+            )
         return CostAnswer(t, False, detail)
 
     def describe(self) -> list[str]:
         """Human-readable lines: what the table is made of."""
-        lines = [f"profile {self.name} (device {self.device}; {self.source or 'no file'})",
-                 "peaks: " + ", ".join(f"{d} {p / 1e12:.3g} TFLOP/s" for d, p in self._peaks.items())
-                 + (f"; bandwidth {self._hbm / 1e9:.0f} GB/s" if self._hbm else "")]
+        lines = [
+            f"profile {self.name} (device {self.device}; {self.source or 'no file'})",
+            "peaks: "
+            + ", ".join(f"{d} {p / 1e12:.3g} TFLOP/s" for d, p in self._peaks.items())
+            + (f"; bandwidth {self._hbm / 1e9:.0f} GB/s" if self._hbm else ""),
+        ]
         lines.append(f"measured points: {len(self._ns_points)} ns, {len(self._mem_points)} elementwise")
-        for (g, peak), c in sorted(self._fits.ns.items()):
-            lines.append(f"ns fit {g} @ {peak / 1e12:.3g} TFLOP/s: {c.n_points} points, rms error "
-                         f"{c.rms_rel_error:.1%}, overhead {c.t0_s * 1e6:.1f} us, k {c.k}")
+        for (g, peak), c in sorted(self._fits.ns.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            lines.append(
+                f"ns fit {g} @ {peak / 1e12:.3g} TFLOP/s: {c.n_points} points, rms error "
+                f"{c.rms_rel_error:.1%}, overhead {c.t0_s * 1e6:.1f} us, k {c.k}"
+            )
         for g, c in sorted(self._fits.mem.items()):
             lines.append(f"memory fit {g}: {c.n_points} points, rms error {c.rms_rel_error:.1%}")
         for method, r in sorted(self._scale.items()):

@@ -84,14 +84,16 @@ def _nnls_small(rows: list[list[float]], rhs: list[float]) -> tuple[list[float],
     for size in range(1, ncol + 1):
         for cols in combinations(range(ncol), size):
             ata = [[sum(r[i] * r[j] for r in scaled) for j in cols] for i in cols]
-            atb = [sum(r[i] * b for r, b in zip(scaled, rhs)) for i in cols]
+            atb = [sum(r[i] * b for r, b in zip(scaled, rhs, strict=True)) for i in cols]
             sol = _solve(ata, atb)
             if sol is None or any(v < 0 for v in sol):
                 continue
             x = [0.0] * ncol
-            for c, v in zip(cols, sol):
+            for c, v in zip(cols, sol, strict=True):
                 x[c] = v / norms[c]
-            res = sum((sum(r[j] * x[j] for j in range(ncol)) - b) ** 2 for r, b in zip(rows, rhs))
+            res = sum(
+                (sum(r[j] * x[j] for j in range(ncol)) - b) ** 2 for r, b in zip(rows, rhs, strict=True)
+            )
             if res < best_r:
                 best_x, best_r = x, res
     return best_x, best_r
@@ -99,9 +101,11 @@ def _nnls_small(rows: list[list[float]], rhs: list[float]) -> tuple[list[float],
 
 def fit_curve(work: Sequence[float], time_s: Sequence[float], rate: float) -> Curve:
     """Fit t(w) to measured (work, time) points relative to `rate`; needs MIN_FIT_POINTS distinct works."""
-    pts = [(float(w), float(t)) for w, t in zip(work, time_s) if w > 0 and t > 0]
+    pts = [(float(w), float(t)) for w, t in zip(work, time_s, strict=True) if w > 0 and t > 0]
     if len({w for w, _ in pts}) < MIN_FIT_POINTS:
-        raise ValueError(f"a curve fit needs at least {MIN_FIT_POINTS} points of distinct work, got {len(pts)}")
+        raise ValueError(
+            f"a curve fit needs at least {MIN_FIT_POINTS} points of distinct work, got {len(pts)}"
+        )
     if not rate > 0:
         raise ValueError(f"rate must be positive, got {rate!r}")
     best: tuple[float, Curve] | None = None

@@ -75,6 +75,13 @@ def new_highs(highspy):
     return h
 
 
+def new_var(pulp, prob, name: str, low, up, cat: str):
+    """A pulp variable attached to `prob` (PuLP >= 3.3 API; plain LpVariable on older PuLP)."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, low, up, cat=cat)
+    return pulp.LpVariable(name, low, up, cat=cat)
+
+
 def _fallback(model: WorkModel, why: str, notes: list[str]) -> MilpResult:
     loads = lpt(model)
     notes.append(f"MILP fell back to LPT: {why}")
@@ -87,8 +94,9 @@ def _makespan(model: WorkModel, loads: Loads) -> float:
     return max(rank_load_s(model, r) for r in loads)
 
 
-def solve_milp(model: WorkModel, *, time_limit_s: float = 10.0, seed: int = 0,
-               max_exact_vars: int = MAX_EXACT_VARS) -> MilpResult:
+def solve_milp(
+    model: WorkModel, *, time_limit_s: float = 10.0, seed: int = 0, max_exact_vars: int = MAX_EXACT_VARS
+) -> MilpResult:
     """Best owner/batch assignment found within the time limit; see the module docstring."""
     t0 = time.perf_counter()
     notes: list[str] = []
@@ -114,8 +122,12 @@ def solve_milp(model: WorkModel, *, time_limit_s: float = 10.0, seed: int = 0,
         from .colgen import configuration_search
 
         share = 0.5 if exact else 1.0
-        cfg = configuration_search(model, start, time_limit_s=share * (time_limit_s - (time.perf_counter() - t0)),
-                                   solver_cls=solver_cls)
+        cfg = configuration_search(
+            model,
+            start,
+            time_limit_s=share * (time_limit_s - (time.perf_counter() - t0)),
+            solver_cls=solver_cls,
+        )
         notes += cfg.notes
         bound = max(bound, cfg.bound_s)
         if cfg.loads is not None and _makespan(model, cfg.loads) < best_mk:
@@ -126,8 +138,10 @@ def solve_milp(model: WorkModel, *, time_limit_s: float = 10.0, seed: int = 0,
         if not exact:
             g = max(1, max_exact_vars // per_rank_vars)
             groups = [n_ranks // g + (1 if k < n_ranks % g else 0) for k in range(g)]
-            notes.append(f"MILP: {n_ranks} identical ranks aggregated into {g} groups of "
-                         f"{min(groups)}-{max(groups)} ranks running the same batches (memory cap set)")
+            notes.append(
+                f"MILP: {n_ranks} identical ranks aggregated into {g} groups of "
+                f"{min(groups)}-{max(groups)} ranks running the same batches (memory cap set)"
+            )
         solver = _Solver(pulp, solver_cls, model, groups, model.lower_bound_s)
         remaining = time_limit_s - (time.perf_counter() - t0)
         sol1 = solver.solve(best if exact else None, phase=1, time_limit_s=max(0.5, remaining * PHASE1_SHARE))
@@ -137,8 +151,11 @@ def solve_milp(model: WorkModel, *, time_limit_s: float = 10.0, seed: int = 0,
             if _makespan(model, loads1) <= best_mk * (1 + 1e-12):
                 best, best_mk = loads1, _makespan(model, loads1)
             remaining = time_limit_s - (time.perf_counter() - t0)
-            sol2 = solver.solve(best, phase=2, time_limit_s=max(0.5, remaining), makespan_cap_s=best_mk) \
-                if exact and remaining > 0.2 else None
+            sol2 = (
+                solver.solve(best, phase=2, time_limit_s=max(0.5, remaining), makespan_cap_s=best_mk)
+                if exact and remaining > 0.2
+                else None
+            )
             if sol2 is not None and _makespan(model, sol2[0]) <= best_mk * (1 + 1e-9):
                 best = sol2[0]
         notes.append(solver.last_status)
@@ -148,8 +165,10 @@ def solve_milp(model: WorkModel, *, time_limit_s: float = 10.0, seed: int = 0,
     if mk > start_mk:
         best, mk = start, start_mk
     gap = max(0.0, (mk - bound) / mk) if mk > 0 else 0.0
-    notes.append(f"MILP ({' + '.join(how)}): makespan {mk * 1e3:.3f} ms vs LPT {start_mk * 1e3:.3f} ms; proven "
-                 f"lower bound {bound * 1e3:.3f} ms, gap {gap:.2%}; {time.perf_counter() - t0:.2f} s")
+    notes.append(
+        f"MILP ({' + '.join(how)}): makespan {mk * 1e3:.3f} ms vs LPT {start_mk * 1e3:.3f} ms; proven "
+        f"lower bound {bound * 1e3:.3f} ms, gap {gap:.2%}; {time.perf_counter() - t0:.2f} s"
+    )
     return MilpResult(best, gap, bound, notes)
 
 
@@ -157,12 +176,19 @@ class _Solver:
     """Builds and solves one phase of the (exact or grouped) model with pulp's HiGHS interface."""
 
     def __init__(self, pulp, solver_cls, model: WorkModel, groups: list[int], scale_s: float):
-        self.pulp, self.solver_cls, self.model, self.groups, self.scale = pulp, solver_cls, model, groups, scale_s
+        self.pulp, self.solver_cls, self.model, self.groups, self.scale = (
+            pulp,
+            solver_cls,
+            model,
+            groups,
+            scale_s,
+        )
         self.status_text: dict[int, str] = {}
         self.last_status = ""
 
-    def solve(self, start: Loads | None, *, phase: int, time_limit_s: float,
-              makespan_cap_s: float | None = None) -> tuple[Loads, float] | None:
+    def solve(
+        self, start: Loads | None, *, phase: int, time_limit_s: float, makespan_cap_s: float | None = None
+    ) -> tuple[Loads, float] | None:
         pulp, model, groups = self.pulp, self.model, self.groups
         exact = all(g == 1 for g in groups)
         prob = pulp.LpProblem(f"dmuon_balance_phase{phase}", pulp.LpMinimize)
@@ -170,24 +196,38 @@ class _Solver:
         for s, cls in enumerate(model.classes):
             for b in cls.sizes:
                 for g in range(len(groups)):
-                    x[s, b, g] = pulp.LpVariable(f"x_{s}_{b}_{g}", 0, cls.count // b, cat="Integer")
-        makespan = pulp.LpVariable("M", model.lower_bound_s / self.scale * (1 - 1e-9))
+                    x[s, b, g] = new_var(pulp, prob, f"x_{s}_{b}_{g}", 0, cls.count // b, "Integer")
+        makespan = new_var(pulp, prob, "M", model.lower_bound_s / self.scale * (1 - 1e-9), None, "Continuous")
         loads = []
         for g in range(len(groups)):
-            load = pulp.LpAffineExpression([(x[s, b, g], cls.times_s[b] / self.scale)
-                                            for s, cls in enumerate(model.classes) for b in cls.sizes])
+            load = pulp.LpAffineExpression(
+                [
+                    (x[s, b, g], cls.times_s[b] / self.scale)
+                    for s, cls in enumerate(model.classes)
+                    for b in cls.sizes
+                ]
+            )
             loads.append(load)
             prob += load - makespan <= 0, f"load_{g}"
             if model.memory_cap_bytes is not None:
-                prob += pulp.LpAffineExpression([(x[s, b, g], b * cls.state_bytes / model.memory_cap_bytes)
-                                                 for s, cls in enumerate(model.classes) for b in cls.sizes]) <= 1, \
-                    f"memory_{g}"
+                prob += (
+                    pulp.LpAffineExpression(
+                        [
+                            (x[s, b, g], b * cls.state_bytes / model.memory_cap_bytes)
+                            for s, cls in enumerate(model.classes)
+                            for b in cls.sizes
+                        ]
+                    )
+                    <= 1,
+                    f"memory_{g}",
+                )
         for g in range(len(groups) - 1):
             if groups[g] == groups[g + 1]:
                 prob += loads[g] - loads[g + 1] >= 0, f"order_{g}"
         for s, cls in enumerate(model.classes):
-            cover = pulp.LpAffineExpression([(x[s, b, g], b * groups[g]) for b in cls.sizes
-                                             for g in range(len(groups))])
+            cover = pulp.LpAffineExpression(
+                [(x[s, b, g], b * groups[g]) for b in cls.sizes for g in range(len(groups))]
+            )
             prob += (cover == cls.count) if exact else (cover >= cls.count), f"cover_{s}"
         if phase == 1:
             prob += makespan
@@ -209,8 +249,9 @@ class _Solver:
         highs = prob.solverModel
         status = highs.getModelStatus()
         info = highs.getInfo()
-        self.status_text[phase] = f"HiGHS phase {phase}: {highs.modelStatusToString(status)}, " \
-                                  f"gap {info.mip_gap:.2%}"
+        self.status_text[phase] = (
+            f"HiGHS phase {phase}: {highs.modelStatusToString(status)}, gap {info.mip_gap:.2%}"
+        )
         self.last_status = self.status_text[phase]
         if info.primal_solution_status == 0:
             self.last_status += " (no solution)"
@@ -228,8 +269,11 @@ class _Solver:
         if out is None:
             self.last_status += " (solution does not cover every matrix)"
             return None
-        bound = info.mip_dual_bound * self.scale if phase == 1 and exact and math.isfinite(info.mip_dual_bound) \
+        bound = (
+            info.mip_dual_bound * self.scale
+            if phase == 1 and exact and math.isfinite(info.mip_dual_bound)
             else 0.0
+        )
         return out, bound
 
 
@@ -242,8 +286,10 @@ def trim_surplus(model: WorkModel, loads: Loads) -> Loads | None:
         if surplus < 0:
             return None
         while surplus > 0:
-            r = max((r for r in range(len(loads)) if loads[r].get(s)),
-                    key=lambda r: (rank_load_s(model, loads[r]), -r))
+            r = max(
+                (r for r in range(len(loads)) if loads[r].get(s)),
+                key=lambda r: (rank_load_s(model, loads[r]), -r),
+            )
             sizes = loads[r][s]
             b = sizes.pop()  # the smallest batch of this class on that rank
             drop = min(b, surplus)

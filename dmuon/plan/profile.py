@@ -30,8 +30,12 @@ from .flops import METHODS
 from .profile_io import DTYPES, ELEMENTWISE_OPS, ProfileRow
 
 DEVICES = ("cpu", "cuda")
-METHOD_CALL = {"standard": ("standard", "torch"), "standard_sym": ("standard", "triton"),
-               "gram": ("gram", "torch"), "gram_sym": ("gram", "triton")}
+METHOD_CALL = {
+    "standard": ("standard", "torch"),
+    "standard_sym": ("standard", "triton"),
+    "gram": ("gram", "torch"),
+    "gram_sym": ("gram", "triton"),
+}
 TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -79,8 +83,23 @@ def device_label(device: str) -> str:
     return f"{what}, torch {torch.__version__}"
 
 
-def check_request(device: str, methods: Sequence[str], dtypes: Sequence[str], max_batch: int,
-                  repeats: int) -> None:
+def default_device_name(device: str) -> str:
+    """The `device` column for this machine: a known GPU key (a800, a100, h100, h200) from the CUDA
+    device name, else 'cuda'; 'cpu' on the CPU."""
+    if device != "cuda":
+        return "cpu"
+    import torch
+
+    name = torch.cuda.get_device_name().lower()
+    for key in ("a800", "a100", "h100", "h200"):
+        if key in name:
+            return key
+    return "cuda"
+
+
+def check_request(
+    device: str, methods: Sequence[str], dtypes: Sequence[str], max_batch: int, repeats: int
+) -> None:
     """InputError for anything the profiler cannot time, before any work starts."""
     if device not in DEVICES:
         raise choice_error("device", device, DEVICES)
@@ -88,14 +107,18 @@ def check_request(device: str, methods: Sequence[str], dtypes: Sequence[str], ma
         if m not in METHODS:
             raise choice_error("method", m, METHODS)
         if device == "cpu" and m.endswith("_sym"):
-            raise InputError(f"method {m!r} needs the Triton symmetric kernels on a CUDA GPU; on cpu "
-                             "accepted: standard, gram (the cost table prices *_sym on cpu with its roofline)")
+            raise InputError(
+                f"method {m!r} needs the Triton symmetric kernels on a CUDA GPU; on cpu "
+                "accepted: standard, gram (the cost table prices *_sym on cpu with its roofline)"
+            )
     for d in dtypes:
         if d not in DTYPES:
             raise choice_error("dtype", d, DTYPES)
         if device == "cpu" and d != "fp32":
-            raise InputError(f"dtype {d!r} is not profiled on cpu (half-precision matmuls are emulated there "
-                             "and far too slow); accepted on cpu: fp32")
+            raise InputError(
+                f"dtype {d!r} is not profiled on cpu (half-precision matmuls are emulated there "
+                "and far too slow); accepted on cpu: fp32"
+            )
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise InputError(f"max_batch must be a positive integer, got {max_batch!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -112,10 +135,20 @@ def ns_shapes_of(shapes: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return sorted({(min(r, c), max(r, c)) for r, c in shapes})
 
 
-def profile_ns(shapes: Iterable[tuple[int, int]], *, device: str = "cpu", methods=("standard", "gram"),
-               dtypes=("fp32",), max_batch: int = 8, repeats: int = 5, warmup: int = 1, seed: int = 0,
-               source: str | None = None, device_name: str | None = None,
-               progress: Callable[[str], None] | None = None) -> list[ProfileRow]:
+def profile_ns(
+    shapes: Iterable[tuple[int, int]],
+    *,
+    device: str = "cpu",
+    methods=("standard", "gram"),
+    dtypes=("fp32",),
+    max_batch: int = 8,
+    repeats: int = 5,
+    warmup: int = 1,
+    seed: int = 0,
+    source: str | None = None,
+    device_name: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[ProfileRow]:
     """`ns` rows: every (n, m) of `shapes` x batch 1..max_batch x method x dtype."""
     import torch
 
@@ -136,16 +169,26 @@ def profile_ns(shapes: Iterable[tuple[int, int]], *, device: str = "cpu", method
                         return orthogonalize(g, method=ns_method, dtype=dtype, kernels=kernels)
 
                     t = median_time_s(call, device=device, repeats=repeats, warmup=warmup)
-                    rows.append(ProfileRow(device_name or device, "ns", n, m, batch, method, dtype, t, source))
+                    rows.append(
+                        ProfileRow(device_name or device, "ns", n, m, batch, method, dtype, t, source)
+                    )
                     if progress:
                         progress(f"ns {method} {dtype} ({batch}, {n}, {m}): {t * 1e3:.3f} ms")
             del g
     return rows
 
 
-def profile_elementwise(numels: Iterable[int], *, device: str = "cpu", dtype: str = "fp32", repeats: int = 5,
-                        warmup: int = 1, source: str | None = None, device_name: str | None = None,
-                        progress: Callable[[str], None] | None = None) -> list[ProfileRow]:
+def profile_elementwise(
+    numels: Iterable[int],
+    *,
+    device: str = "cpu",
+    dtype: str = "fp32",
+    repeats: int = 5,
+    warmup: int = 1,
+    source: str | None = None,
+    device_name: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[ProfileRow]:
     """`muon_momentum` and `adamw` rows: one pass of the optimizer's own functions over numel elements."""
     import torch
 
@@ -165,7 +208,7 @@ def profile_elementwise(numels: Iterable[int], *, device: str = "cpu", dtype: st
         def adamw(p=p, g=g, a=a, b=b):
             adamw_step_([p], [g], [a], [b], [1], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
-        for op, fn in zip(ELEMENTWISE_OPS, (momentum, adamw)):
+        for op, fn in zip(ELEMENTWISE_OPS, (momentum, adamw), strict=True):
             t = median_time_s(fn, device=device, repeats=repeats, warmup=warmup)
             rows.append(ProfileRow(device_name or device, op, numel, 1, 1, "", dtype, t, source))
             if progress:
@@ -174,13 +217,20 @@ def profile_elementwise(numels: Iterable[int], *, device: str = "cpu", dtype: st
     return rows
 
 
-PEAK_SIZES = {"cpu": ((256, 512, 1024), (1 << 22, 1 << 24)),
-              "cuda": ((2048, 4096, 8192), (1 << 26, 1 << 28))}
+PEAK_SIZES = {"cpu": ((256, 512, 1024), (1 << 22, 1 << 24)), "cuda": ((2048, 4096, 8192), (1 << 26, 1 << 28))}
 
 
-def profile_peaks(*, device: str = "cpu", dtype: str = "fp32", matmul_sizes: Sequence[int] | None = None,
-                  copy_numels: Sequence[int] | None = None, repeats: int = 5, warmup: int = 1,
-                  source: str | None = None, device_name: str | None = None) -> list[ProfileRow]:
+def profile_peaks(
+    *,
+    device: str = "cpu",
+    dtype: str = "fp32",
+    matmul_sizes: Sequence[int] | None = None,
+    copy_numels: Sequence[int] | None = None,
+    repeats: int = 5,
+    warmup: int = 1,
+    source: str | None = None,
+    device_name: str | None = None,
+) -> list[ProfileRow]:
     """`matmul` rows (n x n x n products) and `copy` rows: the achieved peak FLOP/s and bandwidth."""
     import torch
 
@@ -196,27 +246,56 @@ def profile_peaks(*, device: str = "cpu", dtype: str = "fp32", matmul_sizes: Seq
         rows.append(ProfileRow(device_name or device, "matmul", n, n, 1, "", dtype, t, source))
     for numel in copy_numels:
         src, dst = torch.rand(numel, device=device, dtype=dt), torch.empty(numel, device=device, dtype=dt)
-        t = median_time_s(lambda src=src, dst=dst: dst.copy_(src), device=device, repeats=repeats, warmup=warmup)
+        t = median_time_s(
+            lambda src=src, dst=dst: dst.copy_(src), device=device, repeats=repeats, warmup=warmup
+        )
         rows.append(ProfileRow(device_name or device, "copy", numel, 1, 1, "", dtype, t, source))
     return rows
 
 
-def profile_device(shapes: Iterable[tuple[int, int]], *, device: str = "cpu", methods=("standard", "gram"),
-                   dtypes=("fp32",), max_batch: int = 8, repeats: int = 5, warmup: int = 1,
-                   elementwise_numels: Sequence[int] = (1 << 16, 1 << 18, 1 << 20, 1 << 22),
-                   device_name: str | None = None,
-                   progress: Callable[[str], None] | None = None) -> list[ProfileRow]:
+def profile_device(
+    shapes: Iterable[tuple[int, int]],
+    *,
+    device: str = "cpu",
+    methods=("standard", "gram"),
+    dtypes=("fp32",),
+    max_batch: int = 8,
+    repeats: int = 5,
+    warmup: int = 1,
+    elementwise_numels: Sequence[int] = (1 << 16, 1 << 18, 1 << 20, 1 << 22),
+    device_name: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[ProfileRow]:
     """Everything a cost table needs for one device: peaks, NS calls, elementwise passes."""
     check_request(device, methods, dtypes, max_batch, repeats)
     name = device_name or device
     source = f"measured here: {device_label(device)}, median of {repeats}"
     rows: list[ProfileRow] = []
     for dtype in dtypes:
-        rows += profile_peaks(device=device, dtype=dtype, repeats=repeats, warmup=warmup, source=source,
-                              device_name=name)
-    rows += profile_ns(shapes, device=device, methods=methods, dtypes=dtypes, max_batch=max_batch,
-                       repeats=repeats, warmup=warmup, source=source, device_name=name, progress=progress)
+        rows += profile_peaks(
+            device=device, dtype=dtype, repeats=repeats, warmup=warmup, source=source, device_name=name
+        )
+    rows += profile_ns(
+        shapes,
+        device=device,
+        methods=methods,
+        dtypes=dtypes,
+        max_batch=max_batch,
+        repeats=repeats,
+        warmup=warmup,
+        source=source,
+        device_name=name,
+        progress=progress,
+    )
     if elementwise_numels:
-        rows += profile_elementwise(elementwise_numels, device=device, dtype="fp32", repeats=repeats,
-                                    warmup=warmup, source=source, device_name=name, progress=progress)
+        rows += profile_elementwise(
+            elementwise_numels,
+            device=device,
+            dtype="fp32",
+            repeats=repeats,
+            warmup=warmup,
+            source=source,
+            device_name=name,
+            progress=progress,
+        )
     return rows

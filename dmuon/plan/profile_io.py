@@ -118,8 +118,10 @@ def read_profile(path: str | Path) -> list[ProfileRow]:
             header = tuple(reader.fieldnames or ())
             missing = [c for c in COLUMNS if c not in header]
             if missing:
-                raise InputError(f"{path}: missing column(s) {', '.join(missing)}; "
-                                 f"a profile CSV has the columns {','.join(COLUMNS)}")
+                raise InputError(
+                    f"{path}: missing column(s) {', '.join(missing)}; "
+                    f"a profile CSV has the columns {','.join(COLUMNS)}"
+                )
             return [parse_row(raw, f"{path}:{i}") for i, raw in enumerate(reader, start=2)]
     except UnicodeDecodeError as e:
         raise InputError(f"{path}: not a text CSV file: {e}") from None
@@ -133,8 +135,19 @@ def format_rows(rows: list[ProfileRow]) -> str:
     w.writerow(COLUMNS)
     for r in rows:
         sized = r.op != "model_scale"
-        w.writerow([r.device, r.op, r.rows if sized else "", r.cols if sized else "", r.batch if sized else "",
-                    r.method, r.dtype, repr(float(r.time_s)), r.source])
+        w.writerow(
+            [
+                r.device,
+                r.op,
+                r.rows if sized else "",
+                r.cols if sized else "",
+                r.batch if sized else "",
+                r.method,
+                r.dtype,
+                repr(float(r.time_s)),
+                r.source,
+            ]
+        )
     return buf.getvalue()
 
 

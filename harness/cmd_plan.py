@@ -1,0 +1,388 @@
+"""`harness plan` (owners, batches, buckets of a workload on N ranks) and `harness profile` (cost profile).
+
+  harness plan --workload qwen2.5-7b --ranks 64 --balancer milp [--profile a800] [--json] [--out plan.json]
+  harness plan --compare [--workload a,b] [--ranks 8,16] [--json]   round-robin / LPT / MILP side by side
+  harness profile --device cpu --workload qwen2.5-7b --scale 0.03125,0.0625,0.125 --out FILE
+
+Heavy imports (torch for `profile`, pulp/highspy for the MILP) happen inside the commands.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+DEFAULT_COMPARE_WORKLOADS = ("qwen2.5-7b", "pi0", "wall-oss", "wall-wm")
+DEFAULT_COMPARE_RANKS = (8, 16, 32, 64, 128, 256)
+CPU_PROFILE_SCALES = (1 / 32, 1 / 16, 1 / 8)
+
+
+def _csv_list(text: str | None, what: str, convert=str) -> list:
+    from dmuon.errors import InputError
+
+    if text is None:
+        return []
+    out = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            out.append(convert(part))
+        except ValueError:
+            raise InputError(
+                f"{what}: {part!r} is not a valid {convert.__name__}; give a comma-separated list"
+            ) from None
+    return out
+
+
+def _fraction(text: str) -> float:
+    """'0.0625' or '1/16'."""
+    if "/" in text:
+        num, den = text.split("/", 1)
+        return float(num) / float(den)
+    return float(text)
+
+
+def load_matrices(workload: str, scale: float | None = None, blocks: int | None = None):
+    from simulator.workload import load_workload
+
+    wl = load_workload(workload)
+    if scale is not None or blocks is not None:
+        wl = wl.scaled(scale if scale is not None else 1.0, blocks)
+    return wl
+
+
+def plan_summary(plan, workload: str) -> dict:
+    """The JSON view of a plan (see `harness plan --json`)."""
+    mk = plan.makespan_s
+    return {
+        "workload": workload,
+        "ranks": plan.world_size,
+        "balancer": plan.balancer,
+        "profile": plan.cost_source,
+        "method": plan.method,
+        "dtype": plan.dtype,
+        "matrices": len(plan.matrices),
+        "batches": len(plan.batches),
+        "buckets": len(plan.buckets),
+        "makespan_s": mk,
+        "lower_bound_s": plan.lower_bound_s,
+        "proven_bound_s": mk * (1 - plan.gap),
+        "efficiency": plan.efficiency,
+        "gap": plan.gap,
+        "solve_time_s": plan.solve_time_s,
+        "loads_s": list(plan.loads_s),
+        "assignment": [
+            {"matrix": m.name, "owner": o} for m, o in zip(plan.matrices, plan.owners, strict=True)
+        ],
+        "notes": list(plan.notes),
+    }
+
+
+def _rank_rows(plan) -> list[tuple]:
+    rows = []
+    for r, load in enumerate(plan.loads_s):
+        bs = plan.batches_of(r)
+        sizes = sorted((b.size for b in bs), reverse=True)
+        state = sum(plan.matrices[i].numel for i in plan.owned_by(r)) * 8
+        rows.append((r, load, len(plan.owned_by(r)), len(bs), sizes, state))
+    return rows
+
+
+def print_plan(plan, workload: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    rows = _rank_rows(plan)
+    shown = rows if len(rows) <= 32 else sorted(rows, key=lambda x: (-x[1], x[0]))[:16]
+    t = Table(
+        title=f"{workload}: {len(plan.matrices)} Muon matrices on {plan.world_size} ranks, "
+        f"{plan.balancer}, {plan.method} {plan.dtype}, profile {plan.cost_source}"
+        + ("" if shown is rows else " (16 most loaded ranks)")
+    )
+    for col in ("rank", "load ms", "matrices", "batches", "batch sizes", "owned state MB"):
+        t.add_column(col, justify="left" if col == "batch sizes" else "right")
+    for r, load, nm, nb, sizes, state in shown:
+        t.add_row(
+            str(r),
+            f"{load * 1e3:.3f}",
+            str(nm),
+            str(nb),
+            " ".join(map(str, sizes)) or "-",
+            f"{state / 1e6:.1f}",
+        )
+    con.print(t)
+    con.print(
+        f"makespan {plan.makespan_s * 1e3:.3f} ms   lower bound {plan.lower_bound_s * 1e3:.3f} ms   "
+        f"efficiency {plan.efficiency:.3f}   proven gap {plan.gap:.2%}   solve {plan.solve_time_s:.2f} s   "
+        f"buckets {len(plan.buckets)}"
+    )
+    for n in plan.notes:
+        con.print(f"note: {n}")
+
+
+def compare_rows(
+    workloads, ranks_list, profile: str, method: str, dtype: str, time_limit_s: float, progress=None
+) -> list[dict]:
+    """Round-robin, LPT and MILP makespans side by side for every (workload, N)."""
+    import warnings
+
+    from dmuon.plan.build import build_plan
+    from dmuon.plan.cost import CostTable
+
+    cost = CostTable.load(profile)
+    rows = []
+    for wl in workloads:
+        mats = load_matrices(wl).muon_matrices
+        for n in ranks_list:
+            plans = {}
+            for bal in ("round_robin", "lpt", "milp"):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    plans[bal] = build_plan(
+                        mats, n, cost, balancer=bal, method=method, dtype=dtype, time_limit_s=time_limit_s
+                    )
+            milp = plans["milp"]
+            bound = milp.makespan_s * (1 - milp.gap)
+            row = {
+                "workload": wl,
+                "ranks": n,
+                "lower_bound_s": milp.lower_bound_s,
+                "proven_bound_s": bound,
+                "lb_reachable": "no"
+                if bound > milp.lower_bound_s * (1 + 1e-6)
+                else ("yes" if milp.gap <= 1e-3 else "unknown"),
+            }
+            for bal, p in plans.items():
+                row[f"{bal}_makespan_s"] = p.makespan_s
+                row[f"{bal}_efficiency"] = p.efficiency
+                row[f"{bal}_solve_s"] = p.solve_time_s
+            row["milp_gap"] = milp.gap
+            row["milp_vs_lpt"] = milp.makespan_s / plans["lpt"].makespan_s
+            row["fallback"] = any("fell back" in x for x in milp.notes)
+            rows.append(row)
+            if progress:
+                progress(row)
+    return rows
+
+
+def print_compare(rows: list[dict], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    cols = (
+        "workload",
+        "N",
+        "LB ms",
+        "proven ms",
+        "LB reachable",
+        "RR ms",
+        "LPT ms",
+        "MILP ms",
+        "eff RR",
+        "eff LPT",
+        "eff MILP",
+        "MILP gap",
+        "MILP/LPT",
+        "LPT s",
+        "MILP s",
+    )
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("workload", "LB reachable") else "right")
+    for r in rows:
+        t.add_row(
+            r["workload"],
+            str(r["ranks"]),
+            f"{r['lower_bound_s'] * 1e3:.3f}",
+            f"{r['proven_bound_s'] * 1e3:.3f}",
+            r["lb_reachable"],
+            f"{r['round_robin_makespan_s'] * 1e3:.3f}",
+            f"{r['lpt_makespan_s'] * 1e3:.3f}",
+            f"{r['milp_makespan_s'] * 1e3:.3f}",
+            f"{r['round_robin_efficiency']:.3f}",
+            f"{r['lpt_efficiency']:.3f}",
+            f"{r['milp_efficiency']:.3f}",
+            f"{r['milp_gap']:.2%}",
+            f"{r['milp_vs_lpt']:.4f}",
+            f"{r['lpt_solve_s']:.2f}",
+            f"{r['milp_solve_s']:.2f}",
+        )
+    Console().print(t)
+    print(
+        "efficiency = lower bound / makespan, lower bound = max(work/N, largest call, pigeonhole terms); "
+        "proven = the MILP's proven bound on the optimum (configuration LP / solver); 'LB reachable: no' = "
+        "the proven bound exceeds the lower bound, so no plan reaches it."
+    )
+
+
+def register(app, bench) -> None:
+    import typer
+
+    from dmuon.plan.balance import PLAN_METHODS
+    from dmuon.plan.build import BALANCERS
+
+    @app.command("plan")
+    def plan_cmd(
+        workload: str = typer.Option(None, help="Catalog name or .toml/.csv file (--compare: comma list)."),
+        ranks: str = typer.Option(None, help="Number of ranks N (--compare: comma list)."),
+        balancer: str = typer.Option("lpt", help=" | ".join(BALANCERS)),
+        profile: str = typer.Option(
+            "a800", help="Cost profile: a800 | h200 | cpu | h100 | <gpu>-roofline | path to a profile CSV."
+        ),
+        method: str = typer.Option(
+            "gram_sym", help=" | ".join(PLAN_METHODS) + " (auto = cheapest per batch)."
+        ),
+        dtype: str = typer.Option("bf16", help="bf16 | fp16 | fp32"),
+        no_batching: bool = typer.Option(False, "--no-batching", help="Every matrix is its own NS call."),
+        max_batch: int = typer.Option(8, help="Largest batch of same-shape matrices."),
+        bucket_numel: int = typer.Option(
+            0,
+            help="0 = one communication bucket per layer; else merge "
+            "consecutive layers up to this many elements.",
+        ),
+        memory_cap_gb: float = typer.Option(
+            None, help="Per-rank cap on owned state (fp32 momentum + fp32 copy = 8 bytes per element), GB."
+        ),
+        anti_affinity: bool = typer.Option(
+            False, "--anti-affinity", help="A layer's matrices go to different owners where possible."
+        ),
+        time_limit: float = typer.Option(10.0, help="MILP time limit, seconds."),
+        scale: float = typer.Option(None, help="Plan the workload scaled by this width factor (CPU models)."),
+        blocks: int = typer.Option(None, help="Keep only this many repeated blocks per component."),
+        json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+        out: str = typer.Option(None, help="Write the full plan (Plan.to_json) to this file."),
+        compare: bool = typer.Option(
+            False,
+            "--compare",
+            help="Round-robin / LPT / MILP side by side for several workloads and rank counts.",
+        ),
+    ):
+        """Owners, batches and buckets of a workload's Muon matrices on N ranks (per-rank loads)."""
+        from dmuon.errors import InputError
+
+        if compare:
+            wls = _csv_list(workload, "--workload") or list(DEFAULT_COMPARE_WORKLOADS)
+            ns = _csv_list(ranks, "--ranks", int) or list(DEFAULT_COMPARE_RANKS)
+            if any(n < 1 for n in ns):
+                raise InputError(f"--ranks must be positive integers, got {ns}")
+
+            def progress(r):
+                if not json_out:
+                    print(
+                        f"  {r['workload']} N={r['ranks']}: MILP {r['milp_makespan_s'] * 1e3:.3f} ms "
+                        f"({r['milp_solve_s']:.1f} s)",
+                        file=sys.stderr,
+                    )
+
+            rows = compare_rows(wls, ns, profile, method, dtype, time_limit, progress)
+            if json_out:
+                print(json.dumps(rows, indent=1))
+            else:
+                print_compare(rows, f"NS makespan per balancer, profile {profile}, {method} {dtype}")
+            return
+        if workload is None or ranks is None:
+            raise InputError("harness plan needs --workload and --ranks (or --compare)")
+        try:
+            n = int(ranks)
+        except ValueError:
+            raise InputError(f"--ranks must be a positive integer, got {ranks!r}") from None
+        from dmuon.plan.build import build_plan
+        from dmuon.plan.cost import CostTable
+        from dmuon.plan.profile_io import write_text_atomic
+
+        wl = load_matrices(workload, scale, blocks)
+        cap = None if memory_cap_gb is None else memory_cap_gb * 1e9
+        plan = build_plan(
+            wl.muon_matrices,
+            n,
+            CostTable.load(profile),
+            balancer=balancer,
+            method=method,
+            dtype=dtype,
+            batching=not no_batching,
+            max_batch=max_batch,
+            bucket_numel=bucket_numel,
+            memory_cap_bytes=cap,
+            anti_affinity=anti_affinity,
+            time_limit_s=time_limit,
+        )
+        if out:
+            write_text_atomic(out, plan.to_json(indent=1))
+        if json_out:
+            print(json.dumps(plan_summary(plan, wl.name), indent=1))
+        else:
+            print_plan(plan, wl.name)
+            for note in wl.notes:
+                print(f"workload note: {note}")
+
+    @app.command("profile")
+    def profile_cmd(
+        device: str = typer.Option("cpu", help="cpu | cuda"),
+        workload: str = typer.Option("qwen2.5-7b", help="Whose Muon matrix shapes to time."),
+        scale: str = typer.Option(
+            None,
+            help="Width scale(s) of the workload, comma list, e.g. 1/32,1/16,1/8 "
+            "(default: those on cpu, 1 on cuda).",
+        ),
+        methods: str = typer.Option(
+            None,
+            help="Comma list of standard | standard_sym | gram | gram_sym "
+            "(default: standard,gram on cpu; all four on cuda).",
+        ),
+        dtype: str = typer.Option(
+            None, help="Comma list of bf16 | fp16 | fp32 (default: fp32 on cpu, bf16,fp16 on cuda)."
+        ),
+        max_batch: int = typer.Option(8, help="Batch sizes 1..max_batch."),
+        repeats: int = typer.Option(3, help="Timed repeats per point (median), after one warm-up."),
+        threads: int = typer.Option(1, help="torch CPU threads (1 matches the multi-process CPU runs)."),
+        device_name: str = typer.Option(
+            None, help="Device column: a800 | h200 | ... (default: from the GPU name on cuda, 'cpu' on cpu)."
+        ),
+        out: str = typer.Option(None, help="Write the profile CSV here (atomically)."),
+        json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
+    ):
+        """Time NS calls (batch 1..max_batch) and optimizer passes on this machine -> a cost profile CSV."""
+        import time
+
+        import torch
+
+        from dmuon.plan.profile import default_device_name, ns_shapes_of, profile_device
+        from dmuon.plan.profile_io import format_rows, write_profile
+
+        scales = [_fraction(x) for x in _csv_list(scale, "--scale")] or (
+            list(CPU_PROFILE_SCALES) if device == "cpu" else [1.0]
+        )
+        meths = tuple(_csv_list(methods, "--methods")) or (
+            ("standard", "gram") if device == "cpu" else ("standard", "standard_sym", "gram", "gram_sym")
+        )
+        dtypes = tuple(_csv_list(dtype, "--dtype")) or (("fp32",) if device == "cpu" else ("bf16", "fp16"))
+        if device == "cpu":
+            torch.set_num_threads(threads)
+        shapes = set()
+        for f in scales:
+            shapes |= {m.shape for m in load_matrices(workload, f if f != 1.0 else None).muon_matrices}
+        t0 = time.perf_counter()
+        rows = profile_device(
+            ns_shapes_of(shapes),
+            device=device,
+            methods=meths,
+            dtypes=dtypes,
+            max_batch=max_batch,
+            repeats=repeats,
+            device_name=device_name or default_device_name(device),
+            progress=None if json_out else (lambda s: print(s, file=sys.stderr)),
+        )
+        if out:
+            write_profile(out, rows)
+        if json_out:
+            print(json.dumps([r.__dict__ for r in rows], indent=1))
+        else:
+            print(format_rows(rows), end="")
+            print(
+                f"{len(rows)} rows in {time.perf_counter() - t0:.1f} s"
+                + (f", written to {out}" if out else ""),
+                file=sys.stderr,
+            )

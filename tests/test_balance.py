@@ -1,0 +1,233 @@
+"""Balancers: properties on random small inputs (hypothesis) and targeted cases (bounds, caps, fallback)."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dmuon.errors import InputError
+from dmuon.plan.balance import STATE_BYTES_PER_ELEMENT, build_work_model
+from dmuon.plan.build import build_plan
+from dmuon.plan.cost import CostTable
+from dmuon.plan.types import MatrixSpec, Plan
+
+A800 = CostTable.load("a800")
+SHAPES = [(256, 1024), (1024, 256), (1024, 4096), (2048, 2048), (2048, 8192), (3584, 18944), (512, 512)]
+
+
+@st.composite
+def instances(draw):
+    kinds = draw(st.lists(st.sampled_from(SHAPES), min_size=1, max_size=4, unique=True))
+    layers = draw(st.integers(1, 6))
+    per_layer = [draw(st.lists(st.sampled_from(kinds), min_size=1, max_size=4)) for _ in range(layers)]
+    mats = [
+        MatrixSpec(f"l{layer}.m{j}", r, c, layer)
+        for layer, shapes in enumerate(per_layer)
+        for j, (r, c) in enumerate(shapes)
+    ]
+    ranks = draw(st.integers(1, 6))
+    max_batch = draw(st.integers(1, 8))
+    return mats, ranks, max_batch
+
+
+def _check_plan(plan: Plan, ranks: int) -> None:
+    n = len(plan.matrices)
+    assert len(plan.owners) == n and all(0 <= o < ranks for o in plan.owners)
+    members = sorted(i for b in plan.batches for i in b.members)
+    assert members == list(range(n))  # every matrix in exactly one batch
+    for b in plan.batches:
+        for i in b.members:
+            m = plan.matrices[i]
+            assert plan.owners[i] == b.owner and (min(m.shape), max(m.shape)) == (b.rows, b.cols)
+        single = A800.ns_time(b.rows, b.cols, 1, b.method, plan.dtype).time_s
+        assert b.time_s <= b.size * single * (1 + 1e-12)  # a batch never costs more than its members singly
+    assert max(plan.loads_s) == pytest.approx(plan.makespan_s, rel=1e-12)
+    assert plan.makespan_s >= plan.lower_bound_s * (1 - 1e-12)  # the lower bound is a theorem
+    assert sorted(i for bk in plan.buckets for i in bk.members) == list(range(n))
+
+
+@given(instances())
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_greedy_balancers_properties(inst):
+    mats, ranks, max_batch = inst
+    for balancer in ("round_robin", "lpt"):
+        plan = build_plan(mats, ranks, A800, balancer=balancer, max_batch=max_batch)
+        _check_plan(plan, ranks)
+        assert Plan.from_json(plan.to_json()) == plan
+        again = build_plan(mats, ranks, A800, balancer=balancer, max_batch=max_batch)
+        assert again.owners == plan.owners and again.batches == plan.batches  # deterministic
+    # Graham's bound for LPT: makespan <= sum of single-matrix times / N + the largest single time
+    singles = [A800.ns_time(m.rows, m.cols, 1, "gram_sym", "bf16").time_s for m in mats]
+    lpt = build_plan(mats, ranks, A800, balancer="lpt", max_batch=max_batch)
+    assert lpt.makespan_s <= sum(singles) / ranks + max(singles) + 1e-15
+
+
+@given(instances())
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_milp_is_valid_and_never_worse_than_lpt(inst):
+    mats, ranks, max_batch = inst
+    lpt = build_plan(mats, ranks, A800, balancer="lpt", max_batch=max_batch)
+    milp = build_plan(mats, ranks, A800, balancer="milp", max_batch=max_batch, time_limit_s=2.0)
+    _check_plan(milp, ranks)
+    assert milp.makespan_s <= lpt.makespan_s * (1 + 1e-9)
+    proven = milp.makespan_s * (1 - milp.gap)
+    assert milp.lower_bound_s * (1 - 1e-9) <= proven <= milp.makespan_s * (1 + 1e-12)
+    assert Plan.from_json(milp.to_json()) == milp
+
+
+@given(st.lists(st.integers(1, 9), min_size=2, max_size=5, unique=True), st.data())
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_milp_solves_scheduling_instances_lpt_gets_wrong(sizes, data):
+    # no batching gain, integer job times: the textbook P||Cmax instances where greedy is often not optimal
+    cost = _UnitCost({(10 * (k + 1), 10 * (k + 1)): float(t) for k, t in enumerate(sizes)})
+    counts = [data.draw(st.integers(1, 2)) for _ in sizes]
+    mats = [
+        MatrixSpec(f"k{k}.{j}", 10 * (k + 1), 10 * (k + 1), j)
+        for k in range(len(sizes))
+        for j in range(counts[k])
+    ]
+    ranks = data.draw(st.integers(2, 3))
+    lpt = build_plan(mats, ranks, cost, balancer="lpt", batching=False)
+    milp = build_plan(mats, ranks, cost, balancer="milp", batching=False, time_limit_s=2)
+    assert milp.makespan_s <= lpt.makespan_s + 1e-9
+    assert milp.makespan_s >= milp.lower_bound_s - 1e-9
+    optimum = _brute_force(mats, cost, ranks)  # <= 10 matrices on <= 3 ranks
+    assert milp.makespan_s * (1 - milp.gap) <= optimum + 1e-9  # the proven bound is a true bound
+    if milp.gap <= 1e-9:  # proven optimal
+        assert milp.makespan_s == pytest.approx(optimum)
+
+
+def _brute_force(mats, cost, ranks) -> float:
+    import itertools
+
+    times = [cost.single[(m.rows, m.cols)] for m in mats]
+    best = float("inf")
+    for assign in itertools.product(range(ranks), repeat=len(times)):
+        if assign[0] != 0:
+            continue
+        loads = [0.0] * ranks
+        for t, r in zip(times, assign, strict=True):
+            loads[r] += t
+        best = min(best, max(loads))
+    return best
+
+
+def test_milp_finds_the_optimum_where_lpt_does_not():
+    # 5 equal matrices on 2 ranks without batching: LPT and the optimum both 3 units; add a 2-unit-ish
+    # job set where greedy is known to be suboptimal: sizes {3, 3, 2, 2, 2} on 2 ranks (LPT 7, opt 6).
+    cost = _UnitCost({(100, 100): 3.0, (80, 80): 2.0})
+    mats = [MatrixSpec(f"a{i}", 100, 100, i) for i in range(2)] + [
+        MatrixSpec(f"b{i}", 80, 80, 2 + i) for i in range(3)
+    ]
+    lpt = build_plan(mats, 2, cost, balancer="lpt", batching=False)
+    milp = build_plan(mats, 2, cost, balancer="milp", batching=False, time_limit_s=5)
+    assert lpt.makespan_s == pytest.approx(7.0)
+    assert milp.makespan_s == pytest.approx(6.0) and milp.gap == pytest.approx(0.0, abs=1e-6)
+
+
+class _UnitCost:
+    """A cost table with fixed per-matrix times and no batching gain: textbook scheduling instances."""
+
+    name = "unit"
+
+    def __init__(self, single: dict[tuple[int, int], float]):
+        self.single = single
+
+    def ns_time(self, rows, cols, batch=1, method="gram_sym", dtype="bf16"):
+        from dmuon.plan.cost import CostAnswer
+
+        return CostAnswer(batch * self.single[(min(rows, cols), max(rows, cols))], False, "unit")
+
+
+def test_lower_bound_pigeonhole_term():
+    # 3 equal large matrices on 2 ranks: some rank runs two of them, the bound knows it
+    mats = [MatrixSpec(f"w{i}", 4096, 14336, i) for i in range(3)]
+    model = build_work_model(mats, 2, A800)
+    terms = model.lower_bound_terms()
+    two = min(A800.ns_time(4096, 14336, 2).time_s, 2 * A800.ns_time(4096, 14336, 1).time_s)
+    assert terms["pigeonhole 4096x14336"] == pytest.approx(two)
+    plan = build_plan(mats, 2, A800, balancer="lpt")
+    assert plan.makespan_s == pytest.approx(plan.lower_bound_s) and plan.efficiency == pytest.approx(1.0)
+
+
+def test_round_robin_follows_layer_order():
+    mats = [MatrixSpec(f"m{i}", 64, 256, layer=i // 2) for i in range(10)]
+    plan = build_plan(mats, 3, A800, balancer="round_robin")
+    assert plan.owners == tuple(i % 3 for i in range(10))
+
+
+def test_batching_off_and_batch_readiness_order():
+    mats = [MatrixSpec(f"m{i}", 256, 1024, layer=i) for i in range(12)]
+    plan = build_plan(mats, 2, A800, balancer="lpt")
+    assert max(b.size for b in plan.batches) > 1  # small matrices are batched
+    for r in range(2):  # a rank's batches in the order their gradients complete in backward
+        firsts = [min(mats[i].layer for i in b.members) for b in plan.batches_of(r)]
+        assert firsts == sorted(firsts, reverse=True)
+    off = build_plan(mats, 2, A800, balancer="lpt", batching=False)
+    assert all(b.size == 1 for b in off.batches) and off.makespan_s > plan.makespan_s
+
+
+@pytest.mark.parametrize("balancer", ["round_robin", "lpt", "milp"])
+def test_memory_cap_holds(balancer):
+    mats = [MatrixSpec(f"big{i}", 2048, 8192, i) for i in range(4)] + [
+        MatrixSpec(f"small{i}", 512, 2048, i) for i in range(12)
+    ]
+    per_big = 2048 * 8192 * STATE_BYTES_PER_ELEMENT
+    cap = per_big * 1.2  # one big matrix per rank at most
+    plan = build_plan(mats, 4, A800, balancer=balancer, memory_cap_bytes=cap, time_limit_s=3)
+    for r in range(4):
+        owned = sum(plan.matrices[i].numel for i in plan.owned_by(r)) * STATE_BYTES_PER_ELEMENT
+        assert owned <= cap
+    with pytest.raises(InputError, match="below the owned state of one matrix"):
+        build_plan(mats, 4, A800, memory_cap_bytes=per_big / 2)
+    with pytest.raises(InputError, match="cannot hold the owned state"):
+        build_plan(mats, 2, A800, memory_cap_bytes=cap)
+
+
+def test_anti_affinity_spreads_a_layer_over_owners_without_changing_loads():
+    mats = [MatrixSpec(f"l{layer}.{j}", 1024, 4096, layer) for layer in range(4) for j in range(3)]
+    plain = build_plan(mats, 3, A800, balancer="lpt")
+    spread = build_plan(mats, 3, A800, balancer="lpt", anti_affinity=True)
+    assert sorted(spread.loads_s) == pytest.approx(sorted(plain.loads_s))
+    for layer in range(4):
+        assert len({spread.owners[i] for i, m in enumerate(mats) if m.layer == layer}) == 3
+
+
+def test_milp_falls_back_to_lpt_loudly_without_a_solver(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pulp", None)  # import pulp -> ImportError
+    mats = [MatrixSpec(f"m{i}", 1024, 4096, i) for i in range(7)]
+    with pytest.warns(RuntimeWarning, match="fell back to LPT"):
+        plan = build_plan(mats, 3, A800, balancer="milp")
+    assert any("pulp is not installed" in n for n in plan.notes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert plan.owners == build_plan(mats, 3, A800, balancer="lpt").owners
+
+
+def test_milp_at_128_ranks_is_valid():
+    from simulator.workload import load_workload
+
+    mats = load_workload("wall-wm").muon_matrices
+    plan = build_plan(mats, 128, A800, balancer="milp", time_limit_s=3)
+    _check_plan(plan, 128)
+    assert plan.makespan_s <= build_plan(mats, 128, A800, balancer="lpt").makespan_s * (1 + 1e-9)
+
+
+def test_bad_arguments_say_what_is_accepted():
+    mats = [MatrixSpec("a", 64, 64)]
+    with pytest.raises(InputError, match="unknown balancer 'greedy'; accepted: round_robin, lpt, milp"):
+        build_plan(mats, 2, A800, balancer="greedy")
+    with pytest.raises(InputError, match="world_size must be a positive integer"):
+        build_plan(mats, 0, A800)
+    with pytest.raises(
+        InputError, match="unknown method 'x'; accepted: standard, standard_sym, gram, gram_sym, auto"
+    ):
+        build_plan(mats, 2, A800, method="x")
+    with pytest.raises(InputError, match="no matrices to plan"):
+        build_plan([], 2, A800)
+    with pytest.raises(InputError, match="matrix names must be unique"):
+        build_plan([MatrixSpec("a", 64, 64), MatrixSpec("a", 32, 64)], 2, A800)

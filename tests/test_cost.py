@@ -1,0 +1,217 @@
+"""Cost table: measured points, interpolation, extrapolation, borrowing, errors; the curve fit; the CSV."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dmuon.errors import InputError
+from dmuon.plan import cost as cost_mod
+from dmuon.plan.cost import CostTable, available_profiles
+from dmuon.plan.fit import Curve, fit_curve
+from dmuon.plan.flops import METHODS, ns_flops
+from dmuon.plan.profile_io import ProfileRow, read_profile, write_profile
+
+
+@pytest.fixture(scope="module")
+def a800():
+    return CostTable.load("a800")
+
+
+def test_measured_points_are_returned_exactly(a800):
+    rows = [r for r in read_profile(cost_mod.PROFILES_DIR / "a800.csv") if r.op == "ns"]
+    assert len(rows) == 26
+    for r in rows:
+        for shape in ((r.rows, r.cols), (r.cols, r.rows)):  # a matrix and its transpose cost the same
+            a = a800.ns_time(*shape, r.batch, r.method, r.dtype)
+            assert a.measured and a.time_s == r.time_s and "measured" in a.detail
+    a = a800.ns_time(8192, 2048, 1, "gram", "fp16")
+    assert a.time_s == pytest.approx(2787e-6, rel=1e-12)
+
+
+def test_same_width_same_peak_dtype_borrows_the_point_but_says_so(a800):
+    fp16 = a800.ns_time(3584, 18944, 1, "gram_sym", "fp16")
+    bf16 = a800.ns_time(3584, 18944, 1, "gram_sym", "bf16")
+    assert bf16.time_s == fp16.time_s and not bf16.measured and "fp16 point used" in bf16.detail
+
+
+def _synthetic(times_by_batch: dict[int, float], device="a800") -> CostTable:
+    rows = [
+        ProfileRow(device, "ns", 1024, 4096, b, "gram", "bf16", t, "test") for b, t in times_by_batch.items()
+    ]
+    # enough other shapes for a curve fit of its own
+    for n in (512, 2048, 3072, 4096):
+        f = ns_flops(n, 4 * n, "gram")
+        rows.append(ProfileRow(device, "ns", n, 4 * n, 1, "gram", "bf16", 2e-5 + f / 2e14, "test"))
+    return CostTable.from_rows("synthetic", rows)
+
+
+def test_interpolation_between_measured_batches_is_log_linear_and_monotone():
+    table = _synthetic({1: 1.0e-3, 2: 1.4e-3, 4: 2.2e-3, 8: 4.0e-3})
+    t = [table.ns_time(1024, 4096, b, "gram", "bf16").time_s for b in range(1, 17)]
+    assert all(x < y for x, y in zip(t, t[1:], strict=False)), (
+        t
+    )  # monotone in FLOPs (FLOPs grow with the batch)
+    t3 = table.ns_time(1024, 4096, 3, "gram", "bf16")
+    expect = math.exp(
+        math.log(1.4e-3)
+        + (math.log(3) - math.log(2)) / (math.log(4) - math.log(2)) * (math.log(2.2e-3) - math.log(1.4e-3))
+    )
+    assert not t3.measured and t3.time_s == pytest.approx(expect, rel=1e-12) and "interpolation" in t3.detail
+    t16 = table.ns_time(1024, 4096, 16, "gram", "bf16")
+    assert t16.time_s > 4.0e-3 and "scaled along the fitted curve" in t16.detail  # never flat
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_extrapolation_grows_with_flops(a800, method):
+    prev = 0.0
+    for k in (0.25, 0.5, 1, 2, 4, 8):  # unmeasured shapes far below and above the profile's range
+        n, m = int(1000 * k), int(5000 * k)
+        a = a800.ns_time(n, m, 1, method, "bf16")
+        assert not a.measured and a.time_s > prev
+        assert a.time_s >= ns_flops(n, m, method) / a800.peak_flops("bf16")  # never beats the datasheet peak
+        prev = a.time_s
+    batches = [a800.ns_time(2048, 8192, b, method, "bf16").time_s for b in range(1, 12)]
+    assert all(x < y for x, y in zip(batches, batches[1:], strict=False))
+
+
+def test_batching_helps_small_matrices_more_than_large(a800):
+    def gain(n, m):
+        return 8 * a800.ns_time(n, m, 1, "gram", "bf16").time_s / a800.ns_time(n, m, 8, "gram", "bf16").time_s
+
+    assert gain(256, 1024) > gain(7168, 18432) >= 1.0
+    assert gain(256, 1024) > 1.3
+
+
+def test_standard_method_is_calibrated_and_says_so(a800):
+    a = a800.ns_time(2048, 16384, 1, "standard", "bf16")
+    assert "calibrated" in a.detail and "pi0" in a.detail
+
+
+@given(
+    t0=st.floats(0, 1e-3),
+    a=st.floats(0, 1e-14),
+    c=st.floats(0, 1e-9),
+    k=st.sampled_from((0.05, 0.5, 0.95)),
+    w=st.floats(1e6, 1e14),
+    factor=st.floats(1.001, 100),
+)
+@settings(max_examples=60, deadline=None)
+def test_curve_is_increasing_and_efficiency_at_most_one(t0, a, c, k, w, factor):
+    curve = Curve(3e14, t0, a, c, k)
+    assert curve.time_s(w * factor) > curve.time_s(w)
+    assert curve.efficiency(w) <= 1.0 + 1e-12
+
+
+def test_fit_recovers_a_known_curve():
+    truth = Curve(3e14, 5e-5, 2e-16, 3e-12, 0.3)
+    work = [10 ** (9 + 0.25 * i) for i in range(16)]
+    fitted = fit_curve(work, [truth.time_s(w) for w in work], 3e14)
+    assert fitted.rms_rel_error < 0.01
+    for w in work:
+        assert fitted.time_s(w) == pytest.approx(truth.time_s(w), rel=0.02)
+    with pytest.raises(ValueError, match="at least 4"):
+        fit_curve(work[:3], [1.0, 2.0, 3.0], 1e12)
+
+
+def test_unknown_names_list_the_accepted_values(a800):
+    with pytest.raises(InputError, match=r"unknown profile 'nope'; accepted: .*a800.*cpu"):
+        CostTable.load("nope")
+    with pytest.raises(
+        InputError, match=r"unknown method 'newton'; accepted: standard, standard_sym, gram, gram_sym"
+    ):
+        a800.ns_time(64, 64, 1, "newton")
+    with pytest.raises(InputError, match=r"unknown dtype 'fp8'; accepted: bf16, fp16, fp32"):
+        a800.ns_time(64, 64, 1, "gram", "fp8")
+    with pytest.raises(InputError, match=r"unknown elementwise op 'sgd'; accepted: muon_momentum, adamw"):
+        a800.elementwise_time(100, "sgd")
+    with pytest.raises(InputError, match="batch must be a positive integer"):
+        a800.ns_time(64, 64, 0)
+    with pytest.raises(InputError, match="does not exist"):
+        CostTable.load("/no/such/profile.csv")
+    with pytest.raises(InputError, match=r"no bf16 peak .*accepted dtypes: fp32"):
+        CostTable.load("cpu").ns_time(64, 64, 1, "gram", "bf16")
+    assert {"a800", "cpu", "h100", "h200-roofline"} <= set(available_profiles())
+
+
+def test_unmeasured_h200_is_a_clear_error_until_its_file_exists(tmp_path, monkeypatch):
+    for name in ("hardware.csv", "a800.csv", "cpu.csv"):
+        shutil.copy(cost_mod.PROFILES_DIR / name, tmp_path / name)
+    monkeypatch.setattr(cost_mod, "PROFILES_DIR", tmp_path)
+    cost_mod._load_unborrowed.cache_clear()
+    try:
+        with pytest.raises(
+            InputError, match=r"profile 'h200' is not measured yet.*gpu_check\.sh.*h200-roofline"
+        ):
+            CostTable.load("h200")
+        assert "h200" not in available_profiles()
+        roof = CostTable.load("h200-roofline")
+        assert "borrowed from the a800 profile" in roof.ns_time(4096, 4096, 1, "gram", "bf16").detail
+    finally:
+        cost_mod._load_unborrowed.cache_clear()
+
+
+def test_gpu_without_points_borrows_the_nearest_profile(a800):
+    h100 = CostTable.load("h100")
+    assert h100.name == "h100 datasheet roofline"
+    a = h100.ns_time(3584, 18944, 1, "gram_sym", "bf16")
+    assert not a.measured and "borrowed from the a800 profile" in a.detail
+    assert a.time_s < a800.ns_time(3584, 18944, 1, "gram_sym", "bf16").time_s  # 989 vs 312 TFLOP/s
+    e = h100.elementwise_time(10**8, "adamw")
+    assert "borrowed from the a800 profile" in e.detail
+    assert e.time_s < a800.elementwise_time(10**8, "adamw").time_s  # 3.35 vs 2.04 TB/s
+
+
+def test_cpu_prices_gram_sym_with_its_roofline_and_says_so():
+    cpu = CostTable.load("cpu")
+    a = cpu.ns_time(224, 1184, 1, "gram_sym", "fp32")
+    assert not a.measured and "no sym-kernel fit" in a.detail
+    assert cpu.ns_time(224, 1184, 1, "gram", "fp32").measured
+
+
+def test_elementwise_points_interpolation_and_model(a800):
+    rows = [r for r in read_profile(cost_mod.PROFILES_DIR / "a800.csv") if r.op == "adamw"]
+    for r in rows:
+        assert a800.elementwise_time(r.numel, "adamw", r.dtype).time_s == r.time_s
+    m = [a800.elementwise_time(10**e, "muon_momentum").time_s for e in range(4, 11)]
+    assert all(x < y for x, y in zip(m, m[1:], strict=False))
+    # no muon_momentum points on the A800: priced by the curve fitted to the AdamW points, and says so
+    assert "shared fit to 4 elementwise points" in a800.elementwise_time(10**6, "muon_momentum").detail
+
+
+def test_shipped_a800_profile_is_what_the_derive_script_writes(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "derive", cost_mod.PROFILES_DIR.parents[2] / "scripts" / "derive_a800_profile.py"
+    )
+    derive = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(derive)
+    out = tmp_path / "a800.csv"
+    assert derive.main(["--out", str(out), "--no-plans"]) == 0
+    assert out.read_text() == (cost_mod.PROFILES_DIR / "a800.csv").read_text()
+
+
+def test_profile_csv_round_trip_and_bad_rows(tmp_path):
+    rows = [
+        ProfileRow("cpu", "ns", 64, 256, 2, "gram", "fp32", 1.5e-3, "here"),
+        ProfileRow("cpu", "adamw", 4096, 1, 1, "", "fp32", 2e-5, "here"),
+        ProfileRow("cpu", "model_scale", 1, 1, 1, "standard", "", 1.25, "calibration"),
+    ]
+    path = tmp_path / "p.csv"
+    write_profile(path, rows)
+    assert read_profile(path) == rows
+    assert not list(tmp_path.glob(".*tmp"))  # the temp file was renamed, not left behind
+    path.write_text("device,op,rows,cols,batch,method,dtype,time_s,source\ncpu,fft,1,1,1,,fp32,1,x\n")
+    with pytest.raises(InputError, match=r"p\.csv:2: unknown op 'fft'; accepted: ns, muon_momentum"):
+        read_profile(path)
+    path.write_text("device,op,rows,cols,batch,method,dtype,time_s,source\ncpu,ns,1,1,1,gram,fp32,-1,x\n")
+    with pytest.raises(InputError, match="time_s must be a positive finite number"):
+        read_profile(path)
+    path.write_text("device,op\ncpu,ns\n")
+    with pytest.raises(InputError, match="missing column"):
+        read_profile(path)

@@ -1,0 +1,125 @@
+"""The Plan from build_plan: fields, buckets, JSON round trip; the `harness plan` command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dmuon.plan.build import build_plan, make_buckets
+from dmuon.plan.cost import CostTable
+from dmuon.plan.types import Plan
+from harness.cli import main
+from simulator.workload import load_workload
+
+A800 = CostTable.load("a800")
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return load_workload("qwen2.5-7b").muon_matrices
+
+
+def test_plan_fields_and_json_round_trip(qwen, tmp_path):
+    plan = build_plan(qwen, 8, A800, balancer="lpt")
+    assert (
+        plan.world_size == 8 and plan.balancer == "lpt" and plan.method == "gram_sym" and plan.dtype == "bf16"
+    )
+    assert plan.cost_source == "a800" and plan.solve_time_s > 0 and plan.makespan_s == max(plan.loads_s)
+    assert 0 < plan.efficiency <= 1 and plan.gap == pytest.approx(1 - plan.efficiency)
+    assert all(b.method == "gram_sym" for b in plan.batches)
+    text = plan.to_json()
+    back = Plan.from_json(text)
+    assert back == plan and back.to_json() == text
+
+
+def test_auto_method_picks_the_cheapest_call_per_batch():
+    mats = load_workload("pi0").muon_matrices
+    auto = build_plan(mats, 8, A800, balancer="lpt", method="auto")
+    for b in auto.batches:
+        best = min(
+            A800.ns_time(b.rows, b.cols, b.size, m, "bf16").time_s
+            for m in ("standard", "standard_sym", "gram", "gram_sym")
+        )
+        assert b.time_s == best and A800.ns_time(b.rows, b.cols, b.size, b.method, "bf16").time_s == best
+    assert len({b.method for b in auto.batches}) > 1
+    assert auto.makespan_s < build_plan(mats, 8, A800, balancer="lpt", method="gram_sym").makespan_s
+
+
+def test_buckets_follow_layer_order(qwen):
+    per_layer = make_buckets(qwen, 0)
+    assert len(per_layer) == 28
+    assert [i for b in per_layer for i in b.members] == sorted(
+        range(len(qwen)), key=lambda i: (qwen[i].layer, i)
+    )
+    for b in per_layer:
+        assert len({qwen[i].layer for i in b.members}) == 1
+    layer_numel = sum(m.numel for m in qwen if m.layer == qwen[0].layer)
+    merged = make_buckets(qwen, 3 * layer_numel)
+    assert len(merged) == 10  # 3 layers per bucket, the last holds the remaining 1
+    assert all(b.numel(qwen) >= 3 * layer_numel for b in merged[:-1])
+    assert [i for b in merged for i in b.members] == [i for b in per_layer for i in b.members]
+
+
+def test_plan_is_deterministic(qwen):
+    a = build_plan(qwen, 16, A800, balancer="milp", time_limit_s=5)
+    b = build_plan(qwen, 16, A800, balancer="milp", time_limit_s=5, seed=3)
+    assert a.owners == b.owners and a.batches == b.batches and a.makespan_s == b.makespan_s
+
+
+def test_cli_plan_json(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--workload", "pi0", "--ranks", "8", "--balancer", "lpt", "--json", "--out", str(out)])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    for key in (
+        "ranks",
+        "balancer",
+        "makespan_s",
+        "lower_bound_s",
+        "loads_s",
+        "solve_time_s",
+        "assignment",
+        "matrices",
+        "efficiency",
+        "gap",
+        "profile",
+    ):
+        assert key in d
+    assert d["ranks"] == 8 and d["matrices"] == 415 == len(d["assignment"]) and len(d["loads_s"]) == 8
+    assert max(d["loads_s"]) == pytest.approx(d["makespan_s"])
+    assert Plan.from_json(out.read_text()).makespan_s == pytest.approx(d["makespan_s"])
+
+
+def test_cli_plan_table_and_compare(capsys):
+    assert main(["plan", "--workload", "wall-oss", "--ranks", "4", "--balancer", "round_robin"]) == 0
+    text = capsys.readouterr().out
+    assert "makespan" in text and "lower bound" in text and "efficiency" in text
+    assert (
+        main(["plan", "--compare", "--workload", "wall-wm", "--ranks", "8", "--time-limit", "2", "--json"])
+        == 0
+    )
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 1 and rows[0]["milp_makespan_s"] <= rows[0]["lpt_makespan_s"] * (1 + 1e-9)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--balancer", "greedy"], "unknown balancer 'greedy'; accepted: round_robin, lpt, milp"),
+        (["--profile", "tpu"], "unknown profile 'tpu'; accepted:"),
+        (["--ranks", "0"], "world_size must be a positive integer"),
+        (["--ranks", "eight"], "--ranks must be a positive integer"),
+        (["--workload", "gpt5"], "unknown workload 'gpt5'"),
+        (["--method", "svd"], "unknown method 'svd'"),
+    ],
+)
+def test_cli_plan_bad_input_exits_2_with_one_line(capsys, argv, message):
+    base = {"--workload": "pi0", "--ranks": "8"}
+    args = ["plan"]
+    for k, v in base.items():
+        if k not in argv:
+            args += [k, v]
+    assert main(args + argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err

@@ -1,0 +1,110 @@
+"""The profiler (CPU, tiny shapes), `harness profile`, and the import hygiene of dmuon.plan."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dmuon.errors import InputError
+from dmuon.plan.cost import CostTable
+from dmuon.plan.profile import check_request, profile_device
+from dmuon.plan.profile_io import read_profile, write_profile
+from harness.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_profile_device_rows_feed_a_cost_table(tmp_path):
+    import torch
+
+    torch.set_num_threads(1)
+    rows = profile_device(
+        [(24, 40), (40, 24), (16, 64), (32, 32), (8, 48)],
+        device="cpu",
+        max_batch=2,
+        repeats=1,
+        elementwise_numels=(1 << 10, 1 << 12, 1 << 14, 1 << 16),
+    )
+    ns = [r for r in rows if r.op == "ns"]
+    assert {(r.rows, r.cols) for r in ns} == {(24, 40), (16, 64), (32, 32), (8, 48)}  # (40, 24) is (24, 40)
+    assert {r.batch for r in ns} == {1, 2} and {r.method for r in ns} == {"standard", "gram"}
+    assert {r.op for r in rows} == {"ns", "matmul", "copy", "muon_momentum", "adamw"}
+    assert all(r.time_s > 0 and r.source.startswith("measured here") for r in rows)
+    path = tmp_path / "mini.csv"
+    write_profile(path, rows)
+    table = CostTable.load(str(path))
+    a = table.ns_time(40, 24, 2, "gram", "fp32")
+    assert a.measured and a.time_s == next(
+        r.time_s for r in ns if (r.rows, r.cols, r.batch, r.method) == (24, 40, 2, "gram")
+    )
+    assert table.peak_flops("fp32") > 0 and table.hbm_bytes_per_s > 0
+    assert table.ns_time(64, 256, 1, "gram", "fp32").time_s > table.ns_time(32, 128, 1, "gram", "fp32").time_s
+
+
+def test_profiler_rejects_what_it_cannot_time():
+    with pytest.raises(
+        InputError, match="gram_sym.*needs the Triton symmetric kernels.*accepted: standard, gram"
+    ):
+        check_request("cpu", ("gram_sym",), ("fp32",), 8, 3)
+    with pytest.raises(InputError, match="accepted on cpu: fp32"):
+        check_request("cpu", ("gram",), ("bf16",), 8, 3)
+    with pytest.raises(InputError, match="unknown device 'tpu'; accepted: cpu, cuda"):
+        check_request("tpu", ("gram",), ("fp32",), 8, 3)
+    with pytest.raises(InputError, match="max_batch must be a positive integer"):
+        check_request("cpu", ("gram",), ("fp32",), 0, 3)
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="no CUDA GPU"):
+            check_request("cuda", ("gram",), ("bf16",), 8, 3)
+
+
+def test_harness_profile_writes_a_profile(tmp_path, capsys):
+    out = tmp_path / "cpu_small.csv"
+    rc = main(
+        [
+            "profile",
+            "--device",
+            "cpu",
+            "--workload",
+            "qwen2.5-7b",
+            "--scale",
+            "1/128",
+            "--max-batch",
+            "2",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    rows = read_profile(out)
+    assert {(r.rows, r.cols) for r in rows if r.op == "ns"} == {(8, 32), (32, 32), (32, 144)}
+    assert main(["profile", "--device", "cpu", "--methods", "gram_sym", "--out", str(out)]) == 2
+    assert "needs the Triton symmetric kernels" in capsys.readouterr().err
+
+
+def test_plan_modules_import_without_torch_pulp_highspy_numpy():
+    # dmuon/__init__ imports torch (the optimizer); the planner modules themselves must not.
+    code = f"""
+import sys, types, importlib.abc
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split('.')[0] in ('torch', 'pulp', 'highspy', 'numpy', 'simpy'):
+            raise ImportError('blocked ' + name)
+sys.meta_path.insert(0, Block())
+pkg = types.ModuleType('dmuon'); pkg.__path__ = [{str(ROOT / "dmuon")!r}]; sys.modules['dmuon'] = pkg
+import dmuon.plan, dmuon.plan.build, dmuon.plan.cost, dmuon.plan.profile, dmuon.plan.milp, dmuon.plan.colgen
+from dmuon.plan.cost import CostTable
+from dmuon.plan.build import build_plan
+from dmuon.plan.types import MatrixSpec
+plan = build_plan([MatrixSpec('a', 64, 256), MatrixSpec('b', 256, 64)], 2, CostTable.load('a800'))
+print('ok', plan.makespan_s > 0)
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "ok True"
