@@ -34,6 +34,7 @@ from .runtime.units import AllReduceUnit, Member, OwnerUnit
 
 STATE_FORMAT = "dmuon.replicated/1"
 BALANCERS = ("lpt", "round_robin", "milp")
+SMALL_ADAMW = 1 << 16  # AdamW parameters up to this many elements ride in their layer's Muon bucket
 
 
 def _check_int(name: str, v, lo: int) -> int:
@@ -55,7 +56,7 @@ class _ReplicatedMuon(torch.optim.Optimizer):
                  balancer: str = "lpt", profile: str | None = None, overlap: bool = True,
                  node_size: int | None = None, bucket_numel: int = 0, nonfinite: str = "raise",
                  check_consistency_every: int = 0, timeout_s: float = 600.0, exchange: str = "reduce_scatter",
-                 max_batch: int = 8, warn_no_muon: bool = True):
+                 max_batch: int = 8, shard_adamw: bool | None = None, warn_no_muon: bool = True):
         if not isinstance(model, torch.nn.Module):
             raise InputError(f"{type(self).__name__} takes the model (an nn.Module) itself, got "
                              f"{type(model).__name__}; it installs hooks on it (do not wrap it in DDP)")
@@ -95,6 +96,7 @@ class _ReplicatedMuon(torch.optim.Optimizer):
         self.timeout_s, self.max_batch = float(timeout_s), max_batch
         self.skipped_steps = 0
         self._steps = 0
+        self.shard_adamw = self.owner_centric if shard_adamw is None else bool(shard_adamw)
 
         self.groups = build_groups(process_group, node_size, timeout_s)
         broadcast_module_state(model, self.groups)
@@ -128,32 +130,50 @@ class _ReplicatedMuon(torch.optim.Optimizer):
                                 priced=self.owner_centric)
 
     def _build_units(self, exchange: str, bucket_numel: int) -> list:
-        """Exchange units in launch order: the plan's buckets for the matrices, one unit per layer (merged
-        up to bucket_numel elements) for the AdamW params; ordered by reverse forward layer."""
-        keyed = []
+        """Exchange units in launch order (reverse forward layer). Muon matrices: the plan's buckets.
+        AdamW parameters of at most SMALL_ADAMW elements ride in the bucket of their layer (DMuon: owned
+        by the rank owning the fewest elements of that bucket); the others form one unit per layer,
+        adjacent small units merged; DMuon shards those evenly over the ranks (shard_adamw)."""
+        entries = []  # [min layer, members, kind]
+        by_layer = {}
         if self.plan is not None:
             for b in self.plan.buckets:
-                members = [Member(i, self.names[i], self.params[i], self.plan.owners[i]) for i in b.members]
-                keyed.append((min(self.layers[i] for i in b.members), 0, members))
-        adamw = list(range(self.n_muon, len(self.params)))
-        chunks: list[list[int]] = []
-        for i in adamw:
-            same_layer = chunks and self.layers[chunks[-1][-1]] == self.layers[i]
-            small = chunks and bucket_numel and sum(self.params[j].numel() for j in chunks[-1]) < bucket_numel
-            if chunks and (same_layer or small):
-                chunks[-1].append(i)
+                e = [min(self.layers[i] for i in b.members), [Member(i, self.names[i], self.params[i],
+                                                                    self.plan.owners[i]) for i in b.members], "muon"]
+                entries.append(e)
+                for i in b.members:
+                    by_layer.setdefault(self.layers[i], e)
+        groups: list[list[int]] = []
+        for i in range(self.n_muon, len(self.params)):
+            e = by_layer.get(self.layers[i])
+            if e is not None and self.params[i].numel() <= SMALL_ADAMW:
+                load = [0] * self.world_size
+                for m in e[1]:
+                    load[m.owner] += m.param.numel()
+                e[1].append(Member(i, self.names[i], self.params[i], load.index(min(load))))
+            elif groups and self.layers[groups[-1][-1]] == self.layers[i]:
+                groups[-1].append(i)
             else:
-                chunks.append([i])
-        for c in chunks:
-            keyed.append((min(self.layers[i] for i in c), 1,
-                          [Member(i, self.names[i], self.params[i]) for i in c]))
-        keyed.sort(key=lambda t: (-t[0], t[1]))
+                groups.append([i])
+        merged: list[list[int]] = []
+        for g in groups:
+            size = sum(self.params[i].numel() for i in g)
+            if merged and size <= SMALL_ADAMW and sum(self.params[i].numel() for i in merged[-1]) <= SMALL_ADAMW:
+                merged[-1] += g
+            elif merged and bucket_numel and sum(self.params[i].numel() for i in merged[-1]) < bucket_numel:
+                merged[-1] += g
+            else:
+                merged.append(list(g))
+        for g in merged:
+            entries.append([min(self.layers[i] for i in g), [Member(i, self.names[i], self.params[i]) for i in g],
+                            "adamw"])
+        entries.sort(key=lambda e: (-e[0], e[2] != "muon"))
         units = []
-        for pos, (_, kind, members) in enumerate(keyed):
-            if kind == 0 and self.owner_centric:
-                units.append(OwnerUnit(pos, members, self.groups, self._worker, exchange))
-            else:
+        for pos, (_, members, kind) in enumerate(entries):
+            if not self.owner_centric or (kind == "adamw" and not self.shard_adamw):
                 units.append(AllReduceUnit(pos, members, self.groups, self._worker))
+            else:
+                units.append(OwnerUnit(pos, members, self.groups, self._worker, exchange, sharded=kind == "adamw"))
         return units
 
     # ---- communication -------------------------------------------------------------------------
@@ -207,34 +227,34 @@ class _ReplicatedMuon(torch.optim.Optimizer):
             self.skipped_steps += 1
             return loss
         self._muon_update(has_any)
-        for u in self.units:
-            if isinstance(u, OwnerUnit):
-                u.launch_publish(f"weight publication of bucket {u.position} ({len(u.members)} matrices)")
         self._adamw_update(has_any)
+        for u in reversed(self.units):  # forward order: the next forward needs the first layers first
+            if isinstance(u, OwnerUnit):
+                u.launch_publish(f"weight publication of bucket {u.position} ({len(u.members)} params)")
         if not self.overlap:
             self.synchronize()
         self._steps += 1
         return loss
 
-    def _readable(self, i: int) -> bool:
-        """Whether this rank holds the summed gradient of parameter i after the exchange."""
-        unit, _ = self._where[i]
-        return not isinstance(unit, OwnerUnit) or unit.members[self._where[i][1]].owner == self.rank
-
     def _local_flags(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Wait for the gradient exchange; scale sums to means; local has-grad and non-finite flags."""
+        """Wait for the gradient exchange; scale sums to means; local has-grad and non-finite flags
+        (of what this rank holds: one pass per unit, then per parameter only where something is off)."""
         n = len(self.params)
         has_grad = torch.zeros(n, dtype=torch.bool)
+        nonfinite = torch.zeros(n, dtype=torch.bool)
+        suspects = []
         for u in self.units:
             u.wait_reduce()
             u.scale_(1.0 / self.world_size)
             for k, m in enumerate(u.members):
                 has_grad[m.index] = u.has_grad[k]
-        nonfinite = torch.zeros(n, dtype=torch.bool)
-        if self.nonfinite != "ignore":
-            idx = [i for i in range(n) if self._readable(i)]
-            grads = [self._grad(i) for i in idx]
-            bad = set(nonfinite_names(idx, grads)) if grads else set()
+            if self.nonfinite != "ignore":
+                chunk = u.readable()
+                if chunk.numel() and not torch.isfinite(chunk.sum()):
+                    suspects.append(u)
+        for u in suspects:
+            pieces = u.local_pieces()
+            bad = nonfinite_names([u.members[k].index for k, *_ in pieces], [g for *_, g in pieces])
             for i in bad:
                 nonfinite[i] = True
         return has_grad, nonfinite
@@ -264,26 +284,35 @@ class _ReplicatedMuon(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _adamw_update(self, has_any: torch.Tensor) -> None:
+        """AdamW on what this rank updates: whole parameters (replicated or owned) or its 1/N pieces."""
         group = next((g for g in self.param_groups if not g["use_muon"]), None)
         if group is None:
             return
-        idx = [i for i in range(self.n_muon, len(self.params)) if has_any[i]]
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for i in idx:
-            p = self.params[i]
-            st = self.state[p]
-            if "step" not in st:
-                st["step"] = 0
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            st["step"] += 1
-            params.append(p)
-            grads.append(self._grad(i).to(p.dtype))
-            exp_avgs.append(st["exp_avg"])
-            exp_avg_sqs.append(st["exp_avg_sq"])
-            steps.append(st["step"])
-        adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps, lr=group["lr"], betas=group["betas"],
-                    eps=group["eps"], weight_decay=group["weight_decay"])
+        for u in self.units:
+            for k, lo, hi, g in u.local_pieces():
+                i = u.members[k].index
+                if i < self.n_muon or not has_any[i]:
+                    continue
+                p = self.params[i]
+                whole = (lo, hi) == (0, p.numel())
+                target = p if whole else p.detach().view(-1)[lo:hi]
+                st = self.state[p]
+                if "step" not in st:
+                    st["step"] = 0
+                    st["exp_avg"] = torch.zeros_like(target, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(target, memory_format=torch.preserve_format)
+                    if not whole:
+                        st["shard"] = (lo, hi)
+                st["step"] += 1
+                params.append(target)
+                grads.append(g.view(target.shape).to(p.dtype))
+                exp_avgs.append(st["exp_avg"])
+                exp_avg_sqs.append(st["exp_avg_sq"])
+                steps.append(st["step"])
+        if params:
+            adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps, lr=group["lr"], betas=group["betas"],
+                        eps=group["eps"], weight_decay=group["weight_decay"])
 
     # ---- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -1,7 +1,8 @@
 """Owner-aligned packed buffers and the collectives that move them (flat or two-level).
 
-`OwnerLayout` places a list of tensors (one communication bucket) in one flat buffer, grouped by the
-rank that owns each tensor: owner o's tensors form one contiguous chunk. Two exchange modes:
+`OwnerLayout` places a list of tensors (one communication bucket) in one flat buffer in which each
+rank owns one contiguous chunk: either the tensors it owns (Muon matrices, one owner each), or an even
+1/N slice of the concatenated tensors (AdamW parameters, ZeRO-style). Two exchange modes:
 
   "reduce"          chunks unpadded, in rank order. Gradients: one reduce per owner chunk to its owner;
                     weights: one broadcast per chunk from its owner. No padding, N collectives per bucket.
@@ -36,37 +37,67 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 class OwnerLayout:
-    """Offsets of tensors (by numel) in an owner-grouped flat buffer; see the module docstring."""
+    """Where each tensor of a bucket sits in the flat buffer, and which rank owns which part of it.
 
-    def __init__(self, numels: Sequence[int], owners: Sequence[int], groups: CommGroups, mode: str):
+    owners given: tensor k belongs wholly to rank owners[k] (Muon matrices). owners None: the tensors are
+    laid end to end and the buffer is split evenly, chunk o to rank o (ZeRO-style shards; a tensor can
+    straddle chunks). `pieces[o]` lists what rank o owns as (k, lo, hi, offset): elements [lo, hi) of
+    tensor k, at buffer offset `offset`. See the module docstring for the two modes.
+    """
+
+    def __init__(self, numels: Sequence[int], owners: Sequence[int] | None, groups: CommGroups, mode: str):
         if mode not in EXCHANGE_MODES:
             raise ValueError(f"unknown exchange mode {mode!r}; accepted: {', '.join(EXCHANGE_MODES)}")
         n = groups.world_size
         self.mode, self.world_size = mode, n
-        self.chunk_numel = [0] * n
-        within: list[int] = []
-        for numel, o in zip(numels, owners, strict=True):
-            within.append(self.chunk_numel[o])
-            self.chunk_numel[o] += int(numel)
-        if mode == "reduce":
-            self.slot = list(range(n))
-            self.chunk_cap = 0
-            starts, pos = [0] * n, 0
-            for o in range(n):
-                starts[o], pos = pos, pos + self.chunk_numel[o]
-            self.total = pos
-        else:
-            if groups.two_level:
-                self.slot = [groups.local_of(o) * groups.n_nodes + groups.node_of(o) for o in range(n)]
-            else:
-                self.slot = list(range(n))
-            self.chunk_cap = max(self.chunk_numel)
-            starts = [self.slot[o] * self.chunk_cap for o in range(n)]
-            self.total = n * self.chunk_cap
-        self.chunk_start = starts
-        self.offsets = [starts[o] + w for o, w in zip(owners, within, strict=True)]
-        self.owners = list(owners)
         self.numels = [int(x) for x in numels]
+        rs = mode == "reduce_scatter"
+        if rs and groups.two_level:
+            self.slot = [groups.local_of(o) * groups.n_nodes + groups.node_of(o) for o in range(n)]
+        else:
+            self.slot = list(range(n))
+        self.pieces: list[list[tuple[int, int, int, int]]] = [[] for _ in range(n)]
+        if owners is None:
+            self._even(n, rs)
+        else:
+            self._by_owner(list(owners), n, rs)
+
+    def _by_owner(self, owners: list[int], n: int, rs: bool) -> None:
+        self.chunk_numel = [0] * n
+        within = []
+        for numel, o in zip(self.numels, owners, strict=True):
+            within.append(self.chunk_numel[o])
+            self.chunk_numel[o] += numel
+        self.chunk_cap = max(self.chunk_numel)
+        if rs:
+            self.chunk_start = [self.slot[o] * self.chunk_cap for o in range(n)]
+            self.total = n * self.chunk_cap
+        else:
+            self.chunk_start, pos = [0] * n, 0
+            for o in range(n):
+                self.chunk_start[o], pos = pos, pos + self.chunk_numel[o]
+            self.total = pos
+        self.offsets = [self.chunk_start[o] + w for o, w in zip(owners, within, strict=True)]
+        for k, o in enumerate(owners):
+            self.pieces[o].append((k, 0, self.numels[k], self.offsets[k]))
+
+    def _even(self, n: int, rs: bool) -> None:
+        payload = sum(self.numels)
+        cap = max(1, -(-payload // n))
+        self.chunk_cap = cap
+        self.total = n * cap if rs else payload
+        self.chunk_start = [self.slot[o] * cap for o in range(n)]
+        self.chunk_numel = [max(0, min(payload, s + cap) - s) for s in self.chunk_start]
+        self.offsets, pos = [], 0
+        for x in self.numels:
+            self.offsets.append(pos)
+            pos += x
+        for o in range(n):
+            a, b = self.chunk_start[o], self.chunk_start[o] + self.chunk_numel[o]
+            for k, (off, x) in enumerate(zip(self.offsets, self.numels, strict=True)):
+                lo, hi = max(a, off), min(b, off + x)
+                if lo < hi:
+                    self.pieces[o].append((k, lo - off, hi - off, lo))
 
     @property
     def payload(self) -> int:

@@ -94,7 +94,8 @@ class BackwardTracker:
 
 
 class ForwardWaits:
-    """Forward pre-hooks: a module waits for the publication of the units holding its own parameters."""
+    """Module hooks: before a module's forward (and before its state_dict() / load_state_dict()) it waits
+    for the publication of the units holding its own parameters."""
 
     def __init__(self, model: torch.nn.Module, unit_of_param: dict[int, object],
                  wait: Callable[[object], None]):
@@ -106,7 +107,10 @@ class ForwardWaits:
                 if u is not None and u not in units:
                     units.append(u)
             if units:
-                self._handles.append(module.register_forward_pre_hook(_make_hook(units, wait)))
+                hook = _make_hook(units, wait)
+                self._handles.append(module.register_forward_pre_hook(hook))
+                self._handles.append(module.register_state_dict_pre_hook(hook))
+                self._handles.append(module.register_load_state_dict_pre_hook(hook))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -115,7 +119,7 @@ class ForwardWaits:
 
 
 def _make_hook(units: list, wait: Callable[[object], None]):
-    def hook(module, args):
+    def hook(*args, **kwargs):
         for u in units:
             wait(u)
 

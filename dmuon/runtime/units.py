@@ -1,11 +1,11 @@
 """Exchange units: one communication bucket's packed buffers and the jobs that move them.
 
-`OwnerUnit` (DMuon): the bucket's gradients are summed onto each matrix's owner (`reduce_to_owners`)
-and, after the step, the owners' new weights are published to every rank (`publish_from_owners`),
-which then copies them into its parameters (on the communication thread, so the compute thread only
-waits where a module needs its weights).
-`AllReduceUnit` (NaiveMuon's matrices, every optimizer's AdamW params): the summed gradient of every
-member lands on every rank.
+`OwnerUnit` (DMuon): the bucket's gradients are summed onto their owners (`reduce_to_owners`): the
+owner of each Muon matrix, or, for AdamW parameters, the rank owning each 1/N slice (ZeRO-style);
+after the step the owners' new weights are published to every rank (`publish_from_owners`), which
+copies them into its parameters (on the communication thread, so the compute thread only waits where
+a module needs its weights).
+`AllReduceUnit` (NaiveMuon, replicated AdamW): the summed gradient of every member lands on every rank.
 
 The compute thread packs (`pack`: gradient, or zeros where a parameter has none this step) and submits;
 the communication thread runs the collectives. A unit never repacks a buffer still in flight.
@@ -114,17 +114,31 @@ class AllReduceUnit(_Unit):
     def scale_(self, factor: float) -> None:
         self._grad_buf.mul_(factor)
 
+    def local_pieces(self) -> list[tuple[int, int, int, torch.Tensor]]:
+        """(k, lo, hi, summed gradient) of what this rank updates: every member, whole."""
+        return [(k, 0, m.param.numel(), self.grad(k)) for k, m in enumerate(self.members)]
+
+    def readable(self) -> torch.Tensor:
+        """The part of the summed buffer this rank reads (for a one-pass non-finite check)."""
+        return self._grad_buf
+
 
 class OwnerUnit(_Unit):
-    """Members' gradients summed onto their owners; owners' new weights published to everyone."""
+    """Members' gradients summed onto their owners; owners' new weights published to everyone.
+
+    sharded=False: each member has one owner (`Member.owner`, Muon matrices). sharded=True: the members
+    are split evenly over the ranks, ZeRO-style (AdamW parameters); a rank owns pieces of them.
+    `pieces` lists this rank's pieces as (k, lo, hi): elements [lo, hi) of member k's flattened tensor.
+    """
 
     kind = "owner"
 
     def __init__(self, position: int, members: list[Member], groups: CommGroups, worker: CommWorker,
-                 mode: str):
+                 mode: str, sharded: bool = False):
         super().__init__(position, members, groups, worker)
-        numels, owners = [m.param.numel() for m in members], [m.owner for m in members]
-        self.layout = OwnerLayout(numels, owners, groups, mode)
+        self.sharded = sharded
+        numels = [m.param.numel() for m in members]
+        self.layout = OwnerLayout(numels, None if sharded else [m.owner for m in members], groups, mode)
         self._offsets = list(self.layout.offsets)
         self._grad_buf = self._alloc(self.layout.total)
         self._pub_buf = self._alloc(self.layout.total)
@@ -135,8 +149,14 @@ class OwnerUnit(_Unit):
         self._reduced: torch.Tensor | None = None
         self.publish_handle: Handle | None = None
         me = groups.rank
-        self.owned = [k for k, m in enumerate(members) if m.owner == me]
         self._chunk_start = self.layout.chunk_start[me]
+        self._my_pieces = self.layout.pieces[me]  # (k, lo, hi, buffer offset)
+        self.pieces = [(k, lo, hi) for k, lo, hi, _ in self._my_pieces]
+        self.owned = sorted({k for k, *_ in self._my_pieces if not sharded})
+        # what the publication job copies into parameters: every piece that is not this rank's
+        mine = {(k, lo) for k, lo, _, _ in self._my_pieces}
+        self._others = [(members[k].param, lo, hi, off) for o in range(groups.world_size)
+                        for k, lo, hi, off in self.layout.pieces[o] if o != me and (k, lo) not in mine]
 
     def launch_reduce(self, name: str) -> Handle:
         self.pack()
@@ -149,43 +169,53 @@ class OwnerUnit(_Unit):
         self.reduce_handle = self.worker.submit(name, job, kind="grad_to_owner", bytes_=self.buffer_bytes())
         return self.reduce_handle
 
-    def _within(self, k: int) -> int:
-        return self._offsets[k] - self._chunk_start
-
-    def grad(self, k: int) -> torch.Tensor:
-        """Summed gradient of owned member k (flat; valid after wait_reduce)."""
+    def _summed(self) -> torch.Tensor:
         if self._reduced is None:
             self._reduced = self.reduce_handle.wait()
-        return self._reduced.narrow(0, self._within(k), self.members[k].param.numel())
+        return self._reduced
+
+    def piece_grad(self, j: int) -> torch.Tensor:
+        """Summed gradient of this rank's piece j (flat; valid after wait_reduce)."""
+        k, lo, hi, off = self._my_pieces[j]
+        return self._summed().narrow(0, off - self._chunk_start, hi - lo)
+
+    def grad(self, k: int) -> torch.Tensor:
+        """Summed gradient of an owned (whole) member k (flat)."""
+        j = next(j for j, piece in enumerate(self._my_pieces) if piece[0] == k)
+        return self.piece_grad(j)
 
     def scale_(self, factor: float) -> None:
         """Scale this rank's summed chunk (the only part it reads)."""
-        if self._reduced is None:
-            self._reduced = self.reduce_handle.wait()
-        self._reduced.narrow(0, 0, self.layout.chunk_numel[self.groups.rank]).mul_(factor)
+        self.readable().mul_(factor)
+
+    def readable(self) -> torch.Tensor:
+        return self._summed().narrow(0, 0, self.layout.chunk_numel[self.groups.rank])
+
+    def local_pieces(self) -> list[tuple[int, int, int, torch.Tensor]]:
+        """(k, lo, hi, summed gradient) of this rank's pieces."""
+        return [(k, lo, hi, self.piece_grad(j)) for j, (k, lo, hi) in enumerate(self.pieces)]
 
     def wait_reduce(self) -> None:
         if self.reduce_handle is not None:
             self._reduced = self.reduce_handle.wait()
 
     def launch_publish(self, name: str) -> Handle:
-        """Copy the owned members' (already updated) weights into the send chunk and publish; the job
-        copies every other member's new weights into its parameter."""
+        """Copy this rank's (already updated) pieces into its send chunk and publish; the job copies
+        every other rank's pieces into the parameters."""
         if self.layout.mode == "reduce":
             chunk, base = self._pub_buf, 0
         else:
             chunk, base = self._mine, self._chunk_start
-        for k in self.owned:
+        for k, lo, hi, off in self._my_pieces:
             p = self.members[k].param
-            chunk.narrow(0, self._offsets[k] - base, p.numel()).copy_(p.detach().reshape(-1))
-        buf, layout, groups, mine, tmp = self._pub_buf, self.layout, self.groups, self._mine, self._tmp
-        others = [(m.param, off) for m, off in zip(self.members, self._offsets, strict=True)
-                  if m.owner != groups.rank]
+            chunk.narrow(0, off - base, hi - lo).copy_(p.detach().reshape(-1)[lo:hi])
+        buf, layout, groups, mine, tmp, others = (self._pub_buf, self.layout, self.groups, self._mine,
+                                                  self._tmp, self._others)
 
         def job():
             publish_from_owners(buf, layout, groups, mine=mine, tmp=tmp)
-            for p, off in others:
-                p.detach().copy_(buf.narrow(0, off, p.numel()).view(p.shape))
+            for p, lo, hi, off in others:
+                p.detach().view(-1)[lo:hi].copy_(buf.narrow(0, off, hi - lo))
 
         self._reduced = None
         self.publish_handle = self.worker.submit(name, job, kind="weight_publish", bytes_=self.buffer_bytes())

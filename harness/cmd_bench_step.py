@@ -1,0 +1,494 @@
+"""`harness bench step`: real training steps of DMuon, NaiveMuon and replicated AdamW on N processes.
+
+Spawns N ranks (gloo on the CPU, nccl on CUDA) -- or runs as one rank under torchrun (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT, LOCAL_RANK set) -- builds `harness.benchmodel` for the workload, and trains
+every requested variant (strategy x overlap) in turn on seeded synthetic data, in the same processes.
+Per timed step (after --warmup steps) each rank records, on its compute thread:
+
+  forward_s       forward + loss (includes waiting for published weights: overlap=True)
+  backward_s      loss.backward() (gradient exchange launched from hooks, not waited)
+  optimizer_s     end of backward -> step() returned: waiting for the gradient exchange, flag all-reduce,
+                  momentum + NS on this rank's matrices, updates, and the exposed publication wait when
+                  overlap is off (with overlap on it moves into the next forward_s)
+  step_s          one whole iteration: forward + backward + step + zero_grad
+  exposed_comm_s  time the compute thread was blocked on communication (all phases)
+  optimizer_cpu_s CPU time of the compute thread inside step() (unaffected by CPU oversubscription)
+
+Variants run in blocks, alternating over --rounds rounds (naive, dmuon, naive, dmuon, ...) so that a
+drift in machine load hits all of them alike; each block builds a fresh model and optimizer (same seed),
+runs --warmup untimed steps, then its share of the --steps timed steps, and frees everything.
+Reported: per step the max over ranks, then the median over all timed steps of the variant.
+peak_mem_bytes: CUDA: max allocated during the block; CPU: growth of the resident set during the block
+(sampled at phase ends) over the set before the model was built, after returning freed heap memory to
+the OS: what the variant's model, activations, gradients, optimizer state and buffers took.
+comm_bytes_per_step: bytes of the buffers this rank passed to collectives per step (max over ranks).
+strategy adamw = every parameter on replicated AdamW with bucketed async all-reduce (DDP-like), the
+same runtime with no Muon matrices.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import queue
+import socket
+import statistics
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+
+from dmuon.errors import InputError, choice_error
+
+STRATEGIES = ("dmuon", "naive", "adamw")
+OVERLAP = ("on", "off", "both")
+METRICS = ("step_s", "forward_s", "backward_s", "optimizer_s", "exposed_comm_s", "optimizer_cpu_s")
+
+
+@dataclass
+class StepConfig:
+    ranks: int = 2
+    strategies: tuple[str, ...] = ("dmuon",)
+    overlap: str = "on"
+    workload: str = "qwen2.5-7b"
+    width_scale: float = 1 / 16
+    layers: int | None = 4
+    seq_len: int = 128
+    micro_batch: int = 2
+    steps: int = 8
+    warmup: int = 2
+    rounds: int = 2
+    balancer: str = "lpt"
+    exchange: str = "reduce_scatter"
+    node_size: int | None = None
+    profile: str | None = None
+    device: str = "auto"
+    threads: int = 0  # 0: cores // ranks (at least 1)
+    seed: int = 0
+    timeout_s: float = 1800.0
+    profile_trace: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def variants(self) -> list[tuple[str, bool]]:
+        overlaps = {"on": (True,), "off": (False,), "both": (True, False)}[self.overlap]
+        return [(s, ov) for s in self.strategies for ov in overlaps]
+
+
+def parse_scale(text) -> float:
+    try:
+        value = float(Fraction(str(text)))
+    except (ValueError, ZeroDivisionError):
+        raise InputError(f"width scale {text!r} is not a number; accepted: e.g. 0.0625 or 1/16") from None
+    if not value > 0:
+        raise InputError(f"width scale must be > 0, got {text!r}")
+    return value
+
+
+def check_config(cfg: StepConfig) -> None:
+    """Every InputError the run could raise, before any process starts."""
+    from simulator.workload import load_workload
+
+    from .benchmodel import decoder_spec
+
+    for name, v, lo in (("ranks", cfg.ranks, 1), ("seq_len", cfg.seq_len, 1), ("micro_batch", cfg.micro_batch, 1),
+                        ("steps", cfg.steps, 1), ("warmup", cfg.warmup, 0), ("threads", cfg.threads, 0),
+                        ("rounds", cfg.rounds, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise InputError(f"{name} must be an integer >= {lo}, got {v!r}")
+    if not cfg.strategies:
+        raise InputError(f"no strategy given; accepted: {', '.join(STRATEGIES)} (comma-separated)")
+    for s in cfg.strategies:
+        if s not in STRATEGIES:
+            raise choice_error("strategy", s, STRATEGIES)
+    if cfg.overlap not in OVERLAP:
+        raise choice_error("overlap", cfg.overlap, OVERLAP)
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise choice_error("device", cfg.device, ("auto", "cpu", "cuda"))
+    from dmuon.distributed import BALANCERS
+    from dmuon.runtime.exchange import EXCHANGE_MODES
+    from dmuon.runtime.groups import check_node_size
+
+    if cfg.balancer not in BALANCERS:
+        raise choice_error("balancer", cfg.balancer, BALANCERS)
+    if cfg.exchange not in EXCHANGE_MODES:
+        raise choice_error("exchange", cfg.exchange, EXCHANGE_MODES)
+    check_node_size(cfg.node_size, cfg.ranks)
+    decoder_spec(load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers))
+
+
+# ---- one rank ------------------------------------------------------------------------------------
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _make_optimizer(strategy: str, model, cfg: StepConfig, overlap: bool):
+    from dmuon.distributed import DMuon, NaiveMuon
+
+    common = dict(overlap=overlap, node_size=cfg.node_size, timeout_s=min(cfg.timeout_s, 600.0),
+                  exchange=cfg.exchange, balancer=cfg.balancer, profile=cfg.profile)
+    if strategy == "adamw":
+        return DMuon(model, muon_predicate=lambda name, p: False, warn_no_muon=False, **common)
+    return (DMuon if strategy == "dmuon" else NaiveMuon)(model, **common)
+
+
+def _trim_heap() -> None:
+    """Give freed heap memory back to the OS (glibc), so RSS growth measures the next variant alone."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def run_variant(cfg: StepConfig, strategy: str, overlap: bool, rank: int, world: int, device, timed: int,
+                tag: str = "") -> list[dict]:
+    """Train one block of a variant on this rank; per-iteration records of its `timed` steps."""
+    import torch
+
+    from simulator.workload import load_workload
+
+    from .benchmodel import build_bench_model, synthetic_batch
+
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    _trim_heap()
+    base_rss = _rss_bytes()
+    model = build_bench_model(load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers),
+                              seed=cfg.seed, device=device, dtype=dtype)
+    opt = _make_optimizer(strategy, model, cfg, overlap)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    prof = None
+    records = []
+
+    def now():
+        if cuda:
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    for it in range(cfg.warmup + timed):
+        if it == cfg.warmup and cfg.profile_trace:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                          + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
+            prof.__enter__()
+        x, y = synthetic_batch(model.vocab, cfg.seq_len, cfg.micro_batch, seed=cfg.seed, step=it, rank=rank,
+                               device=device)
+        opt.comm_stats.reset()
+        rss = _rss_bytes()
+        t0 = now()
+        loss = model(x, y)
+        t1 = now()
+        rss = max(rss, _rss_bytes())
+        loss.backward()
+        t2 = now()
+        c2 = time.thread_time()
+        opt.step()
+        c3 = time.thread_time()
+        t3 = now()
+        opt.zero_grad(set_to_none=True)
+        t4 = now()
+        rss = max(rss, _rss_bytes())
+        if it >= cfg.warmup:
+            records.append(dict(step_s=t4 - t0, forward_s=t1 - t0, backward_s=t2 - t1, optimizer_s=t3 - t2,
+                                exposed_comm_s=opt.comm_stats.wait_s, optimizer_cpu_s=c3 - c2,
+                                comm_bytes_per_step=opt.comm_stats.total_bytes,
+                                peak_mem_bytes=torch.cuda.max_memory_allocated(device) if cuda else rss - base_rss,
+                                loss=float(loss.detach())))
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        os.makedirs(cfg.profile_trace, exist_ok=True)
+        name = f"{strategy}-overlap_{'on' if overlap else 'off'}{tag}-rank{rank}.json"
+        prof.export_chrome_trace(os.path.join(cfg.profile_trace, name))
+    opt.synchronize()
+    info = dict(opt_state_bytes=opt.state_bytes,
+                exchange_buffer_bytes=sum(u.buffer_bytes() * (2 if hasattr(u, "launch_publish") else 1)
+                                          for u in opt.units),
+                n_params=sum(p.numel() for p in model.parameters()),
+                n_muon_params=sum(opt.params[i].numel() for i in range(opt.n_muon)),
+                plan_makespan_s=opt.plan.makespan_s if opt.plan is not None else 0.0,
+                plan_cost_source=opt.plan.cost_source if opt.plan is not None else "")
+    opt.close()
+    del model, opt
+    for r in records:
+        r.update(info)
+    return records
+
+
+def rank_main(cfg: StepConfig, rank: int, world: int, local_rank: int) -> list[dict] | None:
+    """Run every variant on this (initialized) rank; rank 0 returns the aggregated rows."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", local_rank) if _use_cuda(cfg) else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    variants = cfg.variants()
+    records: list[list[dict]] = [[] for _ in variants]
+    per_block = [cfg.steps // cfg.rounds + (1 if r < cfg.steps % cfg.rounds else 0) for r in range(cfg.rounds)]
+    for rnd, timed in enumerate(per_block):
+        for k, (strategy, overlap) in enumerate(variants):
+            if timed:
+                dist.barrier()
+                tag = f"-round{rnd}" if cfg.rounds > 1 else ""
+                records[k] += run_variant(cfg, strategy, overlap, rank, world, device, timed, tag)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, records)
+    if rank != 0:
+        return None
+    return [aggregate(cfg, s, ov, [g[k] for g in gathered], world, device) for k, (s, ov) in enumerate(variants)]
+
+
+def aggregate(cfg: StepConfig, strategy: str, overlap: bool, per_rank: list[list[dict]], world: int,
+              device) -> dict:
+    """Max over ranks per step, then the median over steps."""
+    import torch
+
+    steps = len(per_rank[0])
+    row = dict(ranks=world, strategy=strategy, overlap=overlap)
+    for key in METRICS + ("comm_bytes_per_step", "peak_mem_bytes"):
+        per_step = [max(r[i][key] for r in per_rank) for i in range(steps)]
+        row[key] = statistics.median(per_step)
+    row["step_s_min"] = min(max(r[i]["step_s"] for r in per_rank) for i in range(steps))
+    row["step_s_max"] = max(max(r[i]["step_s"] for r in per_rank) for i in range(steps))
+    for key in ("opt_state_bytes", "exchange_buffer_bytes"):
+        row[key] = max(r[0][key] for r in per_rank)
+    first = per_rank[0][0]
+    row.update(n_params=first["n_params"], n_muon_params=first["n_muon_params"],
+               plan_makespan_s=first["plan_makespan_s"], plan_cost_source=first["plan_cost_source"],
+               final_loss=per_rank[0][-1]["loss"], workload=cfg.workload, width_scale=cfg.width_scale,
+               layers=cfg.layers, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch, steps=cfg.steps,
+               warmup=cfg.warmup, rounds=cfg.rounds, balancer=cfg.balancer, exchange=cfg.exchange, node_size=cfg.node_size,
+               device=str(device.type), backend="nccl" if device.type == "cuda" else "gloo",
+               threads_per_rank=torch.get_num_threads(), cpu_cores=os.cpu_count(),
+               torch_version=torch.__version__)
+    return row
+
+
+def _use_cuda(cfg: StepConfig) -> bool:
+    import torch
+
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda but no CUDA device is visible; accepted here: cpu, auto")
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+
+
+def _threads(cfg: StepConfig, local_world: int) -> int:
+    return cfg.threads or max(1, (os.cpu_count() or 1) // local_world)
+
+
+def _spawned(rank: int, world: int, port: int, cfg: StepConfig, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(_threads(cfg, world))
+    try:
+        backend = "nccl" if _use_cuda(cfg) else "gloo"
+        kwargs = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=min(cfg.timeout_s, 600.0)), **kwargs)
+        rows = rank_main(cfg, rank, world, rank)
+        out.put(("ok", rank, rows))
+    except BaseException as e:  # noqa: BLE001 - every failure reaches the parent
+        out.put(("err", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(cfg: StepConfig) -> list[dict]:
+    """Spawn cfg.ranks processes on this machine and return rank 0's rows (kill all on timeout/error)."""
+    import torch.multiprocessing as mp
+
+    if _use_cuda(cfg):
+        import torch
+
+        if cfg.ranks > torch.cuda.device_count():
+            raise InputError(f"--ranks {cfg.ranks} needs {cfg.ranks} GPUs (nccl: one rank per GPU); "
+                             f"{torch.cuda.device_count()} visible. Use --device cpu for gloo ranks")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_spawned, args=(r, cfg.ranks, port, cfg, out), daemon=True)
+             for r in range(cfg.ranks)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + cfg.timeout_s
+    rows, errors, reported = None, [], set()
+    try:
+        while len(reported) < cfg.ranks and time.monotonic() < deadline:
+            try:
+                status, rank, payload = out.get(timeout=1.0)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs) and out.empty():
+                    time.sleep(1.0)
+                    if out.empty():
+                        errors.append("a rank died without reporting (exit codes "
+                                      f"{[p.exitcode for p in procs]})")
+                        break
+                continue
+            reported.add(rank)
+            if status == "ok" and rank == 0:
+                rows = payload
+            elif status == "err":
+                errors.append(f"rank {rank}: {payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=10.0 if not errors and rows is not None else 0.5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("bench step failed:\n" + "\n".join(errors))
+    if rows is None:
+        raise RuntimeError(f"bench step: ranks {sorted(set(range(cfg.ranks)) - reported)} did not finish within "
+                           f"{cfg.timeout_s:g} s and were killed")
+    return rows
+
+
+def run_torchrun(cfg: StepConfig) -> list[dict] | None:
+    """Under torchrun: this process is one rank (env://); rank 0 returns the rows."""
+    import torch
+    import torch.distributed as dist
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    torch.set_num_threads(_threads(cfg, local_world))
+    backend = "nccl" if _use_cuda(cfg) else "gloo"
+    dist.init_process_group(backend, init_method="env://",
+                            timeout=datetime.timedelta(seconds=min(cfg.timeout_s, 600.0)))
+    try:
+        return rank_main(cfg, rank, world, local_rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+# ---- output --------------------------------------------------------------------------------------
+def ratios(rows: list[dict]) -> dict[str, float]:
+    """Side-by-side ratios of this run (same ranks, same model)."""
+    by = {(r["strategy"], r["overlap"]): r for r in rows}
+    out = {}
+    for ov in (True, False):
+        d, n, a = by.get(("dmuon", ov)), by.get(("naive", ov)), by.get(("adamw", ov))
+        tag = "overlap_on" if ov else "overlap_off"
+        if d and n:
+            out[f"naive_over_dmuon_optimizer_s_{tag}"] = n["optimizer_s"] / d["optimizer_s"]
+            out[f"naive_over_dmuon_optimizer_cpu_s_{tag}"] = n["optimizer_cpu_s"] / d["optimizer_cpu_s"]
+            out[f"naive_over_dmuon_step_s_{tag}"] = n["step_s"] / d["step_s"]
+        if d and a:
+            out[f"dmuon_over_adamw_step_s_{tag}"] = d["step_s"] / a["step_s"]
+    for s in STRATEGIES:
+        on, off = by.get((s, True)), by.get((s, False))
+        if on and off and off["exposed_comm_s"] > 0:
+            out[f"{s}_exposed_comm_on_over_off"] = on["exposed_comm_s"] / off["exposed_comm_s"]
+    return out
+
+
+def append_csv(path: str, rows: list[dict]) -> None:
+    """Append rows to a CSV (columns: union, existing order first), written atomically."""
+    import pandas as pd
+
+    new = pd.DataFrame(rows)
+    if os.path.exists(path):
+        new = pd.concat([pd.read_csv(path), new], ignore_index=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    new.to_csv(tmp, index=False)
+    os.replace(tmp, path)
+
+
+def print_table(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    r0 = rows[0]
+    t = Table(title=f"bench step: {r0['workload']} x{r0['width_scale']:g}, {r0['layers']} layers, seq {r0['seq_len']}, "
+                    f"micro-batch {r0['micro_batch']}, {r0['ranks']} ranks ({r0['backend']}, "
+                    f"{r0['threads_per_rank']} threads/rank, {r0['cpu_cores']} cores); medians of {r0['steps']} steps")
+    cols = ["strategy", "overlap", "step ms", "fwd ms", "bwd ms", "opt ms", "exposed comm ms", "opt cpu ms",
+            "comm MB/step", "opt state MB", "peak mem MB"]
+    for c in cols:
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(r["strategy"], "on" if r["overlap"] else "off",
+                  *[f"{r[k] * 1e3:.1f}" for k in ("step_s", "forward_s", "backward_s", "optimizer_s",
+                                                   "exposed_comm_s", "optimizer_cpu_s")],
+                  f"{r['comm_bytes_per_step'] / 1e6:.2f}", f"{r['opt_state_bytes'] / 1e6:.2f}",
+                  f"{r['peak_mem_bytes'] / 1e6:.0f}")
+    console = Console(width=200)
+    console.print(t)
+    for k, v in ratios(rows).items():
+        console.print(f"{k}: {v:.2f}")
+
+
+def register(app, bench) -> None:
+    import typer
+
+    @bench.command("step")
+    def step_cmd(
+        ranks: int = typer.Option(2, help="Processes to spawn (ignored under torchrun: WORLD_SIZE)."),
+        strategy: str = typer.Option("dmuon", help="dmuon | naive | adamw, or a comma-separated list run "
+                                     "side by side in the same processes."),
+        workload: str = typer.Option("qwen2.5-7b", help="Catalog name or .toml/.csv (decoder LLM)."),
+        width_scale: str = typer.Option("1/16", help="Multiply every dimension (e.g. 1/16 or 0.0625)."),
+        layers: int = typer.Option(4, help="Keep the first L blocks."),
+        seq_len: int = typer.Option(128, help="Tokens per sequence."),
+        micro_batch: int = typer.Option(2, help="Sequences per rank per step."),
+        steps: int = typer.Option(8, help="Timed steps per variant (medians reported)."),
+        warmup: int = typer.Option(2, help="Untimed steps at the start of every block."),
+        rounds: int = typer.Option(2, help="Alternate the variants' blocks this many times."),
+        balancer: str = typer.Option("lpt", help="lpt | round_robin | milp (DMuon owners)."),
+        exchange: str = typer.Option("reduce_scatter", help="reduce_scatter | reduce (DMuon exchange)."),
+        node_size: int = typer.Option(None, help="Ranks per node: two-level exchange."),
+        profile: str = typer.Option(None, help="Cost table for the plan (default: this device's)."),
+        no_overlap: bool = typer.Option(False, "--no-overlap", help="Exchange at step() only."),
+        overlap: str = typer.Option(None, help="on | off | both (both: each strategy twice)."),
+        device: str = typer.Option("auto", help="auto | cpu | cuda."),
+        threads: int = typer.Option(0, help="torch threads per rank (0: cores // ranks)."),
+        seed: int = typer.Option(0),
+        timeout_s: float = typer.Option(1800.0, help="Kill the run after this many seconds."),
+        json_out: bool = typer.Option(False, "--json", help="Print JSON (one object, or rows + ratios)."),
+        csv: str = typer.Option(None, help="Append the rows to this CSV (atomic rewrite)."),
+        profile_trace: str = typer.Option(None, help="Write torch.profiler Chrome traces to this folder."),
+    ):
+        """Measure training steps of DMuon / NaiveMuon / AdamW on N real processes (see docs/runtime.md)."""
+        cfg = StepConfig(ranks=ranks, strategies=tuple(s.strip() for s in strategy.split(",") if s.strip()),
+                         overlap=overlap or ("off" if no_overlap else "on"), workload=workload,
+                         width_scale=parse_scale(width_scale), layers=layers, seq_len=seq_len,
+                         micro_batch=micro_batch, steps=steps, warmup=warmup, rounds=rounds, balancer=balancer,
+                         exchange=exchange, node_size=node_size, profile=profile, device=device, threads=threads,
+                         seed=seed, timeout_s=timeout_s, profile_trace=profile_trace)
+        if under_torchrun():
+            cfg.ranks = int(os.environ["WORLD_SIZE"])
+            check_config(cfg)
+            rows = run_torchrun(cfg)
+            if rows is None:
+                return
+        else:
+            check_config(cfg)
+            rows = launch(cfg)
+        if csv:
+            append_csv(csv, rows)
+        if json_out:
+            print(json.dumps(rows[0] if len(rows) == 1 else {"rows": rows, "ratios": ratios(rows)}, indent=1))
+        else:
+            print_table(rows)
+
+
+__all__ = ["StepConfig", "aggregate", "asdict", "launch", "ratios", "register"]
