@@ -17,6 +17,7 @@ from dmuon.errors import InputError
 COMMAND_MODULES: list[str] = [
     "harness.cmd_plan",
     "harness.cmd_bench_kernels",
+    "harness.cmd_bench_step",
     "harness.cmd_simulate",
 ]
 
