@@ -115,8 +115,9 @@ def register(app, bench) -> None:
         seq_len: int = typer.Option(2048, help="Tokens per sequence."),
         micro_batch: int = typer.Option(2, help="Sequences per GPU per step."),
         gram: bool = typer.Option(True, "--gram/--no-gram", help="dmuon: Gram Newton-Schulz."),
-        symmetric_kernels: bool = typer.Option(True, "--symmetric-kernels/--no-symmetric-kernels",
-                                               help="dmuon: symmetric (SYRK-style) products."),
+        symmetric_kernels: bool = typer.Option(None, "--symmetric-kernels/--no-symmetric-kernels",
+                                               help="dmuon: symmetric (SYRK-style) products (default: "
+                                                    "where the device has them: GPUs yes, CPU no)."),
         batching: bool = typer.Option(True, "--batching/--no-batching", help="dmuon: batch same-shape NS."),
         balancer: str = typer.Option("lpt", help="dmuon owner balancer: round_robin | lpt | milp."),
         overlap: bool = typer.Option(True, "--overlap/--no-overlap",

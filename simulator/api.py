@@ -49,7 +49,8 @@ class SimConfig:
     seq_len: int = _f(2048, "tokens per sequence")
     micro_batch: int = _f(2, "sequences per GPU per step")
     gram: bool = _f(True, "dmuon: Gram Newton-Schulz (False: standard NS)")
-    symmetric_kernels: bool = _f(True, "dmuon: symmetric (SYRK-style) products")
+    symmetric_kernels: bool | None = _f(None, "dmuon: symmetric (SYRK-style) products (None: where the "
+                                              "profile's device has them: GPUs yes, CPU no)")
     batching: bool = _f(True, "dmuon: batch same-shape matrices on an owner")
     balancer: str = _f("lpt", "dmuon owner balancer: round_robin | lpt | milp")
     overlap: bool = _f(True, "dmuon: overlap publication with the next forward (per-layer wait)")
@@ -60,9 +61,12 @@ class SimConfig:
                                               "(None: profile)")
     ns_method: str | None = _f(None, "override the dmuon NS method (else from gram / symmetric_kernels): "
                                      + " | ".join(NS_METHODS))
-    ns_dtype: str = _f("bf16", "NS iteration dtype the plan is priced in: bf16 | fp16 | fp32")
-    param_comm_dtype: str = _f("bf16", "dtype of parameter all-gathers / publications: bf16 | fp16 | fp32")
-    grad_comm_dtype: str = _f("bf16", "dtype of gradient reductions and exchanges: bf16 | fp16 | fp32")
+    ns_dtype: str | None = _f(None, "NS iteration dtype the plan is priced in: bf16 | fp16 | fp32 "
+                                    "(None: the profile's dtype)")
+    param_comm_dtype: str | None = _f(None, "dtype of parameter all-gathers / publications: bf16 | fp16 | "
+                                            "fp32 (None: the profile's dtype)")
+    grad_comm_dtype: str | None = _f(None, "dtype of gradient reductions and exchanges: bf16 | fp16 | fp32 "
+                                           "(None: the profile's dtype)")
     max_batch: int = _f(8, "dmuon: largest NS batch")
     bucket_numel: int = _f(0, "dmuon: elements per communication bucket (0: one bucket per layer)")
     milp_time_limit_s: float = _f(10.0, "dmuon MILP balancer time limit")
@@ -167,7 +171,7 @@ def validate_config(cfg: SimConfig) -> None:
     if cfg.ns_method is not None and cfg.ns_method not in NS_METHODS:
         raise choice_error("NS method", cfg.ns_method, NS_METHODS)
     for name in ("ns_dtype", "param_comm_dtype", "grad_comm_dtype"):
-        if getattr(cfg, name) not in DTYPE_BYTES:
+        if getattr(cfg, name) is not None and getattr(cfg, name) not in DTYPE_BYTES:
             raise choice_error(name.replace("_", " "), getattr(cfg, name), DTYPE_BYTES)
     nic = cfg.nic_gbps
     if nic is not None and (isinstance(nic, bool) or not isinstance(nic, (int, float)) or not nic > 0):
@@ -188,10 +192,11 @@ def node_shape(gpus: int, gpus_per_node: int) -> tuple[int, int]:
     return gpus // gpus_per_node, gpus_per_node
 
 
-def ns_method_of(cfg: SimConfig) -> str:
+def ns_method_of(cfg: SimConfig, profile) -> str:
     if cfg.ns_method is not None:
         return cfg.ns_method
-    return ("gram" if cfg.gram else "standard") + ("_sym" if cfg.symmetric_kernels else "")
+    sym = profile.symmetric_kernels if cfg.symmetric_kernels is None else cfg.symmetric_kernels
+    return ("gram" if cfg.gram else "standard") + ("_sym" if sym else "")
 
 
 def simulate(cfg: SimConfig) -> SimResult:
@@ -240,7 +245,7 @@ def run(cfg: SimConfig):
         comm_bytes_per_rank=m["bytes"], muon_comm_bytes_per_rank=m["muon_bytes"], muon_comm_volume=vol,
         ns_makespan_s=info["ns_makespan_s"], ns_busy_max_s=m["ns_busy_max_s"],
         plan_balancer=info["balancer"], plan_method=info["method"], settings=settings,
-        provenance=info["provenance"], notes=tuple(info["notes"] + built.notes),
+        provenance=info["provenance"](), notes=tuple(info["notes"] + built.notes),
     )
     return result, built
 

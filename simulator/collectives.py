@@ -7,7 +7,8 @@ Conventions follow nccl-tests (see the shared reference collectives.md):
               reduce-scatter / all-reduce, the total bytes published by a set of broadcasts (or collected
               by a set of reduces) from several owners, the per-rank send buffer of an all-to-all.
     busbw(S)  achieved bus bandwidth of the intra-node fabric for a buffer of S bytes: the profile's
-              efficiency curve (interpolated in log S) times the nominal link bandwidth.
+              measured curve (interpolated in log S) for that collective, or for the one it mirrors
+              (reduce-scatter, all-reduce, all-to-all: all-gather's; owner reduces: broadcasts').
 
 A group of ranks is a `Group`: `nodes` nodes with `per_node` ranks in each; `share` groups of the same
 shape run at the same time on every node and split its NICs (HSDP's inter-node groups: one per local
@@ -86,7 +87,7 @@ class BandwidthCurve:
 class Network:
     """The fabric: intra-node curves and latencies, inter-node NICs (SI units)."""
 
-    curves: dict[str, BandwidthCurve]  # "all_gather" (ring collectives) and "broadcast" (owner sets)
+    curves: dict[str, BandwidthCurve]  # "all_gather" and "broadcast" required, any other kind optional
     base_latency_s: float  # per collective launch
     intra_alpha_s: float  # per ring step over NVLink
     inter_alpha_s: float  # per ring step over the network
@@ -106,7 +107,9 @@ class Network:
                 raise InputError(f"network needs a {k!r} bandwidth curve; has {sorted(self.curves)}")
 
     def busbw(self, kind: str, size_bytes: float) -> float:
-        return self.curves[_CURVE_OF[kind]].at(size_bytes)
+        """The kind's own curve where the profile measured one, else the curve it mirrors."""
+        curve = self.curves.get(kind) or self.curves[_CURVE_OF[kind]]
+        return curve.at(size_bytes)
 
 
 @dataclass(frozen=True)

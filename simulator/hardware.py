@@ -9,14 +9,18 @@ assumption. Files use human units with the unit in the key (ms, us, GB/s, Gb/s);
 
 Layout of a profile file:
     name, description, gpu, cost_profile (the dmuon CostTable that prices NS and elementwise passes: a
-    name or a list of names, the first that loads is used),
+    name or a list of names, the first that loads is used; a name ending in .csv is a profile CSV in
+    simulator/profiles/), dtype (bf16 | fp16 | fp32: what runs on it compute and communicate in),
+    symmetric_kernels (default true; false where only torch kernels run, e.g. the CPU),
     gpus_per_node, cpu_cores (0 = not a CPU profile: no core contention)
     [compute]  peak_bf16_tflops, hbm_GBps, fwd_tflops, fwd_layer_overhead_ms, bwd_tflops,
                bwd_layer_overhead_ms, optimizer_overhead_ms, elementwise_scale, overlap_slowdown
     [network]  nvlink_GBps, base_latency_us, intra_alpha_us, inter_alpha_us, nic_gbps_per_node,
                inter_efficiency, and either
-               [[network.points]] kind, ranks, size_bytes, time_ms (+ source): measured collective
-               times from which the busbw curve is derived, busbw = (n-1)/n S / (t - latency(n)), or
+               [[network.points]] kind (all_gather | broadcast | all_reduce), ranks, size_bytes, time_ms
+               (+ source): measured collective times from which the busbw curves are derived,
+               busbw = f (n-1)/n S / (t - latency(n)), f = 2 for all-reduce, else 1 (median per size;
+               on a CPU host t is first divided by the core contention of its n ranks), or
                curve_from = "<profile>" + curve_scale: another profile's curve scaled.
 """
 
@@ -34,7 +38,8 @@ from dmuon.errors import InputError, choice_error
 from .collectives import BandwidthCurve, Network
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
-_CURVE_KINDS = ("all_gather", "broadcast")
+_CURVE_KINDS = ("all_gather", "broadcast", "all_reduce")
+DTYPES = ("bf16", "fp16", "fp32")
 _COMPUTE_KEYS = ("peak_bf16_tflops", "hbm_GBps", "fwd_tflops", "fwd_layer_overhead_ms", "bwd_tflops",
                  "bwd_layer_overhead_ms", "optimizer_overhead_ms", "elementwise_scale", "overlap_slowdown")
 _NETWORK_KEYS = ("nvlink_GBps", "base_latency_us", "intra_alpha_us", "inter_alpha_us", "nic_gbps_per_node",
@@ -48,7 +53,9 @@ class Profile:
     name: str
     description: str
     gpu: str
-    cost_profiles: tuple[str, ...]  # dmuon CostTable names, first that loads wins
+    cost_profiles: tuple[str, ...]  # dmuon CostTable names (or CSV paths), first that loads wins
+    dtype: str  # compute / communication dtype runs on this device use by default
+    symmetric_kernels: bool  # the device has the symmetric (Triton) NS kernels (False: CPU, torch only)
     gpus_per_node: int
     cpu_cores: int
     peak_bf16_flops: float
@@ -86,6 +93,17 @@ class Profile:
             return 1.0
         return max(1.0, ranks_per_node / self.cpu_cores)
 
+    def network_for(self, ranks_per_node: int) -> Network:
+        """The fabric as `ranks_per_node` ranks see it: on a CPU host, collectives (CPU-bound copies and
+        loopback transfers) stretch by the same core contention as compute; GPUs: unchanged."""
+        f = self.contention(ranks_per_node)
+        if f == 1.0:
+            return self.network
+        n = self.network
+        return replace(n, curves={k: c.scaled(1 / f) for k, c in n.curves.items()},
+                       base_latency_s=n.base_latency_s * f, intra_alpha_s=n.intra_alpha_s * f,
+                       inter_alpha_s=n.inter_alpha_s * f)
+
 
 def profile_names() -> tuple[str, ...]:
     return tuple(sorted(p.stem for p in PROFILE_DIR.glob("*.toml")))
@@ -118,7 +136,8 @@ def _read(path: Path) -> dict:
         raise InputError(f"{path}: malformed TOML: {e}") from None
 
 
-def _curves_from_points(points: list, net_base: dict, where: str, prov: dict) -> dict[str, BandwidthCurve]:
+def _curves_from_points(points: list, net_base: dict, where: str, prov: dict,
+                        cores: int = 0) -> dict[str, BandwidthCurve]:
     base_s, alpha_s = net_base["base_latency_s"], net_base["intra_alpha_s"]
     per: dict[str, dict[float, list[float]]] = {k: {} for k in _CURVE_KINDS}
     for i, p in enumerate(points):
@@ -132,15 +151,20 @@ def _curves_from_points(points: list, net_base: dict, where: str, prov: dict) ->
         size, t_ms = float(p.get("size_bytes", 0)), float(p.get("time_ms", 0))
         if size <= 0 or t_ms <= 0:
             raise InputError(f"{w}: size_bytes and time_ms must be positive")
-        busy = t_ms * 1e-3 - (base_s + (n - 1) * alpha_s)
+        if cores > 0:  # CPU host: normalize to an uncontended host (see Profile.network_for)
+            t_ms /= max(1.0, n / cores)
+        factor = 2 if kind == "all_reduce" else 1  # ring steps and bus bytes, as collectives.py
+        busy = t_ms * 1e-3 - (base_s + factor * (n - 1) * alpha_s)
         if busy <= 0:
             raise InputError(f"{w}: time {t_ms} ms is below the latency model's floor for {n} ranks")
-        per[kind].setdefault(size, []).append((n - 1) / n * size / busy)
+        per[kind].setdefault(size, []).append(factor * (n - 1) / n * size / busy)
         prov[f"network.points[{i}]"] = str(p.get("source", "no source given"))
     curves = {}
     for kind, by_size in per.items():
         if not by_size:
-            raise InputError(f"{where}: no network.points of kind {kind!r}")
+            if kind in ("all_gather", "broadcast"):
+                raise InputError(f"{where}: no network.points of kind {kind!r}")
+            continue
         sizes = tuple(sorted(by_size))
         curves[kind] = BandwidthCurve(sizes, tuple(statistics.median(by_size[s]) for s in sizes))
     return curves
@@ -171,8 +195,13 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
             raise InputError(f"{where}: [network] misses {key}; required: {', '.join(_NETWORK_KEYS)}")
         nv[key], prov[key] = _value(net[key], key, where)
     base = {"base_latency_s": nv["base_latency_us"] * 1e-6, "intra_alpha_s": nv["intra_alpha_us"] * 1e-6}
+    gpn = data.get("gpus_per_node", 8)
+    cores = data.get("cpu_cores", 0)
+    for key, v in (("gpus_per_node", gpn), ("cpu_cores", cores)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (1 if key == "gpus_per_node" else 0):
+            raise InputError(f"{where}: {key} must be an integer (>= 1 for gpus_per_node), got {v!r}")
     if "points" in net:
-        curves = _curves_from_points(net["points"], base, where, prov)
+        curves = _curves_from_points(net["points"], base, where, prov, cores)
     elif "curve_from" in net:
         other = load_profile(str(net["curve_from"]), _seen + (str(path),))
         scale, prov["curve_scale"] = _value(net.get("curve_scale"), "curve_scale", where)
@@ -180,14 +209,15 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
         prov["curve_from"] = f"busbw curve of profile {other.name!r} x {scale:g}"
     else:
         raise InputError(f"{where}: [network] needs [[network.points]] or curve_from")
-    gpn = data.get("gpus_per_node", 8)
-    cores = data.get("cpu_cores", 0)
-    for key, v in (("gpus_per_node", gpn), ("cpu_cores", cores)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < (1 if key == "gpus_per_node" else 0):
-            raise InputError(f"{where}: {key} must be an integer (>= 1 for gpus_per_node), got {v!r}")
     for key in ("fwd_tflops", "bwd_tflops", "peak_bf16_tflops", "hbm_GBps", "elementwise_scale"):
         if not c[key] > 0:
             raise InputError(f"{where}: {key} must be > 0")
+    sym = data.get("symmetric_kernels", True)
+    if not isinstance(sym, bool):
+        raise InputError(f"{where}: symmetric_kernels must be true or false, got {sym!r}")
+    dtype = data.get("dtype", "bf16")
+    if dtype not in DTYPES:
+        raise choice_error(f"dtype in {where}", dtype, DTYPES)
     network = Network(
         curves=curves,
         base_latency_s=base["base_latency_s"],
@@ -200,7 +230,10 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
         name=str(data.get("name", path.stem)),
         description=str(data.get("description", "")),
         gpu=str(data.get("gpu", "")),
-        cost_profiles=_names(data.get("cost_profile", path.stem), where),
+        cost_profiles=tuple(str((PROFILE_DIR / n).resolve()) if n.endswith(".csv") else n
+                            for n in _names(data.get("cost_profile", path.stem), where)),
+        dtype=dtype,
+        symmetric_kernels=sym,
         gpus_per_node=gpn,
         cpu_cores=cores,
         peak_bf16_flops=c["peak_bf16_tflops"] * 1e12,

@@ -29,10 +29,12 @@ def _check_plan(plan, matrices, world: int) -> None:
 
 
 def make_spec(cfg, workload, profile, cost, per_node: int):
-    """(StepSpec, info) where info has ns_makespan_s, balancer, method, provenance, notes."""
+    """(StepSpec, info) where info has ns_makespan_s, balancer, method, notes, and provenance: a callable
+    returning the provenance dict once the step programs have been built."""
     from .api import ns_method_of, plan_for
 
     stretch = profile.contention(per_node)
+    ns_dtype = cfg.ns_dtype or profile.dtype
     muon = workload.muon_matrices
     index = {m.name: i for i, m in enumerate(muon)}
     n_layers = workload.n_layers
@@ -49,7 +51,7 @@ def make_spec(cfg, workload, profile, cost, per_node: int):
     for m in muon:
         key = (m.rows, m.cols)
         if key not in ns_answers:
-            ns_answers[key] = cost.ns_time(m.rows, m.cols, 1, "standard", "bf16")
+            ns_answers[key] = cost.ns_time(m.rows, m.cols, 1, "standard", ns_dtype)
     ns_naive = [ns_answers[(m.rows, m.cols)].time_s * stretch for m in muon]
 
     ew_answers: dict = {}
@@ -72,24 +74,27 @@ def make_spec(cfg, workload, profile, cost, per_node: int):
             _check_plan(cfg.plan, muon, world)
             plan = cfg.plan
         else:
-            plan = plan_for(muon, world, cost, balancer=cfg.balancer, method=ns_method_of(cfg),
-                            dtype=cfg.ns_dtype, batching=cfg.batching, max_batch=cfg.max_batch,
+            plan = plan_for(muon, world, cost, balancer=cfg.balancer, method=ns_method_of(cfg, profile),
+                            dtype=ns_dtype, batching=cfg.batching, max_batch=cfg.max_batch,
                             bucket_numel=cfg.bucket_numel, time_limit_s=cfg.milp_time_limit_s)
         info.update(ns_makespan_s=plan.makespan_s * stretch, balancer=plan.balancer, method=plan.method)
         info["notes"] += list(plan.notes)
     elif cfg.strategy == "naive":
-        info.update(ns_makespan_s=sum(ns_naive), method="standard (bf16, every rank)")
+        info.update(ns_makespan_s=sum(ns_naive), method=f"standard ({ns_dtype}, every rank)")
 
     spec = StepSpec(
         strategy=cfg.strategy, layout=cfg.layout, n_ranks=cfg.gpus, per_node=per_node,
         layer_fwd_s=[t[0] for t in times], layer_bwd_s=[t[1] for t in times], layer_muon=layer_muon,
         muon_numel=[m.numel for m in muon], muon_shape=[m.shape for m in muon], layer_adamw_numel=layer_adamw,
         ns_naive_s=ns_naive, elementwise_s=elementwise_s,
-        optimizer_overhead_s=profile.optimizer_overhead_s * stretch, network=profile.network,
-        hierarchical=cfg.hierarchical, overlap=cfg.overlap, param_bytes=DTYPE_BYTES[cfg.param_comm_dtype],
-        grad_bytes=DTYPE_BYTES[cfg.grad_comm_dtype], plan=plan, ns_stretch=stretch,
+        optimizer_overhead_s=profile.optimizer_overhead_s * stretch, network=profile.network_for(per_node),
+        hierarchical=cfg.hierarchical, overlap=cfg.overlap,
+        param_bytes=DTYPE_BYTES[cfg.param_comm_dtype or profile.dtype],
+        grad_bytes=DTYPE_BYTES[cfg.grad_comm_dtype or profile.dtype], plan=plan, ns_stretch=stretch,
     )
-    info["provenance"] = _provenance(profile, cost, ns_answers, ew_answers, plan, cfg.strategy, stretch)
+    # called after the step programs are built: they price the elementwise passes provenance names
+    info["provenance"] = lambda: _provenance(profile, cost, ns_answers, ew_answers, plan, cfg.strategy,
+                                             stretch)
     if len({p.component for p in workload.params}) > 1:
         info["notes"].append("ASSUMPTION: every token passes through every component (per-component token "
                              "counts are not public)")

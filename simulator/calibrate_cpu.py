@@ -1,0 +1,296 @@
+"""Measure this CPU and write the `cpu` simulator profile: gloo collectives, layer compute, NS costs.
+
+So the simulator can reproduce real CPU runs of `harness bench step` (N gloo processes on this machine,
+one thread each, replicated DDP-like layout, fp32, qwen2.5-7b shapes scaled down):
+
+1. gloo collectives with 2..4 processes (one thread each): all_gather, all_reduce, and one broadcast
+   from every rank at once (the owners' publication), over several buffer sizes. Latency = the fit of
+   base + (n-1) alpha to the smallest buffer; the points go into the profile (busbw derived at load).
+2. Compute: forward and backward of one transformer-like block (q/k/v/o projections with causal
+   attention, RMSNorm, SiLU-gated MLP) of qwen2.5-7b scaled by each of FIT_SCALES, one thread; the
+   FLOPs are simulator.compute's; forward = F / R + c fitted on two scales, checked on the third.
+NS and elementwise costs are not measured here: they come from dmuon's "cpu" cost table (one cost model
+for the planner and the simulator).
+
+Writes simulator/profiles/cpu.toml atomically. Run:
+    python -m simulator.calibrate_cpu [--quick] [--dry-run]
+Takes ~1-3 minutes; measurements are noisy where other work shares the cores (it says how many).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from .hardware import PROFILE_DIR
+
+FIT_SCALES = (1 / 16, 1 / 8, 3 / 16)  # fit on the first and last, check the middle
+TOKENS = (256, 1)  # (seq_len, micro_batch) of the compute measurement
+COMM_SIZES = (1 << 14, 1 << 18, 1 << 21, 1 << 23)  # bytes (fp32 buffers)
+COMM_RANKS = (2, 3, 4)
+
+
+def _host() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    return f"{platform.node() or 'host'} ({cpu}, {os.cpu_count()} cores, " \
+           f"torch {torch.__version__})"
+
+
+# ---- 1. collectives --------------------------------------------------------------------------------
+def _comm_worker(rank: int, n: int, init: str, sizes, repeats: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=n)
+    results = []
+    for size in sizes:
+        numel = size // 4
+        x = torch.ones(numel)
+        parts = [torch.empty(numel // n) for _ in range(n)]
+        mine = torch.ones(numel // n)
+        chunks = [torch.ones(max(1, numel // n)) for _ in range(n)]
+
+        def all_gather(parts=parts, mine=mine):
+            dist.all_gather(parts, mine)
+
+        def all_reduce(x=x):
+            dist.all_reduce(x)
+
+        def broadcast(chunks=chunks):  # every rank publishes its chunk: one broadcast per root, all at once
+            works = [dist.broadcast(chunks[r], src=r, async_op=True) for r in range(n)]
+            for w in works:
+                w.wait()
+
+        for kind, fn in (("all_gather", all_gather), ("all_reduce", all_reduce), ("broadcast", broadcast)):
+            fn()
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                t = torch.tensor([time.perf_counter() - t0])
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                times.append(t.item())
+            if rank == 0:
+                results.append((kind, n, size, statistics.median(times)))
+    if rank == 0:
+        out.put(results)
+    dist.destroy_process_group()
+
+
+def measure_comm(sizes=COMM_SIZES, ranks=COMM_RANKS, repeats: int = 7) -> list[tuple[str, int, int, float]]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    rows = []
+    for n in ranks:
+        with tempfile.TemporaryDirectory() as d:
+            init = f"file://{d}/rendezvous"
+            q = ctx.Queue()
+            procs = [ctx.Process(target=_comm_worker, args=(r, n, init, sizes, repeats, q)) for r in range(n)]
+            for p in procs:
+                p.start()
+            rows += q.get(timeout=600)
+            for p in procs:
+                p.join(timeout=60)
+    return rows
+
+
+def fit_latency(points, cores: int) -> tuple[float, float]:
+    """(base, alpha) seconds from the smallest all-gathers: least squares of t = base + (n-1) alpha, on
+    times normalized to an uncontended host (divided by max(1, n / cores), as the profile loader does)."""
+    points = [(k, n, s, t / max(1.0, n / cores)) for k, n, s, t in points]
+    small = min(p[2] for p in points)
+    xs = [p[1] - 1 for p in points if p[0] == "all_gather" and p[2] == small]
+    ys = [p[3] for p in points if p[0] == "all_gather" and p[2] == small]
+    if len(set(xs)) < 2:
+        return min(ys), 0.0
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    alpha = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    alpha = max(0.0, alpha)
+    base = max(0.0, my - alpha * mx)
+    # keep every point above the latency floor the profile loader checks
+    floor = min(p[3] / (2 * (p[1] - 1) + 1) for p in points)
+    return min(base, 0.5 * floor), min(alpha, 0.5 * floor)
+
+
+# ---- 2. compute ------------------------------------------------------------------------------------
+def _block(scale: float):
+    """A qwen2.5-7b block scaled by `scale`: (modules, query width), parameters from the workload's shapes."""
+    from torch import nn
+
+    from .workload import load_workload
+
+    w = load_workload("qwen2.5-7b").scaled(scale, blocks=1)
+    shapes = {p.matrix: (p.rows, p.cols) for p in w.params if p.block == 0}
+    lin = {k: nn.Linear(c, r, bias=False) for k, (r, c) in shapes.items()}
+    return lin, shapes["q_proj"][0], shapes["q_proj"][1], w
+
+
+def _block_forward(lin, x, d_q: int):
+    import torch.nn.functional as F
+
+    h = F.rms_norm(x, (x.shape[-1],))
+    q, k, v = lin["q_proj"](h), lin["k_proj"](h), lin["v_proj"](h)
+    hd = math.gcd(d_q, k.shape[-1], 64)  # head dim; grouped k/v heads are repeated (GQA)
+    heads, kv_heads = d_q // hd, k.shape[-1] // hd
+    b, t = x.shape[0], x.shape[1]
+    q = q.view(b, t, heads, hd).transpose(1, 2)
+    k = k.view(b, t, kv_heads, hd).transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
+    v = v.view(b, t, kv_heads, hd).transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d_q)
+    x = x + lin["o_proj"](a)
+    h = F.rms_norm(x, (x.shape[-1],))
+    return x + lin["down_proj"](F.silu(lin["gate_proj"](h)) * lin["up_proj"](h))
+
+
+def measure_compute(scales=FIT_SCALES, repeats: int = 5) -> list[dict]:
+    import torch
+
+    from .compute import layer_flops
+
+    torch.set_num_threads(1)
+    seq, mb = TOKENS
+    rows = []
+    for scale in scales:
+        lin, d_q, d_model, w = _block(scale)
+        x = torch.randn(mb, seq, d_model, requires_grad=True)
+        params = [p for m in lin.values() for p in m.parameters()]
+        fwd_t, bwd_t = [], []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            y = _block_forward(lin, x, d_q)
+            t1 = time.perf_counter()
+            y.sum().backward()
+            t2 = time.perf_counter()
+            for p in params:
+                p.grad = None
+            x.grad = None
+            if i:
+                fwd_t.append(t1 - t0)
+                bwd_t.append(t2 - t1)
+        block_layer = next(lf for lf in layer_flops(w, seq, mb) if lf.layer == 1)
+        rows.append({"scale": scale, "fwd_flops": block_layer.fwd_flops, "bwd_flops": block_layer.bwd_flops,
+                     "fwd_s": statistics.median(fwd_t), "bwd_s": statistics.median(bwd_t)})
+    return rows
+
+
+def fit_compute(rows: list[dict]) -> dict:
+    """R and c for forward and backward from the first and last rows; relative error on the others."""
+    a, b = rows[0], rows[-1]
+    out = {}
+    for k in ("fwd", "bwd"):
+        x = (b[f"{k}_s"] - a[f"{k}_s"]) / (b[f"{k}_flops"] - a[f"{k}_flops"])
+        if x <= 0:
+            x = b[f"{k}_s"] / b[f"{k}_flops"]
+        c = max(0.0, a[f"{k}_s"] - a[f"{k}_flops"] * x)
+        out[f"{k}_flops"] = 1 / x
+        out[f"{k}_overhead_s"] = c
+        out[f"{k}_check"] = {r["scale"]: (r[f"{k}_flops"] * x + c) / r[f"{k}_s"] - 1 for r in rows[1:-1]}
+    return out
+
+
+# ---- writing ---------------------------------------------------------------------------------------
+def _entry(key: str, value: float, source: str) -> str:
+    return f'{key} = {{ value = {value:.6g}, source = "{source}" }}'
+
+
+def render(comm, base_s: float, alpha_s: float, comp: dict, comp_rows: list[dict], host: str) -> str:
+    measured = f"measured here: {host}"
+    checks = "; ".join(f"scale {s:g}: {e:+.1%}" for s, e in comp["fwd_check"].items())
+    bchecks = "; ".join(f"scale {s:g}: {e:+.1%}" for s, e in comp["bwd_check"].items())
+    fit_src = (f"{measured}: one qwen2.5-7b block scaled x{FIT_SCALES[0]:g} and x{FIT_SCALES[-1]:g}, seq "
+               f"{TOKENS[0]} x {TOKENS[1]}, 1 thread, F / R + c fit (python -m simulator.calibrate_cpu)")
+    lines = [
+        "# This machine's CPU as a simulated device: N single-threaded gloo processes on one host.",
+        "# Written by `python -m simulator.calibrate_cpu`; every number measured here unless it says",
+        "# otherwise.",
+        'name = "cpu"',
+        f'description = "{host}, one thread per rank, gloo; measured here"',
+        'gpu = "cpu"',
+        'cost_profile = ["cpu"]',
+        'dtype = "fp32"',
+        "symmetric_kernels = false  # torch kernels only on the CPU",
+        "gpus_per_node = 1024",
+        f"cpu_cores = {os.cpu_count() or 1}",
+        "",
+        "[compute]",
+        _entry("peak_bf16_tflops", comp["fwd_flops"] / 1e12,
+               "not a GPU: set to the measured fp32 forward rate"),
+        _entry("hbm_GBps", 10.0, "not used by the simulator (elementwise passes come from the cost table)"),
+        _entry("fwd_tflops", comp["fwd_flops"] / 1e12, f"{fit_src}; check {checks}"),
+        _entry("fwd_layer_overhead_ms", comp["fwd_overhead_s"] * 1e3, f"{fit_src}; check {checks}"),
+        _entry("bwd_tflops", comp["bwd_flops"] / 1e12, f"{fit_src}; check {bchecks}"),
+        _entry("bwd_layer_overhead_ms", comp["bwd_overhead_s"] * 1e3, f"{fit_src}; check {bchecks}"),
+        _entry("optimizer_overhead_ms", 0.0, "none added: the cost table's elementwise rows are per call"),
+        _entry("elementwise_scale", 1.0, "none: elementwise passes priced by the cost table as is"),
+        _entry("overlap_slowdown", 0.0, "assumption: not modelled (ranks sharing cores: see cpu_cores)"),
+        "",
+        "[network]",
+        _entry("nvlink_GBps", max(p[2] / p[3] for p in comm) / 1e9,
+               f"{measured}: largest algbw of the gloo points (informative only)"),
+        _entry("base_latency_us", base_s * 1e6, f"{measured}: fit of base + (n-1) alpha to the smallest gloo "
+                                                 "all_gather, 2..4 processes, normalized by core contention "
+                                                 "(capped at half the fastest point)"),
+        _entry("intra_alpha_us", alpha_s * 1e6, f"{measured}: same fit"),
+        _entry("inter_alpha_us", alpha_s * 1e6, "assumption: one host; no inter-node hops are ever used"),
+        _entry("nic_gbps_per_node", 10.0, "assumption: one host; no inter-node traffic"),
+        _entry("inter_efficiency", 1.0, "assumption: one host; no inter-node traffic"),
+    ]
+    for kind, n, size, t in comm:
+        lines += ["", "[[network.points]]", f'kind = "{kind}"', f"ranks = {n}", f"size_bytes = {size}",
+                  f"time_ms = {t * 1e3:.6g}",
+                  f'source = "{measured}: gloo {kind}, {n} processes, fp32 buffer, median"']
+    lines += ["", "# compute measurements (seconds per block):"]
+    lines += [f"# scale {r['scale']:g}: forward {r['fwd_s']:.6g} ({r['fwd_flops']:.4g} FLOPs), "
+              f"backward {r['bwd_s']:.6g} ({r['bwd_flops']:.4g} FLOPs)" for r in comp_rows]
+    return "\n".join(lines) + "\n"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repeats")
+    ap.add_argument("--dry-run", action="store_true", help="measure and print, write nothing")
+    args = ap.parse_args(argv)
+    reps = 3 if args.quick else 7
+    host = _host()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"host: {host}; load average before measuring: {load:.2f}")
+    comp_rows = measure_compute(repeats=reps)
+    comp = fit_compute(comp_rows)
+    for r in comp_rows:
+        print(f"compute x{r['scale']:g}: forward {r['fwd_s'] * 1e3:.2f} ms, "
+              f"backward {r['bwd_s'] * 1e3:.2f} ms")
+    print(f"forward {comp['fwd_flops'] / 1e9:.2f} GFLOP/s + {comp['fwd_overhead_s'] * 1e3:.3f} ms, check "
+          f"{comp['fwd_check']}; backward {comp['bwd_flops'] / 1e9:.2f} GFLOP/s + "
+          f"{comp['bwd_overhead_s'] * 1e3:.3f} ms, check {comp['bwd_check']}")
+    comm = measure_comm(repeats=reps)
+    for kind, n, size, t in comm:
+        print(f"gloo {kind:10s} n={n} {size:>9d} B: {t * 1e3:.3f} ms")
+    base_s, alpha_s = fit_latency(comm, os.cpu_count() or 1)
+    print(f"latency: base {base_s * 1e6:.1f} us + {alpha_s * 1e6:.1f} us per step")
+    if args.dry_run:
+        return 0
+    _write_atomic(PROFILE_DIR / "cpu.toml", render(comm, base_s, alpha_s, comp, comp_rows, host))
+    print(f"written: {PROFILE_DIR / 'cpu.toml'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
