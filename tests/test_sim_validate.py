@@ -1,0 +1,59 @@
+"""Validation against published numbers (8 x A800 table), the headline summary, the CPU closed loop."""
+
+import pytest
+
+from simulator.validate import BenchRow, closed_loop, headline_rows, headline_summary, published_rows
+
+
+@pytest.fixture(scope="module")
+def published():
+    return published_rows()
+
+
+def test_published_table_is_complete(published):
+    fsdp = [r for r in published if r["layout"] == "fsdp-keep"]
+    assert {(r["workload"], r["strategy"]) for r in fsdp} == {
+        (w, s) for w in ("qwen2.5-1.5b", "llama3.2-3b", "qwen2.5-7b", "llama3.1-8b")
+        for s in ("adamw", "naive", "dmuon")}
+    assert all(r["profile"] == "a800" for r in published)
+
+
+def test_optimizer_and_step_within_25pct_of_the_published_8xA800_rows(published):
+    rows = [r for r in published if r["layout"] == "fsdp-keep" and r["metric"] in ("optimizer", "step")]
+    assert len(rows) == 24
+    bad = [(r["workload"], r["method"], r["metric"], round(r["error"], 3))
+           for r in rows if abs(r["error"]) > 0.25]
+    assert not bad
+
+
+def test_held_out_forward_backward(published):
+    held = [r for r in published if r["metric"] in ("forward", "backward") and not r["in_sample"]]
+    fsdp = [r for r in held if r["layout"] == "fsdp-keep"]
+    assert len(fsdp) == 20 and len(held) == 24
+    assert max(abs(r["error"]) for r in fsdp) < 0.10
+    # DDP+Muon: per-layer overheads fitted on FSDP2 runs (DDP has no FSDP hooks): looser
+    assert max(abs(r["error"]) for r in held) < 0.15
+
+
+def test_headline_summary_on_two_sizes():
+    rows = headline_rows(workloads=("pi0",), gpus=(8, 64))
+    assert [r["gpus"] for r in rows] == [8, 64]
+    for r in rows:
+        assert r["optimizer_speedup"] > 1 and r["step_speedup"] > 1
+    # DMuon's optimizer advantage grows with the number of owners
+    assert rows[1]["optimizer_speedup"] > rows[0]["optimizer_speedup"]
+    summary = {s["quantity"]: s for s in headline_summary(rows)}
+    assert summary["optimizer speedup dmuon/naive, max"]["paper"] == 163.0
+    assert summary["step speedup dmuon/naive, min"]["simulated"] == min(r["step_speedup"] for r in rows)
+
+
+def test_closed_loop_simulates_the_measured_cpu_run():
+    row = BenchRow(ranks=2, strategy="dmuon", width_scale=0.0625, blocks=2, seq_len=64, micro_batch=1,
+                   step_s=0.5, optimizer_s=0.1)
+    out = closed_loop(row)
+    assert out["profile"] == "cpu" and out["ranks"] == 2 and "x0.0625, 2 blocks" in out["workload"]
+    assert out["step_error"] == pytest.approx(out["simulated_step_s"] / 0.5 - 1)
+    assert out["optimizer_error"] == pytest.approx(out["simulated_optimizer_s"] / 0.1 - 1)
+    # a run measured exactly as simulated has zero error
+    again = closed_loop(BenchRow(**{**row.__dict__, "step_s": out["simulated_step_s"]}))
+    assert again["step_error"] == pytest.approx(0.0, abs=1e-12)
