@@ -142,10 +142,11 @@ def plan_for(matrices, world_size: int, cost, *, balancer: str, method: str, dty
     if key not in _PLANS:
         from dmuon.plan.build import build_plan
 
-        _PLANS[key] = build_plan(matrices, world_size, cost, balancer=balancer, method=method, dtype=dtype,
-                                 batching=batching, max_batch=max_batch, bucket_numel=bucket_numel,
-                                 time_limit_s=time_limit_s)
-    return _PLANS[key]
+        plan = build_plan(matrices, world_size, cost, balancer=balancer, method=method, dtype=dtype,
+                          batching=batching, max_batch=max_batch, bucket_numel=bucket_numel,
+                          time_limit_s=time_limit_s)
+        _PLANS[key] = (cost, plan)  # holding the cost keeps its id from being reused while cached
+    return _PLANS[key][1]
 
 
 def _check_int(name: str, v, minimum: int = 1) -> None:

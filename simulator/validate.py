@@ -90,19 +90,18 @@ def headline_summary(rows: list[dict]) -> list[dict]:
     step = [r["step_speedup"] for r in rows]
     over = [r["dmuon_over_adamw"] for r in rows]
     naive_ratio = [r["naive_optimizer_over_fwd_bwd"] for r in rows]
+    def row(quantity, simulated, paper, published_convention=None):
+        return {"quantity": quantity, "simulated": simulated,
+                "simulated_published_convention": published_convention, "paper": paper}
+
     return [
-        {"quantity": "optimizer speedup dmuon/naive, min", "simulated": min(opt),
-         "simulated_published_convention": min(opt_pub), "paper": c.get("optimizer_speedup_min")},
-        {"quantity": "optimizer speedup dmuon/naive, max", "simulated": max(opt),
-         "simulated_published_convention": max(opt_pub), "paper": c.get("optimizer_speedup_max")},
-        {"quantity": "step speedup dmuon/naive, min", "simulated": min(step),
-         "paper": c.get("step_speedup_min")},
-        {"quantity": "step speedup dmuon/naive, max", "simulated": max(step),
-         "paper": c.get("step_speedup_max")},
-        {"quantity": "dmuon step overhead over adamw, mean %", "simulated": 100 * statistics.mean(over),
-         "paper": c.get("step_overhead_mean")},
-        {"quantity": "naive optimizer / (fwd + bwd), min", "simulated": min(naive_ratio),
-         "paper": c.get("optimizer_over_fwd_bwd_min")},
+        row("optimizer speedup dmuon/naive, min", min(opt), c.get("optimizer_speedup_min"), min(opt_pub)),
+        row("optimizer speedup dmuon/naive, max", max(opt), c.get("optimizer_speedup_max"), max(opt_pub)),
+        row("step speedup dmuon/naive, min", min(step), c.get("step_speedup_min")),
+        row("step speedup dmuon/naive, max", max(step), c.get("step_speedup_max")),
+        row("dmuon step overhead over adamw, mean %", 100 * statistics.mean(over),
+            c.get("step_overhead_mean")),
+        row("naive optimizer / (fwd + bwd), min", min(naive_ratio), c.get("optimizer_over_fwd_bwd_min")),
     ]
 
 
@@ -159,32 +158,55 @@ def speed_rows(gpus=(256, 1024), workload: str = "qwen2.5-7b") -> list[dict]:
     return out
 
 
-def _print(title: str, rows: list[dict]) -> None:
-    print(f"\n== {title}")
-    if not rows:
-        return
-    keys = list(rows[0])
-    print(" | ".join(keys))
-    for r in rows:
-        print(" | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()))
+def markdown(title: str, rows: list[dict]) -> str:
+    """One markdown table (floats to 4 significant digits)."""
+    out = [f"### {title}", ""]
+    if rows:
+        keys = list(rows[0])
+        out += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        for r in rows:
+            out.append("| " + " | ".join("" if r[k] is None else f"{r[k]:.4g}" if isinstance(r[k], float)
+                                         else str(r[k]) for k in keys) + " |")
+    return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
+    import os
+    import tempfile
+    from pathlib import Path
 
     ap = argparse.ArgumentParser(description="Validate the simulator against published numbers.")
     ap.add_argument("--quick", action="store_true", help="headline on 8, 64, 256 GPUs only; no speed check")
+    ap.add_argument("--markdown", help="also write the tables to this markdown file (atomically)")
     args = ap.parse_args(argv)
     pub = published_rows()
-    _print("8 x A800 published table (reported.csv a800_8gpu_llm) vs simulated, published convention", pub)
     bad = [r for r in pub if not r["within_25pct"] and r["metric"] in ("optimizer", "step")]
-    print(f"optimizer/step rows outside 25%: {len(bad)} of "
-          f"{sum(r['metric'] in ('optimizer', 'step') for r in pub)}")
     head = headline_rows(gpus=(8, 64, 256) if args.quick else HEADLINE_GPUS)
-    _print("headline: dmuon vs naive vs adamw on A800 (simulated)", head)
-    _print("headline ranges vs the paper", headline_summary(head))
+    parts = [
+        markdown("8 x A800: reported.csv a800_8gpu_llm vs simulated (a800 profile; published convention: "
+                 "the grad-sync tail counted in backward)", [{k: v for k, v in r.items() if k != "profile"}
+                                                             for r in pub]),
+        f"optimizer/step rows outside 25%: {len(bad)} of "
+        f"{sum(r['metric'] in ('optimizer', 'step') for r in pub)}\n",
+        markdown("Headline: adamw / naive / dmuon on A800, simulated (fsdp-keep, seq 2048, micro-batch 2)",
+                 [{k: v for k, v in r.items() if k not in ("notes", "profile")} for r in head]),
+        markdown("Headline ranges vs the paper's claims (reported.csv paper_claims)", headline_summary(head)),
+    ]
     if not args.quick:
-        _print("simulator speed", speed_rows())
+        parts.append(markdown("Simulator wall time (this machine)", speed_rows()))
+    notes = sorted({n for r in head for n in r["notes"].split("; ") if n})
+    parts.append("Notes: " + "; ".join(notes) + "\n" if notes else "")
+    text = "\n".join(parts)
+    print(text)
+    if args.markdown:
+        path = Path(args.markdown)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write("# Simulator validation\n\nGenerated by `python -m simulator.validate"
+                    + (" --quick" if args.quick else "") + f" --markdown {path.name}`; simulated numbers.\n\n"
+                    + text)
+        os.replace(tmp, path)
     return 0
 
 
