@@ -138,8 +138,8 @@ class _ReplicatedMuon(torch.optim.Optimizer):
         by_layer = {}
         if self.plan is not None:
             for b in self.plan.buckets:
-                e = [min(self.layers[i] for i in b.members), [Member(i, self.names[i], self.params[i],
-                                                                    self.plan.owners[i]) for i in b.members], "muon"]
+                members = [Member(i, self.names[i], self.params[i], self.plan.owners[i]) for i in b.members]
+                e = [min(self.layers[i] for i in b.members), members, "muon"]
                 entries.append(e)
                 for i in b.members:
                     by_layer.setdefault(self.layers[i], e)
@@ -158,22 +158,24 @@ class _ReplicatedMuon(torch.optim.Optimizer):
         merged: list[list[int]] = []
         for g in groups:
             size = sum(self.params[i].numel() for i in g)
-            if merged and size <= SMALL_ADAMW and sum(self.params[i].numel() for i in merged[-1]) <= SMALL_ADAMW:
+            last = sum(self.params[i].numel() for i in merged[-1]) if merged else 0
+            if merged and size <= SMALL_ADAMW and last <= SMALL_ADAMW:
                 merged[-1] += g
-            elif merged and bucket_numel and sum(self.params[i].numel() for i in merged[-1]) < bucket_numel:
+            elif merged and bucket_numel and last < bucket_numel:
                 merged[-1] += g
             else:
                 merged.append(list(g))
         for g in merged:
-            entries.append([min(self.layers[i] for i in g), [Member(i, self.names[i], self.params[i]) for i in g],
-                            "adamw"])
+            members = [Member(i, self.names[i], self.params[i]) for i in g]
+            entries.append([min(self.layers[i] for i in g), members, "adamw"])
         entries.sort(key=lambda e: (-e[0], e[2] != "muon"))
         units = []
         for pos, (_, members, kind) in enumerate(entries):
             if not self.owner_centric or (kind == "adamw" and not self.shard_adamw):
                 units.append(AllReduceUnit(pos, members, self.groups, self._worker))
             else:
-                units.append(OwnerUnit(pos, members, self.groups, self._worker, exchange, sharded=kind == "adamw"))
+                units.append(OwnerUnit(pos, members, self.groups, self._worker, exchange,
+                                       sharded=kind == "adamw"))
         return units
 
     # ---- communication -------------------------------------------------------------------------

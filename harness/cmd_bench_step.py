@@ -21,7 +21,9 @@ Reported: per step the max over ranks, then the median over all timed steps of t
 peak_mem_bytes: CUDA: max allocated during the block; CPU: growth of the resident set during the block
 (sampled at phase ends) over the set before the model was built, after returning freed heap memory to
 the OS: what the variant's model, activations, gradients, optimizer state and buffers took.
-comm_bytes_per_step: bytes of the buffers this rank passed to collectives per step (max over ranks).
+comm_bytes_per_step: estimated bytes a rank sends per step (max over ranks): buffer size (padding
+included) x (N-1)/N for reduce-scatter, all-gather, per-owner reduce and broadcast, x 2 (N-1)/N for
+all-reduce (ring / chain algorithms), plus the tiny flag all-reduce.
 strategy adamw = every parameter on replicated AdamW with bucketed async all-reduce (DDP-like), the
 same runtime with no Muon matrices.
 """
@@ -91,9 +93,9 @@ def check_config(cfg: StepConfig) -> None:
 
     from .benchmodel import decoder_spec
 
-    for name, v, lo in (("ranks", cfg.ranks, 1), ("seq_len", cfg.seq_len, 1), ("micro_batch", cfg.micro_batch, 1),
-                        ("steps", cfg.steps, 1), ("warmup", cfg.warmup, 0), ("threads", cfg.threads, 0),
-                        ("rounds", cfg.rounds, 1)):
+    for name, v, lo in (("ranks", cfg.ranks, 1), ("seq_len", cfg.seq_len, 1),
+                        ("micro_batch", cfg.micro_batch, 1), ("steps", cfg.steps, 1),
+                        ("warmup", cfg.warmup, 0), ("threads", cfg.threads, 0), ("rounds", cfg.rounds, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise InputError(f"{name} must be an integer >= {lo}, got {v!r}")
     if not cfg.strategies:
@@ -134,7 +136,8 @@ def _make_optimizer(strategy: str, model, cfg: StepConfig, overlap: bool):
     common = dict(overlap=overlap, node_size=cfg.node_size, timeout_s=min(cfg.timeout_s, 600.0),
                   exchange=cfg.exchange, balancer=cfg.balancer, profile=cfg.profile)
     if strategy == "adamw":
-        return DMuon(model, muon_predicate=lambda name, p: False, warn_no_muon=False, **common)
+        return DMuon(model, muon_predicate=lambda name, p: False, warn_no_muon=False, shard_adamw=False,
+                     **common)
     return (DMuon if strategy == "dmuon" else NaiveMuon)(model, **common)
 
 
@@ -202,7 +205,8 @@ def run_variant(cfg: StepConfig, strategy: str, overlap: bool, rank: int, world:
             records.append(dict(step_s=t4 - t0, forward_s=t1 - t0, backward_s=t2 - t1, optimizer_s=t3 - t2,
                                 exposed_comm_s=opt.comm_stats.wait_s, optimizer_cpu_s=c3 - c2,
                                 comm_bytes_per_step=opt.comm_stats.total_bytes,
-                                peak_mem_bytes=torch.cuda.max_memory_allocated(device) if cuda else rss - base_rss,
+                                peak_mem_bytes=(torch.cuda.max_memory_allocated(device) if cuda
+                                                else rss - base_rss),
                                 loss=float(loss.detach())))
     if prof is not None:
         prof.__exit__(None, None, None)
@@ -234,7 +238,8 @@ def rank_main(cfg: StepConfig, rank: int, world: int, local_rank: int) -> list[d
         torch.cuda.set_device(device)
     variants = cfg.variants()
     records: list[list[dict]] = [[] for _ in variants]
-    per_block = [cfg.steps // cfg.rounds + (1 if r < cfg.steps % cfg.rounds else 0) for r in range(cfg.rounds)]
+    per_block = [cfg.steps // cfg.rounds + (1 if r < cfg.steps % cfg.rounds else 0)
+                 for r in range(cfg.rounds)]
     for rnd, timed in enumerate(per_block):
         for k, (strategy, overlap) in enumerate(variants):
             if timed:
@@ -245,7 +250,8 @@ def rank_main(cfg: StepConfig, rank: int, world: int, local_rank: int) -> list[d
     dist.all_gather_object(gathered, records)
     if rank != 0:
         return None
-    return [aggregate(cfg, s, ov, [g[k] for g in gathered], world, device) for k, (s, ov) in enumerate(variants)]
+    return [aggregate(cfg, s, ov, [g[k] for g in gathered], world, device)
+            for k, (s, ov) in enumerate(variants)]
 
 
 def aggregate(cfg: StepConfig, strategy: str, overlap: bool, per_rank: list[list[dict]], world: int,
@@ -267,7 +273,8 @@ def aggregate(cfg: StepConfig, strategy: str, overlap: bool, per_rank: list[list
                plan_makespan_s=first["plan_makespan_s"], plan_cost_source=first["plan_cost_source"],
                final_loss=per_rank[0][-1]["loss"], workload=cfg.workload, width_scale=cfg.width_scale,
                layers=cfg.layers, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch, steps=cfg.steps,
-               warmup=cfg.warmup, rounds=cfg.rounds, balancer=cfg.balancer, exchange=cfg.exchange, node_size=cfg.node_size,
+               warmup=cfg.warmup, rounds=cfg.rounds, balancer=cfg.balancer, exchange=cfg.exchange,
+               node_size=cfg.node_size,
                device=str(device.type), backend="nccl" if device.type == "cuda" else "gloo",
                threads_per_rank=torch.get_num_threads(), cpu_cores=os.cpu_count(),
                torch_version=torch.__version__)
@@ -352,8 +359,9 @@ def launch(cfg: StepConfig) -> list[dict]:
     if errors:
         raise RuntimeError("bench step failed:\n" + "\n".join(errors))
     if rows is None:
-        raise RuntimeError(f"bench step: ranks {sorted(set(range(cfg.ranks)) - reported)} did not finish within "
-                           f"{cfg.timeout_s:g} s and were killed")
+        missing = sorted(set(range(cfg.ranks)) - reported)
+        raise RuntimeError(f"bench step: ranks {missing} did not finish within {cfg.timeout_s:g} s and were "
+                           "killed")
     return rows
 
 
@@ -418,9 +426,11 @@ def print_table(rows: list[dict]) -> None:
     from rich.table import Table
 
     r0 = rows[0]
-    t = Table(title=f"bench step: {r0['workload']} x{r0['width_scale']:g}, {r0['layers']} layers, seq {r0['seq_len']}, "
-                    f"micro-batch {r0['micro_batch']}, {r0['ranks']} ranks ({r0['backend']}, "
-                    f"{r0['threads_per_rank']} threads/rank, {r0['cpu_cores']} cores); medians of {r0['steps']} steps")
+    t = Table(title=f"bench step: {r0['workload']} x{r0['width_scale']:g}, {r0['layers']} layers, seq "
+                    f"{r0['seq_len']}, micro-batch {r0['micro_batch']}, {r0['ranks']} ranks "
+                    f"({r0['backend']}, "
+                    f"{r0['threads_per_rank']} threads/rank, {r0['cpu_cores']} cores); medians of "
+                    f"{r0['steps']} steps")
     cols = ["strategy", "overlap", "step ms", "fwd ms", "bwd ms", "opt ms", "exposed comm ms", "opt cpu ms",
             "comm MB/step", "opt state MB", "peak mem MB"]
     for c in cols:
@@ -471,9 +481,10 @@ def register(app, bench) -> None:
         cfg = StepConfig(ranks=ranks, strategies=tuple(s.strip() for s in strategy.split(",") if s.strip()),
                          overlap=overlap or ("off" if no_overlap else "on"), workload=workload,
                          width_scale=parse_scale(width_scale), layers=layers, seq_len=seq_len,
-                         micro_batch=micro_batch, steps=steps, warmup=warmup, rounds=rounds, balancer=balancer,
-                         exchange=exchange, node_size=node_size, profile=profile, device=device, threads=threads,
-                         seed=seed, timeout_s=timeout_s, profile_trace=profile_trace)
+                         micro_batch=micro_batch, steps=steps, warmup=warmup, rounds=rounds,
+                         balancer=balancer, exchange=exchange, node_size=node_size, profile=profile,
+                         device=device, threads=threads, seed=seed, timeout_s=timeout_s,
+                         profile_trace=profile_trace)
         if under_torchrun():
             cfg.ranks = int(os.environ["WORLD_SIZE"])
             check_config(cfg)

@@ -58,12 +58,12 @@ W4 = [
 BATTERIES = {1: W1, 2: W2, 3: W3, 4: W4}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _run(world_size: int) -> tuple:
     return tuple(run_distributed(run_cases, world_size, (BATTERIES[world_size],), timeout_s=200))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(case_json: str, world_size: int) -> dict:
     return reference(json.loads(case_json), world_size)
 
@@ -94,7 +94,8 @@ def _assert_matches_reference(world_size: int, name: str) -> list[dict]:
     return per_rank
 
 
-PLAIN = [(ws, c["name"]) for ws, cases in BATTERIES.items() for c in cases if c.get("runner", "plain") == "plain"]
+PLAIN = [(ws, c["name"]) for ws, cases in BATTERIES.items() for c in cases
+         if c.get("runner", "plain") == "plain"]
 
 
 @pytest.mark.parametrize("world_size,name", PLAIN, ids=[f"w{ws}-{n}" for ws, n in PLAIN])
@@ -173,13 +174,16 @@ def test_a_failing_rank_makes_the_others_fail_within_the_timeout():
 
 
 def test_bad_arguments_are_input_errors_before_any_communication():
-    from dmuon import DMuon
-    from dmuon.errors import InputError
     from test_runtime_cases import TinyNet
 
+    from dmuon import DMuon
+    from dmuon.errors import InputError
+
     model = TinyNet()
-    for kwargs, text in [({"balancer": "greedy"}, "unknown balancer"), ({"nonfinite": "warn"}, "unknown nonfinite"),
-                         ({"exchange": "p2p"}, "unknown exchange"), ({"timeout_s": 0}, "timeout_s"),
+    for kwargs, text in [({"balancer": "greedy"}, "unknown balancer"),
+                         ({"nonfinite": "warn"}, "unknown nonfinite"),
+                         ({"exchange": "p2p"}, "unknown exchange"),
+                         ({"timeout_s": 0}, "timeout_s"),
                          ({"check_consistency_every": -1}, "check_consistency_every")]:
         with pytest.raises(InputError, match=text):
             DMuon(model, **kwargs)

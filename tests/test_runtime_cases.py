@@ -166,7 +166,8 @@ def run_plain(case: dict, rank: int, world_size: int) -> dict:
     train(case, rank, model, opt, steps_of(case))
     opt.synchronize()
     out = {"params": params_of(model), "warnings": [str(w.message) for w in caught],
-           "momentum_owned": sorted(opt.names[i] for i in range(opt.n_muon) if "momentum_buffer" in opt.state[opt.params[i]]),
+           "momentum_owned": sorted(opt.names[i] for i in range(opt.n_muon)
+                                    if "momentum_buffer" in opt.state[opt.params[i]]),
            "owners": dict(zip(opt.names[:opt.n_muon], opt.plan.owners, strict=True)) if opt.plan else {},
            "state_bytes": opt.state_bytes}
     opt.close()
@@ -198,8 +199,10 @@ def run_nonfinite(case: dict, rank: int, world_size: int) -> dict:
     after = params_of(model)
     state_after = {opt.names[i]: {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
                    for i, p in enumerate(opt.params) if opt.state.get(p)}
-    unchanged = all(torch.equal(before[k], after[k]) for k in before) and state_before.keys() == state_after.keys() \
-        and all(torch.equal(state_before[n][k], state_after[n][k]) for n in state_before for k in state_before[n])
+    unchanged = (all(torch.equal(before[k], after[k]) for k in before)
+                 and state_before.keys() == state_after.keys()
+                 and all(torch.equal(state_before[n][k], state_after[n][k])
+                         for n in state_before for k in state_before[n]))
     skipped_steps = opt.skipped_steps
     train(case, rank, model, opt, [3, 4])
     opt.synchronize()
@@ -235,7 +238,8 @@ def run_resume(case: dict, rank: int, world_size: int) -> dict:
     train(case, rank, model, opt, [0, 1, 2])
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}
     saved_opt = opt.state_dict()
-    saved_opt = {**saved_opt, "state": {n: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+    saved_opt = {**saved_opt, "state": {n: {k: (v.clone() if torch.is_tensor(v) else v)
+                                            for k, v in st.items()}
                                         for n, st in saved_opt["state"].items()}}
     train(case, rank, model, opt, [3, 4])
     opt.synchronize()

@@ -33,7 +33,7 @@ class CommStats:
 
     wait_s: float = 0.0  # time the compute thread spent blocked on communication handles
     jobs: int = 0  # communication jobs finished (each is one or a few collectives)
-    payload_bytes: dict = field(default_factory=dict)  # kind -> bytes of the buffers passed to collectives
+    payload_bytes: dict = field(default_factory=dict)  # kind -> estimated bytes this rank sent (see units.py)
 
     def reset(self) -> None:
         self.wait_s = 0.0

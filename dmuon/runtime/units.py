@@ -83,6 +83,13 @@ class _Unit:
     def buffer_bytes(self) -> int:
         return self._grad_buf.numel() * self._grad_buf.element_size()
 
+    def sent_bytes(self, factor: float) -> int:
+        """Estimated bytes this rank sends for one collective pass over the buffer: `factor` x size,
+        with factor (N-1)/N for reduce-scatter, all-gather, per-owner reduce / broadcast (ring or chain
+        algorithms) and 2 (N-1)/N for all-reduce."""
+        n = self.groups.world_size
+        return int(self.buffer_bytes() * factor * (n - 1) / n)
+
 
 class AllReduceUnit(_Unit):
     """Members' gradients summed on every rank (DDP-style bucket)."""
@@ -104,7 +111,7 @@ class AllReduceUnit(_Unit):
         self.pack()
         buf, groups, tmp = self._grad_buf, self.groups, self._tmp
         self.reduce_handle = self.worker.submit(name, lambda: all_reduce_sum(buf, groups, tmp),
-                                                kind="grad_all_reduce", bytes_=self.buffer_bytes())
+                                                kind="grad_all_reduce", bytes_=self.sent_bytes(2))
         return self.reduce_handle
 
     def grad(self, k: int) -> torch.Tensor:
@@ -166,7 +173,7 @@ class OwnerUnit(_Unit):
         def job():
             return reduce_to_owners(buf, layout, groups, out=out, tmp=tmp)
 
-        self.reduce_handle = self.worker.submit(name, job, kind="grad_to_owner", bytes_=self.buffer_bytes())
+        self.reduce_handle = self.worker.submit(name, job, kind="grad_to_owner", bytes_=self.sent_bytes(1))
         return self.reduce_handle
 
     def _summed(self) -> torch.Tensor:
@@ -218,7 +225,7 @@ class OwnerUnit(_Unit):
                 p.detach().view(-1)[lo:hi].copy_(buf.narrow(0, off, hi - lo))
 
         self._reduced = None
-        self.publish_handle = self.worker.submit(name, job, kind="weight_publish", bytes_=self.buffer_bytes())
+        self.publish_handle = self.worker.submit(name, job, kind="weight_publish", bytes_=self.sent_bytes(1))
         return self.publish_handle
 
     def wait_publish(self) -> None:
