@@ -11,8 +11,10 @@ Layouts (shard group / replicate group):
   sharded     Muon matrices stay FSDP-sharded: momentum on local shards, per bucket one packed
               all_to_all to the owners, owners run NS, one all_to_all back (adamw / naive: as fsdp-keep)
 
-Per rank and step (the comm stream is one in-order stream; "gather" = all-gather of parameters, or for
-dmuon the owners' broadcast of their matrices, i.e. the publication):
+Per rank and step ("gather" = all-gather of parameters, or for dmuon the owners' broadcast of their
+matrices, i.e. the publication). Streams: compute, comm (every collective of the shard group, in program
+order) and, for HSDP, inter (the all-reduces across nodes: they use the NICs, not NVLink, so they run
+beside the node's gathers and reduce-scatters):
   forward    gather(l+1) is issued before compute(l) and may start once compute(l-1) is done (one
              layer of prefetch, as FSDP2); compute(l) waits for gather(l)
   backward   free layouts re-gather the same way in reverse; after compute(l) its gradients are
@@ -331,7 +333,7 @@ class _Programs:
         if self.replicate == "inter":
             col = self.coll(r, ("ar", step, l), "inter", "all_reduce", size / s.per_node, muon_fraction=frac,
                             step=step)
-            op = c.collective(col, r, phase="bwd", step=step)
+            op = c.collective(col, r, phase="bwd", step=step, deps=(op,), stream="inter")
         return op
 
     def _reduce_bucket(self, r: int, b: int, step: int, dep: Op) -> Op:
@@ -347,7 +349,7 @@ class _Programs:
             mine = self.owned[b].get(self.plan_rank(r), 0) * s.grad_bytes
             col = self.coll(r, ("ar_owned", step, b), "inter", "all_reduce", mine, muon_fraction=1.0,
                             step=step)
-            op = c.collective(col, r, phase="bwd", step=step)
+            op = c.collective(col, r, phase="bwd", step=step, deps=(op,), stream="inter")
         return op
 
     def _publish(self, r: int, b: int, step: int, deps, *, phase: str, tag: str = "pub",
@@ -403,7 +405,8 @@ def build(spec: StepSpec, overlap_slowdown: float = 0.0) -> Built:
         raise InputError(f"unknown layout {spec.layout!r}; accepted: {', '.join(LAYOUTS)}")
     if spec.strategy == "dmuon" and spec.plan is None:
         raise InputError("the dmuon strategy needs a plan")
-    cluster = Cluster(spec.n_ranks, overlap_slowdown=overlap_slowdown)
+    streams = ("compute", "comm", "inter") if spec.layout.startswith("hsdp") else ("compute", "comm")
+    cluster = Cluster(spec.n_ranks, streams=streams, overlap_slowdown=overlap_slowdown)
     progs = _Programs(spec, cluster)
     for r in range(spec.n_ranks):
         progs.program(r)
