@@ -342,6 +342,12 @@ def register(app, bench) -> None:
             None, help="Device column: a800 | h200 | ... (default: from the GPU name on cuda, 'cpu' on cpu)."
         ),
         out: str = typer.Option(None, help="Write the profile CSV here (atomically)."),
+        keep_faster_than: str = typer.Option(
+            None,
+            "--keep-faster",
+            help="Merge with this earlier profile: per point the faster of the two "
+            "(a shared machine's contention only slows runs down).",
+        ),
         json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
     ):
         """Time NS calls (batch 1..max_batch) and optimizer passes on this machine -> a cost profile CSV."""
@@ -350,7 +356,7 @@ def register(app, bench) -> None:
         import torch
 
         from dmuon.plan.profile import default_device_name, ns_shapes_of, profile_device
-        from dmuon.plan.profile_io import format_rows, write_profile
+        from dmuon.plan.profile_io import format_rows, keep_faster, read_profile, write_profile
 
         scales = [_fraction(x) for x in _csv_list(scale, "--scale")] or (
             list(CPU_PROFILE_SCALES) if device == "cpu" else [1.0]
@@ -375,6 +381,8 @@ def register(app, bench) -> None:
             device_name=device_name or default_device_name(device),
             progress=None if json_out else (lambda s: print(s, file=sys.stderr)),
         )
+        if keep_faster_than:
+            rows = keep_faster(rows, read_profile(keep_faster_than))
         if out:
             write_profile(out, rows)
         if json_out:

@@ -108,3 +108,22 @@ print('ok', plan.makespan_s > 0)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok True"
+
+
+def test_keep_faster_merges_runs_point_by_point():
+    from dmuon.plan.profile_io import ProfileRow, keep_faster
+
+    a = [
+        ProfileRow("cpu", "ns", 8, 32, 1, "gram", "fp32", 2.0, "run a"),
+        ProfileRow("cpu", "ns", 8, 32, 2, "gram", "fp32", 3.0, "run a"),
+    ]
+    b = [
+        ProfileRow("cpu", "ns", 8, 32, 1, "gram", "fp32", 1.5, "run b"),
+        ProfileRow("cpu", "ns", 8, 32, 2, "gram", "fp32", 4.0, "run b"),
+        ProfileRow("cpu", "adamw", 64, 1, 1, "", "fp32", 1e-6, "run b"),
+    ]
+    merged = keep_faster(b, a)
+    assert [r.time_s for r in merged] == [1.5, 3.0, 1e-6]
+    assert merged[0].source == "run b; fastest of 2 runs" and merged[1].source == "run a; fastest of 2 runs"
+    assert keep_faster(merged, a)[1].source == "run a; fastest of 3 runs"
+    assert merged[2].source == "run b"
