@@ -67,6 +67,8 @@ class SimConfig:
                                             "fp32 (None: the profile's dtype)")
     grad_comm_dtype: str | None = _f(None, "dtype of gradient reductions and exchanges: bf16 | fp16 | fp32 "
                                            "(None: the profile's dtype)")
+    cpu_threads: int = _f(1, "CPU profiles: torch threads per rank (ranks x threads share the profile's "
+                             "cores)")
     max_batch: int = _f(8, "dmuon: largest NS batch")
     bucket_numel: int = _f(0, "dmuon: elements per communication bucket (0: one bucket per layer)")
     milp_time_limit_s: float = _f(10.0, "dmuon MILP balancer time limit")
@@ -162,6 +164,7 @@ def validate_config(cfg: SimConfig) -> None:
     _check_int("seq_len", cfg.seq_len)
     _check_int("micro_batch", cfg.micro_batch)
     _check_int("max_batch", cfg.max_batch)
+    _check_int("cpu_threads", cfg.cpu_threads)
     _check_int("bucket_numel", cfg.bucket_numel, 0)
     if cfg.strategy not in STRATEGIES:
         raise choice_error("strategy", cfg.strategy, STRATEGIES)

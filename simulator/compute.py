@@ -88,9 +88,9 @@ def layer_flops(workload: Workload, seq_len: int, micro_batch: int) -> list[Laye
 
 
 def layer_times(workload: Workload, profile: Profile, seq_len: int, micro_batch: int,
-                ranks_per_node: int) -> list[tuple[float, float]]:
+                ranks_per_node: int, threads: int = 1) -> list[tuple[float, float]]:
     """(forward seconds, backward seconds) per layer on one device of `profile`."""
-    stretch = profile.contention(ranks_per_node)
+    stretch = profile.contention(ranks_per_node, threads)
     return [
         (stretch * (lc.fwd_flops / profile.fwd_flops + profile.fwd_layer_overhead_s),
          stretch * (lc.bwd_flops / profile.bwd_flops + profile.bwd_layer_overhead_s))

@@ -87,15 +87,17 @@ class Profile:
         prov["overlap_slowdown"] = f"given in the config: {slowdown:g}"
         return replace(self, overlap_slowdown=slowdown, provenance=prov)
 
-    def contention(self, ranks_per_node: int) -> float:
-        """CPU profiles: ranks share `cpu_cores` single-threaded cores, so compute stretches by this."""
+    def contention(self, ranks_per_node: int, threads: int = 1) -> float:
+        """CPU profiles (rates measured on one thread): compute time multiplier for `ranks_per_node` ranks
+        of `threads` threads each sharing `cpu_cores` cores: ranks x threads / cores when oversubscribed,
+        and 1 / threads for threads that find free cores (ASSUMPTION: linear thread scaling). GPUs: 1."""
         if self.cpu_cores <= 0:
             return 1.0
-        return max(1.0, ranks_per_node / self.cpu_cores)
+        return max(1.0, ranks_per_node * threads / self.cpu_cores) / threads
 
     def network_for(self, ranks_per_node: int) -> Network:
         """The fabric as `ranks_per_node` ranks see it: on a CPU host, collectives (CPU-bound copies and
-        loopback transfers) stretch by the same core contention as compute; GPUs: unchanged."""
+        loopback transfers) stretch by the core contention of the ranks; GPUs: unchanged."""
         f = self.contention(ranks_per_node)
         if f == 1.0:
             return self.network

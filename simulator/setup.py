@@ -33,7 +33,7 @@ def make_spec(cfg, workload, profile, cost, per_node: int):
     returning the provenance dict once the step programs have been built."""
     from .api import ns_method_of, plan_for
 
-    stretch = profile.contention(per_node)
+    stretch = profile.contention(per_node, cfg.cpu_threads)
     ns_dtype = cfg.ns_dtype or profile.dtype
     muon = workload.muon_matrices
     index = {m.name: i for i, m in enumerate(muon)}
@@ -45,7 +45,7 @@ def make_spec(cfg, workload, profile, cost, per_node: int):
             layer_muon[p.layer].append(index[p.name])
         else:
             layer_adamw[p.layer] += p.numel
-    times = layer_times(workload, profile, cfg.seq_len, cfg.micro_batch, per_node)
+    times = layer_times(workload, profile, cfg.seq_len, cfg.micro_batch, per_node, cfg.cpu_threads)
 
     ns_answers = {}
     for m in muon:

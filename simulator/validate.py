@@ -116,10 +116,19 @@ class BenchRow:
     seq_len: int
     micro_batch: int
     step_s: float  # measured
-    optimizer_s: float | None = None  # measured, if the bench reports it
+    optimizer_s: float | None = None  # measured: end of backward -> step() returned (the bench's)
     workload: str = "qwen2.5-7b"
     layout: str = "ddp"
     gpu: str = "cpu"
+    threads: int = 1  # torch threads per rank
+
+    @classmethod
+    def from_bench(cls, row: dict) -> BenchRow:
+        """From one row of `harness bench step --json` (its keys: ranks, strategy, width_scale, layers, ...)."""
+        return cls(ranks=row["ranks"], strategy=row["strategy"], width_scale=row["width_scale"],
+                   blocks=row.get("layers"), seq_len=row["seq_len"], micro_batch=row["micro_batch"],
+                   step_s=row["step_s"], optimizer_s=row.get("optimizer_s"),
+                   workload=row.get("workload", "qwen2.5-7b"), threads=row.get("threads_per_rank", 1))
 
 
 def closed_loop(row: BenchRow) -> dict:
@@ -129,13 +138,14 @@ def closed_loop(row: BenchRow) -> dict:
 
     w = load_workload(row.workload).scaled(row.width_scale, row.blocks)
     sim = simulate(SimConfig(workload=w, gpus=row.ranks, gpu=row.gpu, strategy=row.strategy,
-                             layout=row.layout,
-                             seq_len=row.seq_len, micro_batch=row.micro_batch))
+                             layout=row.layout, seq_len=row.seq_len, micro_batch=row.micro_batch,
+                             cpu_threads=row.threads))
+
     out = {"workload": w.name, "ranks": row.ranks, "strategy": row.strategy, "layout": row.layout,
            "profile": sim.profile, "measured_step_s": row.step_s, "simulated_step_s": sim.step_s,
            "step_error": sim.step_s / row.step_s - 1}
     if row.optimizer_s is not None:
-        sim_opt = _published_convention(sim)["optimizer"]
+        sim_opt = sim.optimizer_s  # same definition as the bench: end of backward compute -> step() done
         out.update(measured_optimizer_s=row.optimizer_s, simulated_optimizer_s=sim_opt,
                    optimizer_error=sim_opt / row.optimizer_s - 1)
     return out
