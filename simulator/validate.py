@@ -124,7 +124,7 @@ class BenchRow:
 
     @classmethod
     def from_bench(cls, row: dict) -> BenchRow:
-        """From one row of `harness bench step --json` (its keys: ranks, strategy, width_scale, layers, ...)."""
+        """From one row of `harness bench step --json` (keys ranks, strategy, width_scale, layers, ...)."""
         return cls(ranks=row["ranks"], strategy=row["strategy"], width_scale=row["width_scale"],
                    blocks=row.get("layers"), seq_len=row["seq_len"], micro_batch=row["micro_batch"],
                    step_s=row["step_s"], optimizer_s=row.get("optimizer_s"),
