@@ -57,3 +57,14 @@ def test_closed_loop_simulates_the_measured_cpu_run():
     # a run measured exactly as simulated has zero error
     again = closed_loop(BenchRow(**{**row.__dict__, "step_s": out["simulated_step_s"]}))
     assert again["step_error"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_closed_loop_reads_a_bench_step_row():
+    row = {"ranks": 2, "strategy": "naive", "width_scale": 0.0625, "layers": 2, "seq_len": 64,
+           "micro_batch": 2, "step_s": 0.8, "optimizer_s": 0.4, "workload": "qwen2.5-7b", "threads_per_rank": 1}
+    out = closed_loop(BenchRow.from_bench(row))
+    assert out["strategy"] == "naive" and out["layout"] == "ddp"
+    assert out["simulated_step_s"] > out["simulated_optimizer_s"] > 0
+    one_thread = out["simulated_step_s"]
+    two = closed_loop(BenchRow.from_bench({**row, "ranks": 1, "threads_per_rank": 2}))
+    assert two["simulated_step_s"] < one_thread  # one rank with both cores computes faster
