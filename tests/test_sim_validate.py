@@ -61,7 +61,8 @@ def test_closed_loop_simulates_the_measured_cpu_run():
 
 def test_closed_loop_reads_a_bench_step_row():
     row = {"ranks": 2, "strategy": "naive", "width_scale": 0.0625, "layers": 2, "seq_len": 64,
-           "micro_batch": 2, "step_s": 0.8, "optimizer_s": 0.4, "workload": "qwen2.5-7b", "threads_per_rank": 1}
+           "micro_batch": 2, "step_s": 0.8, "optimizer_s": 0.4, "workload": "qwen2.5-7b",
+           "threads_per_rank": 1}
     out = closed_loop(BenchRow.from_bench(row))
     assert out["strategy"] == "naive" and out["layout"] == "ddp"
     assert out["simulated_step_s"] > out["simulated_optimizer_s"] > 0
