@@ -7,7 +7,7 @@ Conventions follow nccl-tests (see the shared reference collectives.md):
               reduce-scatter / all-reduce, the total bytes published by a set of broadcasts (or collected
               by a set of reduces) from several owners, the per-rank send buffer of an all-to-all.
     busbw(S)  achieved bus bandwidth of the intra-node fabric for a buffer of S bytes: the profile's
-              measured curve (interpolated in log S) for that collective, or for the one it mirrors
+              measured curve (see BandwidthCurve) for that collective, or for the one it mirrors
               (reduce-scatter, all-reduce, all-to-all: all-gather's; owner reduces: broadcasts').
 
 A group of ranks is a `Group`: `nodes` nodes with `per_node` ranks in each; `share` groups of the same
@@ -52,9 +52,12 @@ _CURVE_OF = {  # which measured efficiency curve prices each kind (reduce-scatte
 
 @dataclass(frozen=True)
 class BandwidthCurve:
-    """Achieved intra-node bus bandwidth (bytes/s) vs buffer size, piecewise linear in log(size).
+    """Achieved intra-node bus bandwidth (bytes/s) vs buffer size, from measured points.
 
-    Clamped outside the measured sizes (no extrapolated speed-up)."""
+    Between points the bandwidth term t(S) = S / busbw(S) is interpolated linearly in log t vs log S,
+    over the running maximum of the points' t (so a collective never gets faster with more bytes, even
+    where measured bandwidth jumps); outside the measured sizes busbw is held at the end points' values
+    (no extrapolated speed-up)."""
 
     sizes_bytes: tuple[float, ...]
     busbw_Bps: tuple[float, ...]
@@ -67,17 +70,22 @@ class BandwidthCurve:
             raise InputError("bandwidth curve sizes must be strictly increasing")
         if min(self.sizes_bytes) <= 0 or min(self.busbw_Bps) <= 0:
             raise InputError("bandwidth curve sizes and bandwidths must be positive")
+        log_t, worst = [], 0.0
+        for x, b in zip(xs, self.busbw_Bps, strict=True):
+            worst = max(worst, x / b)
+            log_t.append(math.log(worst))
+        object.__setattr__(self, "_log_x", tuple(math.log(x) for x in xs))
+        object.__setattr__(self, "_log_t", tuple(log_t))
 
     def at(self, size_bytes: float) -> float:
-        xs, ys = self.sizes_bytes, self.busbw_Bps
+        xs, lx, lt = self.sizes_bytes, self._log_x, self._log_t
         if size_bytes <= xs[0]:
-            return ys[0]
+            return xs[0] / math.exp(lt[0])
         if size_bytes >= xs[-1]:
-            return ys[-1]
+            return xs[-1] / math.exp(lt[-1])
         i = bisect.bisect_right(xs, size_bytes)
-        x0, x1 = math.log(xs[i - 1]), math.log(xs[i])
-        f = (math.log(size_bytes) - x0) / (x1 - x0)
-        return ys[i - 1] + f * (ys[i] - ys[i - 1])
+        f = (math.log(size_bytes) - lx[i - 1]) / (lx[i] - lx[i - 1])
+        return size_bytes / math.exp(lt[i - 1] + f * (lt[i] - lt[i - 1]))
 
     def scaled(self, factor: float) -> BandwidthCurve:
         return BandwidthCurve(self.sizes_bytes, tuple(b * factor for b in self.busbw_Bps))

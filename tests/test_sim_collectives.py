@@ -100,11 +100,15 @@ def test_bytes_per_rank_matches_muon_md_convention():
     assert bytes_per_rank("all_gather", 800, 1) == 0
 
 
-def test_curve_interpolates_in_log_size_and_clamps():
-    c = BandwidthCurve((1e3, 1e5), (10.0, 30.0))
-    assert c.at(1e3) == 10.0 and c.at(1e5) == 30.0
-    assert c.at(1e4) == pytest.approx(20.0)
-    assert c.at(1.0) == 10.0 and c.at(1e9) == 30.0
+def test_curve_interpolates_time_log_log_and_clamps():
+    c = BandwidthCurve((1e3, 1e5), (10.0, 1000.0))  # t = 100 s at both sizes
+    assert c.at(1e3) == pytest.approx(10.0) and c.at(1e5) == pytest.approx(1000.0)
+    assert c.at(1e4) == pytest.approx(100.0)  # t stays 100 s: busbw grows with the size
+    assert c.at(1.0) == pytest.approx(10.0) and c.at(1e9) == pytest.approx(1000.0)
+    rising = BandwidthCurve((1e3, 1e5), (10.0, 10.0 * 100 ** 0.5))  # t from 100 s to 1000 s
+    assert 1e4 / rising.at(1e4) == pytest.approx(100 * 10 ** 0.5)  # geometric midpoint
+    jump = BandwidthCurve((1e3, 1e4), (1.0, 1e6))  # measured t falls 1000 s -> 0.01 s: held at 1000 s
+    assert 5e3 / jump.at(5e3) == pytest.approx(1000.0) and 1e4 / jump.at(1e4) == pytest.approx(1000.0)
     with pytest.raises(InputError, match="strictly increasing"):
         BandwidthCurve((2.0, 1.0), (1.0, 1.0))
 
@@ -160,3 +164,14 @@ def test_profile_errors(tmp_path):
         load_profile(missing)
     with pytest.raises(InputError, match="Gbit/s"):
         load_profile("a800").with_nic_gbps(-5)
+
+
+@pytest.mark.parametrize("name", ["a800", "h100", "cpu"])
+def test_profile_times_grow_with_size(name):
+    """Measured curves are not monotone in busbw, but the time they give must grow with the bytes."""
+    net_ = load_profile(name).network
+    sizes = [10 ** (3 + k / 8) for k in range(57)]  # 1 kB .. 10 GB
+    for kind in KINDS:
+        for g in (Group(1, 8), Group(4, 8)):
+            times = [collective_time_s(kind, x, g, net_) for x in sizes]
+            assert all(b >= a * (1 - 1e-12) for a, b in zip(times, times[1:], strict=False)), (name, kind, g)
