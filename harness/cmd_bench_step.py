@@ -11,12 +11,18 @@ Per timed step (after --warmup steps) each rank records, on its compute thread:
                   momentum + NS on this rank's matrices, updates, and the exposed publication wait when
                   overlap is off (with overlap on it moves into the next forward_s)
   step_s          one whole iteration: forward + backward + step + zero_grad
-  exposed_comm_s  time the compute thread was blocked on communication (all phases)
+  exposed_comm_s  time the compute thread was blocked on communication (all phases; on CUDA only the
+                  CPU-side waits: the compute stream's waits for the communication stream are inside
+                  the phase times)
   optimizer_cpu_s CPU time of the compute thread inside step() (unaffected by CPU oversubscription)
 
 Variants run in blocks, alternating over --rounds rounds (naive, dmuon, naive, dmuon, ...) so that a
 drift in machine load hits all of them alike; each block builds a fresh model and optimizer (same seed),
 runs --warmup untimed steps, then its share of the --steps timed steps, and frees everything.
+With --phase-barrier (default) an untimed barrier starts each iteration and separates backward from
+step() on all ranks, so that skew between ranks (large when ranks time-share CPU cores) is not charged
+to the optimizer phase that follows: the phases are measured as if every rank finished backward
+together, as a synchronous cluster (and the simulator) does; step_s then excludes the skew too.
 Reported: per step the max over ranks, then the median over all timed steps of the variant.
 peak_mem_bytes: CUDA: max allocated during the block; CPU: growth of the resident set during the block
 (sampled at phase ends) over the set before the model was built, after returning freed heap memory to
@@ -61,8 +67,9 @@ class StepConfig:
     steps: int = 8
     warmup: int = 2
     rounds: int = 2
+    phase_barrier: bool = True
     balancer: str = "lpt"
-    exchange: str = "reduce_scatter"
+    exchanges: tuple[str, ...] = ("reduce_scatter",)
     node_size: int | None = None
     profile: str | None = None
     device: str = "auto"
@@ -72,9 +79,11 @@ class StepConfig:
     profile_trace: str | None = None
     notes: list[str] = field(default_factory=list)
 
-    def variants(self) -> list[tuple[str, bool]]:
+    def variants(self) -> list[tuple[str, bool, str]]:
+        """(strategy, overlap, exchange) of every block; the exchange mode varies for dmuon only."""
         overlaps = {"on": (True,), "off": (False,), "both": (True, False)}[self.overlap]
-        return [(s, ov) for s in self.strategies for ov in overlaps]
+        return [(s, ov, ex) for s in self.strategies for ov in overlaps
+                for ex in (self.exchanges if s == "dmuon" else self.exchanges[:1])]
 
 
 def parse_scale(text) -> float:
@@ -113,8 +122,11 @@ def check_config(cfg: StepConfig) -> None:
 
     if cfg.balancer not in BALANCERS:
         raise choice_error("balancer", cfg.balancer, BALANCERS)
-    if cfg.exchange not in EXCHANGE_MODES:
-        raise choice_error("exchange", cfg.exchange, EXCHANGE_MODES)
+    if not cfg.exchanges:
+        raise InputError(f"no exchange mode given; accepted: {', '.join(EXCHANGE_MODES)} (comma-separated)")
+    for ex in cfg.exchanges:
+        if ex not in EXCHANGE_MODES:
+            raise choice_error("exchange", ex, EXCHANGE_MODES)
     check_node_size(cfg.node_size, cfg.ranks)
     decoder_spec(load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers))
 
@@ -130,11 +142,11 @@ def _rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _make_optimizer(strategy: str, model, cfg: StepConfig, overlap: bool):
+def _make_optimizer(strategy: str, model, cfg: StepConfig, overlap: bool, exchange: str):
     from dmuon.distributed import DMuon, NaiveMuon
 
     common = dict(overlap=overlap, node_size=cfg.node_size, timeout_s=min(cfg.timeout_s, 600.0),
-                  exchange=cfg.exchange, balancer=cfg.balancer, profile=cfg.profile)
+                  exchange=exchange, balancer=cfg.balancer, profile=cfg.profile)
     if strategy == "adamw":
         return DMuon(model, muon_predicate=lambda name, p: False, warn_no_muon=False, shard_adamw=False,
                      **common)
@@ -153,30 +165,41 @@ def _trim_heap() -> None:
         pass
 
 
-def run_variant(cfg: StepConfig, strategy: str, overlap: bool, rank: int, world: int, device, timed: int,
+def run_variant(cfg: StepConfig, variant: tuple[str, bool, str], rank: int, world: int, device, timed: int,
                 tag: str = "") -> list[dict]:
     """Train one block of a variant on this rank; per-iteration records of its `timed` steps."""
     import torch
+    import torch.distributed as dist
 
     from simulator.workload import load_workload
 
     from .benchmodel import build_bench_model, synthetic_batch
 
+    strategy, overlap, exchange = variant
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     _trim_heap()
     base_rss = _rss_bytes()
     model = build_bench_model(load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers),
                               seed=cfg.seed, device=device, dtype=dtype)
-    opt = _make_optimizer(strategy, model, cfg, overlap)
+    opt = _make_optimizer(strategy, model, cfg, overlap, exchange)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     prof = None
     records = []
 
-    def now():
+    def align() -> float:
+        """With --phase-barrier: a barrier (default group, untimed) so the next phase starts together on
+        every rank; returns the seconds it took."""
+        if not cfg.phase_barrier:
+            return 0.0
+        start = now()
+        dist.barrier()
+        return now() - start
+
+    def now():  # CUDA: wait for the compute stream only (the communication stream keeps overlapping)
         if cuda:
-            torch.cuda.synchronize(device)
+            torch.cuda.current_stream(device).synchronize()
         return time.perf_counter()
 
     for it in range(cfg.warmup + timed):
@@ -188,12 +211,15 @@ def run_variant(cfg: StepConfig, strategy: str, overlap: bool, rank: int, world:
                                device=device)
         opt.comm_stats.reset()
         rss = _rss_bytes()
+        align()
         t0 = now()
         loss = model(x, y)
         t1 = now()
         rss = max(rss, _rss_bytes())
         loss.backward()
         t2 = now()
+        skew = align()
+        t2 += skew
         c2 = time.thread_time()
         opt.step()
         c3 = time.thread_time()
@@ -202,16 +228,17 @@ def run_variant(cfg: StepConfig, strategy: str, overlap: bool, rank: int, world:
         t4 = now()
         rss = max(rss, _rss_bytes())
         if it >= cfg.warmup:
-            records.append(dict(step_s=t4 - t0, forward_s=t1 - t0, backward_s=t2 - t1, optimizer_s=t3 - t2,
+            records.append(dict(step_s=t4 - t0 - skew, forward_s=t1 - t0, backward_s=t2 - skew - t1,
+                                optimizer_s=t3 - t2,
                                 exposed_comm_s=opt.comm_stats.wait_s, optimizer_cpu_s=c3 - c2,
                                 comm_bytes_per_step=opt.comm_stats.total_bytes,
                                 peak_mem_bytes=(torch.cuda.max_memory_allocated(device) if cuda
                                                 else rss - base_rss),
-                                loss=float(loss.detach())))
+                                loss=float(loss.detach()), load_1m=os.getloadavg()[0]))
     if prof is not None:
         prof.__exit__(None, None, None)
         os.makedirs(cfg.profile_trace, exist_ok=True)
-        name = f"{strategy}-overlap_{'on' if overlap else 'off'}{tag}-rank{rank}.json"
+        name = f"{strategy}-overlap_{'on' if overlap else 'off'}-{exchange}{tag}-rank{rank}.json"
         prof.export_chrome_trace(os.path.join(cfg.profile_trace, name))
     opt.synchronize()
     info = dict(opt_state_bytes=opt.state_bytes,
@@ -241,26 +268,26 @@ def rank_main(cfg: StepConfig, rank: int, world: int, local_rank: int) -> list[d
     per_block = [cfg.steps // cfg.rounds + (1 if r < cfg.steps % cfg.rounds else 0)
                  for r in range(cfg.rounds)]
     for rnd, timed in enumerate(per_block):
-        for k, (strategy, overlap) in enumerate(variants):
+        for k, variant in enumerate(variants):
             if timed:
                 dist.barrier()
                 tag = f"-round{rnd}" if cfg.rounds > 1 else ""
-                records[k] += run_variant(cfg, strategy, overlap, rank, world, device, timed, tag)
+                records[k] += run_variant(cfg, variant, rank, world, device, timed, tag)
     gathered = [None] * world
     dist.all_gather_object(gathered, records)
     if rank != 0:
         return None
-    return [aggregate(cfg, s, ov, [g[k] for g in gathered], world, device)
-            for k, (s, ov) in enumerate(variants)]
+    return [aggregate(cfg, v, [g[k] for g in gathered], world, device) for k, v in enumerate(variants)]
 
 
-def aggregate(cfg: StepConfig, strategy: str, overlap: bool, per_rank: list[list[dict]], world: int,
+def aggregate(cfg: StepConfig, variant: tuple[str, bool, str], per_rank: list[list[dict]], world: int,
               device) -> dict:
     """Max over ranks per step, then the median over steps."""
     import torch
 
     steps = len(per_rank[0])
-    row = dict(ranks=world, strategy=strategy, overlap=overlap)
+    strategy, overlap, exchange = variant
+    row = dict(ranks=world, strategy=strategy, overlap=overlap, exchange=exchange)
     for key in METRICS + ("comm_bytes_per_step", "peak_mem_bytes"):
         per_step = [max(r[i][key] for r in per_rank) for i in range(steps)]
         row[key] = statistics.median(per_step)
@@ -268,12 +295,13 @@ def aggregate(cfg: StepConfig, strategy: str, overlap: bool, per_rank: list[list
     row["step_s_max"] = max(max(r[i]["step_s"] for r in per_rank) for i in range(steps))
     for key in ("opt_state_bytes", "exchange_buffer_bytes"):
         row[key] = max(r[0][key] for r in per_rank)
+    row["load_1m"] = statistics.median(r["load_1m"] for r in per_rank[0])
     first = per_rank[0][0]
     row.update(n_params=first["n_params"], n_muon_params=first["n_muon_params"],
                plan_makespan_s=first["plan_makespan_s"], plan_cost_source=first["plan_cost_source"],
                final_loss=per_rank[0][-1]["loss"], workload=cfg.workload, width_scale=cfg.width_scale,
                layers=cfg.layers, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch, steps=cfg.steps,
-               warmup=cfg.warmup, rounds=cfg.rounds, balancer=cfg.balancer, exchange=cfg.exchange,
+               warmup=cfg.warmup, rounds=cfg.rounds, phase_barrier=cfg.phase_barrier, balancer=cfg.balancer,
                node_size=cfg.node_size,
                device=str(device.type), backend="nccl" if device.type == "cuda" else "gloo",
                threads_per_rank=torch.get_num_threads(), cpu_cores=os.cpu_count(),
@@ -389,22 +417,28 @@ def under_torchrun() -> bool:
 
 # ---- output --------------------------------------------------------------------------------------
 def ratios(rows: list[dict]) -> dict[str, float]:
-    """Side-by-side ratios of this run (same ranks, same model)."""
-    by = {(r["strategy"], r["overlap"]): r for r in rows}
+    """Side-by-side ratios of this run (same ranks, same model). Keys name the DMuon exchange mode only
+    when several were run."""
     out = {}
-    for ov in (True, False):
-        d, n, a = by.get(("dmuon", ov)), by.get(("naive", ov)), by.get(("adamw", ov))
-        tag = "overlap_on" if ov else "overlap_off"
-        if d and n:
+    several = len({r["exchange"] for r in rows if r["strategy"] == "dmuon"}) > 1
+    for d in (r for r in rows if r["strategy"] == "dmuon"):
+        tag = ("overlap_on" if d["overlap"] else "overlap_off") + (f"_{d['exchange']}" if several else "")
+        n = next((r for r in rows if r["strategy"] == "naive" and r["overlap"] == d["overlap"]), None)
+        a = next((r for r in rows if r["strategy"] == "adamw" and r["overlap"] == d["overlap"]), None)
+        if n:
             out[f"naive_over_dmuon_optimizer_s_{tag}"] = n["optimizer_s"] / d["optimizer_s"]
             out[f"naive_over_dmuon_optimizer_cpu_s_{tag}"] = n["optimizer_cpu_s"] / d["optimizer_cpu_s"]
             out[f"naive_over_dmuon_step_s_{tag}"] = n["step_s"] / d["step_s"]
-        if d and a:
+        if a:
             out[f"dmuon_over_adamw_step_s_{tag}"] = d["step_s"] / a["step_s"]
-    for s in STRATEGIES:
-        on, off = by.get((s, True)), by.get((s, False))
-        if on and off and off["exposed_comm_s"] > 0:
-            out[f"{s}_exposed_comm_on_over_off"] = on["exposed_comm_s"] / off["exposed_comm_s"]
+    for r in rows:
+        if r["overlap"]:
+            off = next((x for x in rows if (x["strategy"], x["exchange"], x["overlap"])
+                        == (r["strategy"], r["exchange"], False)), None)
+            if off and off["exposed_comm_s"] > 0:
+                tag = f"_{r['exchange']}" if several and r["strategy"] == "dmuon" else ""
+                key = f"{r['strategy']}{tag}_exposed_comm_on_over_off"
+                out[key] = r["exposed_comm_s"] / off["exposed_comm_s"]
     return out
 
 
@@ -431,12 +465,12 @@ def print_table(rows: list[dict]) -> None:
                     f"({r0['backend']}, "
                     f"{r0['threads_per_rank']} threads/rank, {r0['cpu_cores']} cores); medians of "
                     f"{r0['steps']} steps")
-    cols = ["strategy", "overlap", "step ms", "fwd ms", "bwd ms", "opt ms", "exposed comm ms", "opt cpu ms",
-            "comm MB/step", "opt state MB", "peak mem MB"]
+    cols = ["strategy", "overlap", "exchange", "step ms", "fwd ms", "bwd ms", "opt ms", "exposed comm ms",
+            "opt cpu ms", "comm MB/step", "opt state MB", "peak mem MB"]
     for c in cols:
         t.add_column(c, justify="right")
     for r in rows:
-        t.add_row(r["strategy"], "on" if r["overlap"] else "off",
+        t.add_row(r["strategy"], "on" if r["overlap"] else "off", r["exchange"],
                   *[f"{r[k] * 1e3:.1f}" for k in ("step_s", "forward_s", "backward_s", "optimizer_s",
                                                    "exposed_comm_s", "optimizer_cpu_s")],
                   f"{r['comm_bytes_per_step'] / 1e6:.2f}", f"{r['opt_state_bytes'] / 1e6:.2f}",
@@ -445,6 +479,10 @@ def print_table(rows: list[dict]) -> None:
     console.print(t)
     for k, v in ratios(rows).items():
         console.print(f"{k}: {v:.2f}")
+
+
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def register(app, bench) -> None:
@@ -463,8 +501,11 @@ def register(app, bench) -> None:
         steps: int = typer.Option(8, help="Timed steps per variant (medians reported)."),
         warmup: int = typer.Option(2, help="Untimed steps at the start of every block."),
         rounds: int = typer.Option(2, help="Alternate the variants' blocks this many times."),
+        phase_barrier: bool = typer.Option(True, help="Align ranks (untimed barrier) before forward and "
+                                           "before step() (see docs)."),
         balancer: str = typer.Option("lpt", help="lpt | round_robin | milp (DMuon owners)."),
-        exchange: str = typer.Option("reduce_scatter", help="reduce_scatter | reduce (DMuon exchange)."),
+        exchange: str = typer.Option("reduce_scatter", help="reduce_scatter | reduce (DMuon exchange), or a "
+                                     "comma-separated list (one DMuon variant each)."),
         node_size: int = typer.Option(None, help="Ranks per node: two-level exchange."),
         profile: str = typer.Option(None, help="Cost table for the plan (default: this device's)."),
         no_overlap: bool = typer.Option(False, "--no-overlap", help="Exchange at step() only."),
@@ -478,13 +519,13 @@ def register(app, bench) -> None:
         profile_trace: str = typer.Option(None, help="Write torch.profiler Chrome traces to this folder."),
     ):
         """Measure training steps of DMuon / NaiveMuon / AdamW on N real processes (see docs/runtime.md)."""
-        cfg = StepConfig(ranks=ranks, strategies=tuple(s.strip() for s in strategy.split(",") if s.strip()),
+        cfg = StepConfig(ranks=ranks, strategies=_split(strategy),
                          overlap=overlap or ("off" if no_overlap else "on"), workload=workload,
                          width_scale=parse_scale(width_scale), layers=layers, seq_len=seq_len,
                          micro_batch=micro_batch, steps=steps, warmup=warmup, rounds=rounds,
-                         balancer=balancer, exchange=exchange, node_size=node_size, profile=profile,
-                         device=device, threads=threads, seed=seed, timeout_s=timeout_s,
-                         profile_trace=profile_trace)
+                         phase_barrier=phase_barrier, balancer=balancer, exchanges=_split(exchange),
+                         node_size=node_size, profile=profile, device=device, threads=threads, seed=seed,
+                         timeout_s=timeout_s, profile_trace=profile_trace)
         if under_torchrun():
             cfg.ranks = int(os.environ["WORLD_SIZE"])
             check_config(cfg)
