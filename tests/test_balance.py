@@ -188,6 +188,25 @@ def test_memory_cap_holds(balancer):
         build_plan(mats, 2, A800, memory_cap_bytes=cap)
 
 
+def test_grouped_milp_with_memory_cap_is_valid():
+    from dmuon.plan.balance import rank_load_s, rank_state_bytes
+    from dmuon.plan.milp import solve_milp
+
+    # 2 x 3 units + 3 x 2 units on 2 ranks: LPT gives 7, the bound 6, so the solver runs
+    cost = _UnitCost({(100, 100): 3.0, (80, 80): 2.0})
+    mats = [MatrixSpec(f"a{i}", 100, 100, i) for i in range(2)] + [
+        MatrixSpec(f"b{i}", 80, 80, 2 + i) for i in range(3)
+    ]
+    cap = 100 * 100 * STATE_BYTES_PER_ELEMENT * 3
+    model = build_work_model(mats, 2, cost, batching=False, memory_cap_bytes=cap)
+    res = solve_milp(model, time_limit_s=3, max_exact_vars=2)  # forces rank groups
+    assert any("aggregated into" in n for n in res.notes)
+    counts = [sum(sum(r.get(s, ())) for r in res.loads) for s in range(len(model.classes))]
+    assert counts == [c.count for c in model.classes]
+    assert all(rank_state_bytes(model, r) <= cap for r in res.loads)
+    assert 6.0 <= max(rank_load_s(model, r) for r in res.loads) <= 7.0
+
+
 def test_anti_affinity_spreads_a_layer_over_owners_without_changing_loads():
     mats = [MatrixSpec(f"l{layer}.{j}", 1024, 4096, layer) for layer in range(4) for j in range(3)]
     plain = build_plan(mats, 3, A800, balancer="lpt")

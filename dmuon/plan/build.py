@@ -50,8 +50,11 @@ def build_plan(
 ) -> Plan:
     """Owners, batches and buckets for `matrices` on `world_size` ranks, priced by `cost` (a CostTable).
 
-    seed: only breaks ties that the deterministic order leaves open (none today); same input -> same
-    plan regardless of it. time_limit_s: MILP solver time (both phases together).
+    method: standard | standard_sym | gram | gram_sym, or auto = per batch the cheapest of the four
+        (the paper's kernel selection; Batch.method says which).
+    seed: HiGHS's random seed (MILP); the rest is deterministic (sorted tie-breaks), so the same input
+        gives the same plan whenever no solver phase stops at its time limit.
+    time_limit_s: wall-clock budget of the MILP balancer (all its phases).
     """
     if balancer not in BALANCERS:
         raise choice_error("balancer", balancer, BALANCERS)
@@ -94,6 +97,9 @@ def build_plan(
     per_rank = [rank_load_s(model, r) for r in loads]
     makespan = max(per_rank)
     lb = model.lower_bound_s
+    terms = model.lower_bound_terms()
+    binding = min((k for k, v in terms.items() if v == lb), key=list(terms).index)
+    notes.insert(0, f"lower bound {lb * 1e3:.3f} ms = {binding}")
     if balancer != "milp":
         gap = (makespan - lb) / makespan if makespan > 0 else 0.0
     if not batching:

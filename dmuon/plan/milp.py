@@ -1,25 +1,35 @@
-"""The MILP balancer: batching and owner assignment in one integer program (pulp + HiGHS).
+"""The MILP balancer: batching and owner assignment as integer programs (pulp + HiGHS).
 
-Variables x[s, b, r] = number of batches of b matrices of shape class s that rank r runs (b over the
-class's usable sizes, see `balance`), and the makespan M:
+Pipeline (`solve_milp`), all within the time limit, never worse than its LPT start:
+  1. start = LPT (`balance.lpt`); if it meets the combinatorial lower bound it is optimal: done.
+  2. configuration model (`colgen`, no memory cap): identical ranks aggregated exactly; gives a proven
+     lower bound (configuration LP) and a plan (column generation + diving + MILP over configurations).
+  3. per-rank model (below) when N x (variables per rank) <= MAX_EXACT_VARS, warm-started from the best
+     plan so far; its HiGHS dual bound is a second proven bound. With a memory cap and more ranks, the
+     ranks are aggregated into groups instead (see "Scale").
+The reported gap is (makespan - best proven bound) / makespan.
+
+Per-rank model. Variables x[s, b, r] = number of batches of b matrices of shape class s that rank r
+runs (b over the class's usable sizes, see `balance`), and the makespan M:
     sum_{b, r} b x[s, b, r] = count(s)                       every matrix in exactly one batch
     load(r) = sum_{s, b} T(s, b) x[s, b, r] <= M
     load(r) >= load(r + 1)                                   identical ranks: symmetry broken by load order
     sum_{s, b} b state(s) x[s, b, r] <= memory cap           (optional)
     M >= lower bound                                         (a valid cut: the bound is a theorem)
 Phase 1 minimizes M; phase 2 fixes M <= M* and minimizes the total work sum_r load(r) (lexicographic:
-the makespan is never traded for work). Both phases are warm-started (phase 1 from LPT, phase 2 from
-phase 1), so the result is never worse than LPT. Times are scaled by the lower bound (M ~ 1).
+the makespan is never traded for work). Both phases are warm-started. Times are scaled by the lower
+bound (M ~ 1).
 
-Scale: identical ranks are aggregated into groups when N x (variables per rank) exceeds
-`MAX_EXACT_VARS`: G groups of (nearly) equal size; every rank of a group runs the same batches, the
-cover constraint becomes sum_g size(g) sum_b b x[s, b, g] >= count(s) and surplus slots are dropped
-afterwards (dropping only lowers loads). That is a restriction of the exact model: its solver bound is
-then not a bound for the real problem, so the reported gap uses the combinatorial lower bound only.
+Scale: with a memory cap (the configuration model has no memory dimension) and N x (variables per rank)
+above MAX_EXACT_VARS, identical ranks are aggregated into G groups of (nearly) equal size; every rank of
+a group runs the same batches, the cover constraint becomes sum_g size(g) sum_b b x[s, b, g] >= count(s)
+and surplus slots are dropped afterwards (dropping only lowers loads). That is a restriction of the exact
+model: its solver bound is not a bound for the real problem, so the gap then uses the other bounds.
 
 The bundled CBC reports "Optimal" when it stops at its time limit; HiGHS reports kTimeLimit, and the
 proven gap is read from its dual bound (exact model only). No solver, no solution or a wrong solution
--> LPT, with a RuntimeWarning (from build_plan) and a note in the Plan.
+-> LPT, with a RuntimeWarning (from build_plan) and a note in the Plan. Determinism: same input, same
+plan whenever no solver phase stops at its time limit (the notes say when one did).
 """
 
 from __future__ import annotations
@@ -36,6 +46,8 @@ from .balance import Loads, WorkModel, lpt, rank_load_s, rebatch
 MAX_EXACT_VARS = 6000  # x variables of the exact (per-rank) model; above: rank groups
 PHASE1_SHARE = 0.7  # of the time limit
 GAP_TOLERANCE = 1e-3  # a plan this close to a proven bound is not searched further
+MIN_SOLVE_S = 0.2  # a solver phase is not started with less time than this
+TIME_SHARE = 0.93  # of build_plan's time limit that the solvers may use
 
 
 @dataclass
@@ -99,6 +111,7 @@ def solve_milp(
 ) -> MilpResult:
     """Best owner/batch assignment found within the time limit; see the module docstring."""
     t0 = time.perf_counter()
+    budget_s = TIME_SHARE * time_limit_s  # the rest covers model building, checks and the plan around it
     notes: list[str] = []
     try:
         import highspy  # noqa: F401
@@ -125,7 +138,7 @@ def solve_milp(
         cfg = configuration_search(
             model,
             start,
-            time_limit_s=share * (time_limit_s - (time.perf_counter() - t0)),
+            time_limit_s=share * (budget_s - (time.perf_counter() - t0)),
             solver_cls=solver_cls,
         )
         notes += cfg.notes
@@ -143,22 +156,24 @@ def solve_milp(
                 f"{min(groups)}-{max(groups)} ranks running the same batches (memory cap set)"
             )
         solver = _Solver(pulp, solver_cls, model, groups, model.lower_bound_s)
-        remaining = time_limit_s - (time.perf_counter() - t0)
-        sol1 = solver.solve(best if exact else None, phase=1, time_limit_s=max(0.5, remaining * PHASE1_SHARE))
+        remaining = budget_s - (time.perf_counter() - t0)
+        sol1 = None
+        if remaining > MIN_SOLVE_S:
+            sol1 = solver.solve(best if exact else None, phase=1, time_limit_s=remaining * PHASE1_SHARE)
         if sol1 is not None:
             loads1, bound1 = sol1
             bound = max(bound, bound1)
             if _makespan(model, loads1) <= best_mk * (1 + 1e-12):
                 best, best_mk = loads1, _makespan(model, loads1)
-            remaining = time_limit_s - (time.perf_counter() - t0)
+            remaining = budget_s - (time.perf_counter() - t0)
             sol2 = (
-                solver.solve(best, phase=2, time_limit_s=max(0.5, remaining), makespan_cap_s=best_mk)
-                if exact and remaining > 0.2
+                solver.solve(best, phase=2, time_limit_s=remaining, makespan_cap_s=best_mk)
+                if exact and remaining > MIN_SOLVE_S
                 else None
             )
             if sol2 is not None and _makespan(model, sol2[0]) <= best_mk * (1 + 1e-9):
                 best = sol2[0]
-        notes.append(solver.last_status)
+        notes.append(solver.last_status or "per-rank model: no time left to start it")
         how.append("per-rank model" if exact else "grouped per-rank model")
     best = rebatch(model, best)
     mk = _makespan(model, best)
