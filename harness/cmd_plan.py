@@ -133,6 +133,8 @@ def compare_rows(
     from dmuon.plan.cost import CostTable
 
     cost = CostTable.load(profile)
+    if dtype is None:
+        dtype = "bf16" if "bf16" in cost.dtypes or not cost.dtypes else cost.dtypes[0]
     rows = []
     for wl in workloads:
         mats = load_matrices(wl).muon_matrices
@@ -235,7 +237,9 @@ def register(app, bench) -> None:
         method: str = typer.Option(
             "gram_sym", help=" | ".join(PLAN_METHODS) + " (auto = cheapest per batch)."
         ),
-        dtype: str = typer.Option("bf16", help="bf16 | fp16 | fp32"),
+        dtype: str = typer.Option(
+            None, help="bf16 | fp16 | fp32 (default: bf16, or the profile's only dtype)."
+        ),
         no_batching: bool = typer.Option(False, "--no-batching", help="Every matrix is its own NS call."),
         max_batch: int = typer.Option(8, help="Largest batch of same-shape matrices."),
         bucket_numel: int = typer.Option(
@@ -281,7 +285,9 @@ def register(app, bench) -> None:
             if json_out:
                 print(json.dumps(rows, indent=1))
             else:
-                print_compare(rows, f"NS makespan per balancer, profile {profile}, {method} {dtype}")
+                print_compare(
+                    rows, f"NS makespan per balancer, profile {profile}, {method} {dtype or 'bf16'}"
+                )
             return
         if workload is None or ranks is None:
             raise InputError("harness plan needs --workload and --ranks (or --compare)")
@@ -295,10 +301,13 @@ def register(app, bench) -> None:
 
         wl = load_matrices(workload, scale, blocks)
         cap = None if memory_cap_gb is None else memory_cap_gb * 1e9
+        cost = CostTable.load(profile)
+        if dtype is None:
+            dtype = "bf16" if "bf16" in cost.dtypes or not cost.dtypes else cost.dtypes[0]
         plan = build_plan(
             wl.muon_matrices,
             n,
-            CostTable.load(profile),
+            cost,
             balancer=balancer,
             method=method,
             dtype=dtype,

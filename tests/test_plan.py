@@ -44,6 +44,13 @@ def test_auto_method_picks_the_cheapest_call_per_batch():
         assert b.time_s == best and A800.ns_time(b.rows, b.cols, b.size, b.method, "bf16").time_s == best
     assert len({b.method for b in auto.batches}) > 1
     assert auto.makespan_s < build_plan(mats, 8, A800, balancer="lpt", method="gram_sym").makespan_s
+    cpu = CostTable.load("cpu")  # no symmetric kernels on the CPU: auto picks among what was measured
+    small = load_workload("qwen2.5-7b").scaled(1 / 16, blocks=2).muon_matrices
+    on_cpu = build_plan(small, 2, cpu, method="auto", dtype="fp32")
+    assert cpu.runnable_methods == ("standard", "gram") and {b.method for b in on_cpu.batches} <= {
+        "standard",
+        "gram",
+    }
 
 
 def test_buckets_follow_layer_order(qwen):

@@ -186,7 +186,7 @@ def build_work_model(
         top = min(max_batch, len(members)) if batching else 1
         times, meths = {}, {}
         for b in range(1, top + 1):
-            cands = METHODS if method == AUTO_METHOD else (method,)
+            cands = getattr(cost, "runnable_methods", METHODS) if method == AUTO_METHOD else (method,)
             priced = [(cost.ns_time(n, m, b, mt, dtype).time_s, METHODS.index(mt), mt) for mt in cands]
             t, _, mt = min(priced)
             times[b], meths[b] = t, mt

@@ -50,8 +50,9 @@ def build_plan(
 ) -> Plan:
     """Owners, batches and buckets for `matrices` on `world_size` ranks, priced by `cost` (a CostTable).
 
-    method: standard | standard_sym | gram | gram_sym, or auto = per batch the cheapest of the four
-        (the paper's kernel selection; Batch.method says which).
+    method: standard | standard_sym | gram | gram_sym, or auto = per batch the cheapest method the
+        device can run (`CostTable.runnable_methods`: the paper's kernel selection; Batch.method says
+        which).
     seed: HiGHS's random seed (MILP); the rest is deterministic (sorted tie-breaks), so the same input
         gives the same plan whenever no solver phase stops at its time limit.
     time_limit_s: wall-clock budget of the MILP balancer (all its phases).

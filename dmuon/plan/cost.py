@@ -235,6 +235,15 @@ class CostTable:
         return self._hbm
 
     @property
+    def runnable_methods(self) -> tuple[str, ...]:
+        """Methods the device can run: every method on a GPU with a datasheet (the symmetric ones via
+        Triton), else only the measured ones (the CPU has no symmetric kernels)."""
+        if self.device in hardware():
+            return METHODS
+        measured = {k[3] for k in self._ns_points}
+        return tuple(m for m in METHODS if m in measured)
+
+    @property
     def ns_point_count(self) -> int:
         return len(self._ns_points)
 
