@@ -90,7 +90,7 @@ def build_plan(
         loads, gap = result.loads, result.gap
         notes += result.notes
         if result.fallback:
-            warnings.warn(f"MILP balancer fell back to LPT: {result.notes[-1]}", RuntimeWarning, stacklevel=2)
+            warnings.warn(result.notes[-1], RuntimeWarning, stacklevel=2)
     if owners is None:
         owners = map_slots(model, loads, anti_affinity=anti_affinity)
     batches = make_batches(model, loads, owners)

@@ -205,6 +205,7 @@ def _dive(np, highspy, model: WorkModel, pool: _Pool, cover, t_s: float, deadlin
         if not take:
             k = max(lp.columns, key=lambda c: (lp.columns[c], c))
             take = {k: 1}
+        before = len(fixed)
         for k, copies in sorted(take.items()):
             copies = min(copies, ranks_left)
             useful = min(copies, max(-(-demands[s] // k[s]) for s in range(len(k)) if k[s]))
@@ -212,8 +213,8 @@ def _dive(np, highspy, model: WorkModel, pool: _Pool, cover, t_s: float, deadlin
                 fixed.append(k)
                 demands = [max(0, d - ks) for d, ks in zip(demands, k, strict=True)]
             ranks_left -= useful
-        if ranks_left < 0 or (any(demands) and ranks_left == 0):
-            return None
+        if len(fixed) == before or ranks_left < 0 or (any(demands) and ranks_left == 0):
+            return None  # no progress (degenerate LP) or out of ranks
     return _realize(model, fixed)
 
 
