@@ -24,7 +24,7 @@ from .orthogonalize import NSConfig, as_matrix, orthogonalize, orthogonalize_man
 from .params import route
 from .plan.types import MatrixSpec, Plan
 from .runtime.comm import CommStats, CommWorker
-from .runtime.exchange import EXCHANGE_MODES
+from .runtime.exchange import EXCHANGE_CHOICES
 from .runtime.groups import build_groups
 from .runtime.guards import NonFiniteGradientError, agree_flags, check_devices, check_replicas
 from .runtime.hooks import BackwardTracker, ForwardWaits
@@ -55,7 +55,7 @@ class _ReplicatedMuon(torch.optim.Optimizer):
                  adamw_weight_decay: float = 0.01, muon_predicate=None, process_group=None,
                  balancer: str = "lpt", profile: str | None = None, overlap: bool = True,
                  node_size: int | None = None, bucket_numel: int = 0, nonfinite: str = "raise",
-                 check_consistency_every: int = 0, timeout_s: float = 600.0, exchange: str = "reduce_scatter",
+                 check_consistency_every: int = 0, timeout_s: float = 600.0, exchange: str = "auto",
                  max_batch: int = 8, shard_adamw: bool | None = None, warn_no_muon: bool = True):
         if not isinstance(model, torch.nn.Module):
             raise InputError(f"{type(self).__name__} takes the model (an nn.Module) itself, got "
@@ -67,8 +67,8 @@ class _ReplicatedMuon(torch.optim.Optimizer):
             raise choice_error("nonfinite", nonfinite, NONFINITE)
         if balancer not in BALANCERS:
             raise choice_error("balancer", balancer, BALANCERS)
-        if exchange not in EXCHANGE_MODES:
-            raise choice_error("exchange", exchange, EXCHANGE_MODES)
+        if exchange not in EXCHANGE_CHOICES:
+            raise choice_error("exchange", exchange, EXCHANGE_CHOICES)
         if not isinstance(overlap, bool):
             raise InputError(f"overlap must be True or False, got {overlap!r}")
         _check_int("bucket_numel", bucket_numel, 0)

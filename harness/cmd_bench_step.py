@@ -69,7 +69,7 @@ class StepConfig:
     rounds: int = 2
     phase_barrier: bool = True
     balancer: str = "lpt"
-    exchanges: tuple[str, ...] = ("reduce_scatter",)
+    exchanges: tuple[str, ...] = ("auto",)
     node_size: int | None = None
     profile: str | None = None
     device: str = "auto"
@@ -117,16 +117,16 @@ def check_config(cfg: StepConfig) -> None:
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise choice_error("device", cfg.device, ("auto", "cpu", "cuda"))
     from dmuon.distributed import BALANCERS
-    from dmuon.runtime.exchange import EXCHANGE_MODES
+    from dmuon.runtime.exchange import EXCHANGE_CHOICES
     from dmuon.runtime.groups import check_node_size
 
     if cfg.balancer not in BALANCERS:
         raise choice_error("balancer", cfg.balancer, BALANCERS)
     if not cfg.exchanges:
-        raise InputError(f"no exchange mode given; accepted: {', '.join(EXCHANGE_MODES)} (comma-separated)")
+        raise InputError(f"no exchange mode given; accepted: {', '.join(EXCHANGE_CHOICES)} (comma-separated)")
     for ex in cfg.exchanges:
-        if ex not in EXCHANGE_MODES:
-            raise choice_error("exchange", ex, EXCHANGE_MODES)
+        if ex not in EXCHANGE_CHOICES:
+            raise choice_error("exchange", ex, EXCHANGE_CHOICES)
     check_node_size(cfg.node_size, cfg.ranks)
     decoder_spec(load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers))
 
@@ -504,7 +504,7 @@ def register(app, bench) -> None:
         phase_barrier: bool = typer.Option(True, help="Align ranks (untimed barrier) before forward and "
                                            "before step() (see docs)."),
         balancer: str = typer.Option("lpt", help="lpt | round_robin | milp (DMuon owners)."),
-        exchange: str = typer.Option("reduce_scatter", help="reduce_scatter | reduce (DMuon exchange), or a "
+        exchange: str = typer.Option("auto", help="auto | reduce_scatter | reduce (DMuon exchange), or a "
                                      "comma-separated list (one DMuon variant each)."),
         node_size: int = typer.Option(None, help="Ranks per node: two-level exchange."),
         profile: str = typer.Option(None, help="Cost table for the plan (default: this device's)."),

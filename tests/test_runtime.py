@@ -30,7 +30,7 @@ W2 = [
     *[dm(f"dmuon_{b}_{'ov' if ov else 'noov'}", balancer=b, overlap=ov)
       for b in ("lpt", "round_robin", "milp") for ov in (True, False)],
     dm("dmuon_lpt_ov_again", balancer="lpt", overlap=True),  # determinism
-    dm("dmuon_reduce", exchange="reduce"),
+    dm("dmuon_reduce", exchange="reduce"), dm("dmuon_reduce_scatter", exchange="reduce_scatter"),
     naive("naive_ov"), naive("naive_noov", overlap=False),
     {**dm("dmuon_unused"), "scheme": "unused"}, {**naive("naive_unused"), "scheme": "unused"},
     {**dm("dmuon_frozen"), "frozen": ["blocks.0.up.weight", "embed.weight"]},
@@ -45,12 +45,13 @@ W2 = [
 W3 = [
     dm("dmuon_lpt"), dm("dmuon_rr_noov", balancer="round_robin", overlap=False), naive("naive"),
     {**dm("dmuon_one_matrix"), "model": "one"}, {**dm("dmuon_unused"), "scheme": "unused"},
-    dm("dmuon_reduce_milp", exchange="reduce", balancer="milp"),
+    dm("dmuon_reduce_milp", exchange="reduce", balancer="milp"), dm("dmuon_rs", exchange="reduce_scatter"),
 ]
 W4 = [
     dm("dmuon_flat"),
     *[dm(f"dmuon_node2_{b}", node_size=2, balancer=b) for b in ("lpt", "round_robin", "milp")],
     dm("dmuon_node2_reduce", node_size=2, exchange="reduce"),
+    dm("dmuon_node2_rs", node_size=2, exchange="reduce_scatter"),
     dm("dmuon_node2_noov", node_size=2, overlap=False),
     naive("naive_node2", node_size=2),
     {**dm("dmuon_one_matrix", node_size=2), "model": "one"},

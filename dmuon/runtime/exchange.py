@@ -31,6 +31,7 @@ import torch.distributed as dist
 from .groups import CommGroups
 
 EXCHANGE_MODES = ("reduce", "reduce_scatter")
+EXCHANGE_CHOICES = ("auto", *EXCHANGE_MODES)  # "auto": chosen per bucket by its padding (see units.py)
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -22,6 +22,8 @@ from .comm import CommWorker, Handle
 from .exchange import OwnerLayout, all_reduce_sum, padded_numel, publish_from_owners, reduce_to_owners
 from .groups import CommGroups
 
+AUTO_MAX_PADDING = 1.10  # "auto" exchange: reduce-scatter if the padded buffer is at most 10% larger
+
 
 @dataclass
 class Member:
@@ -135,6 +137,8 @@ class OwnerUnit(_Unit):
 
     sharded=False: each member has one owner (`Member.owner`, Muon matrices). sharded=True: the members
     are split evenly over the ranks, ZeRO-style (AdamW parameters); a rank owns pieces of them.
+    mode: "reduce_scatter" | "reduce" (see exchange.py) or "auto": reduce-scatter where padding the owner
+    chunks to equal size adds at most 10% to the bucket, else per-owner reduce / broadcast.
     `pieces` lists this rank's pieces as (k, lo, hi): elements [lo, hi) of member k's flattened tensor.
     """
 
@@ -145,7 +149,11 @@ class OwnerUnit(_Unit):
         super().__init__(position, members, groups, worker)
         self.sharded = sharded
         numels = [m.param.numel() for m in members]
-        self.layout = OwnerLayout(numels, None if sharded else [m.owner for m in members], groups, mode)
+        owners = None if sharded else [m.owner for m in members]
+        if mode == "auto":
+            padded = OwnerLayout(numels, owners, groups, "reduce_scatter")
+            mode = "reduce_scatter" if padded.total <= AUTO_MAX_PADDING * padded.payload else "reduce"
+        self.layout = OwnerLayout(numels, owners, groups, mode)
         self._offsets = list(self.layout.offsets)
         self._grad_buf = self._alloc(self.layout.total)
         self._pub_buf = self._alloc(self.layout.total)
