@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from .balance import Loads, WorkModel, lpt, rank_load_s, rebatch
 
 MAX_EXACT_VARS = 6000  # x variables of the exact (per-rank) model; above: rank groups
-PHASE1_SHARE = 0.7  # of the time limit
+CONFIG_SHARE = 0.7  # of the budget for the configuration model when the per-rank model runs too
+PHASE1_SHARE = 0.7  # of the per-rank model's time for its phase 1
 GAP_TOLERANCE = 1e-3  # a plan this close to a proven bound is not searched further
 MIN_SOLVE_S = 0.2  # a solver phase is not started with less time than this
 TIME_SHARE = 0.93  # of build_plan's time limit that the solvers may use
@@ -134,7 +135,7 @@ def solve_milp(
     if model.memory_cap_bytes is None:
         from .colgen import configuration_search
 
-        share = 0.5 if exact else 1.0
+        share = CONFIG_SHARE if exact else 1.0
         cfg = configuration_search(
             model,
             start,
