@@ -25,6 +25,12 @@ from dataclasses import dataclass
 from dmuon.errors import InputError
 
 
+def _clean(deps) -> tuple:
+    """The dependencies as a tuple without Nones (built for ~10^5 ops per run: keep it cheap)."""
+    deps = tuple(deps)
+    return tuple([d for d in deps if d is not None]) if None in deps else deps
+
+
 class Collective:
     """One collective over `n` participants, taking `cost_s` once all have arrived."""
 
@@ -89,12 +95,11 @@ class Cluster:
         if dur < 0:
             raise InputError(f"op {name!r}: negative duration {dur}")
         return self._add(Op(rank, stream or self.compute_stream, name, phase, step, dur=dur,
-                            deps=tuple(d for d in deps if d is not None)))
+                            deps=_clean(deps)))
 
     def collective(self, coll: Collective, rank: int, *, phase: str, step: int, deps=(),
                    stream: str = "comm") -> Op:
-        return self._add(Op(rank, stream, coll.name, phase, step, coll=coll,
-                            deps=tuple(d for d in deps if d is not None)))
+        return self._add(Op(rank, stream, coll.name, phase, step, coll=coll, deps=_clean(deps)))
 
     def new_collective(self, *args, **kwargs) -> Collective:
         c = Collective(*args, **kwargs)

@@ -158,6 +158,7 @@ class _Programs:
         for i, m in enumerate(mats):
             d = self.owned[self.bucket_of[i]]
             d[plan.owners[i]] = d.get(plan.owners[i], 0) + m.numel
+        self.max_owned = [max(d.values()) for d in self.owned]  # largest single owner's share
         self.batches_of: dict[int, list] = {}
         for k, bt in enumerate(plan.batches):  # the plan's order (build_plan: readiness order per owner)
             bks = sorted({self.bucket_of[i] for i in bt.members})
@@ -340,7 +341,7 @@ class _Programs:
         """Muon gradients of bucket b to their owners (dmuon, replicated or FSDP/HSDP layouts)."""
         s, c = self.s, self.c
         size = self.bucket_numel[b] * s.grad_bytes
-        share = max(self.owned[b].values()) * s.grad_bytes
+        share = self.max_owned[b] * s.grad_bytes
         group = "intra" if self.shard == "intra" else "world"
         col = self.coll(r, ("reduce", step, b), group, "reduce", size, muon_fraction=1.0, max_share=share,
                         step=step)
@@ -356,7 +357,7 @@ class _Programs:
                  op_step: int | None = None) -> Op:
         s, c = self.s, self.c
         size = self.bucket_numel[b] * s.param_bytes
-        share = max(self.owned[b].values()) * s.param_bytes
+        share = self.max_owned[b] * s.param_bytes
         group = "intra" if self.shard == "intra" else "world"
         col = self.coll(r, (tag, step, b), group, "broadcast", size, muon_fraction=1.0, max_share=share,
                         step=step if op_step is None else op_step)
@@ -376,7 +377,7 @@ class _Programs:
             mom = cm(r, f"momentum_b{b}", momentum_s * self.bucket_numel[b] / sum(self.bucket_numel),
                      phase="opt", step=step,
                      deps=(red["layer"].get(self.bucket_layers[b][0]),))
-            share = max(self.owned[b].values()) * s.grad_bytes
+            share = self.max_owned[b] * s.grad_bytes
             col = self.coll(r, ("a2a_to", step, b), "world", "all_to_all", local * s.grad_bytes,
                             muon_fraction=1.0, max_share=share, step=step)
             to_owner[b] = c.collective(col, r, phase="opt", step=step, deps=(mom,))
@@ -390,7 +391,7 @@ class _Programs:
             last = op
         for b in range(self.n_buckets - 1, -1, -1):
             local = self.bucket_numel[b] / n
-            share = max(self.owned[b].values()) * s.param_bytes
+            share = self.max_owned[b] * s.param_bytes
             col = self.coll(r, ("a2a_back", step, b), "world", "all_to_all", local * s.param_bytes,
                             muon_fraction=1.0, max_share=share, step=step)
             last_comm = c.collective(col, r, phase="opt", step=step, deps=tuple(by_bucket.get(b, ())))
