@@ -201,3 +201,23 @@ def test_custom_workload_file(tmp_path):
                  '[[matrices]]\nname = "up_proj"\nrows = 1024\ncols = 256\ncount = 4\n')
     r = simulate(SimConfig(workload=str(f), gpus=4, strategy="dmuon", cost=COST, seq_len=128))
     assert r.workload == "mine" and r.step_s > 0 and r.muon_comm_volume == pytest.approx(2 * 3 / 4)
+
+
+def test_overlap_slowdown_only_slows():
+    base = sim(strategy="dmuon", layout="fsdp-free", gpus=32)
+    slowed = sim(strategy="dmuon", layout="fsdp-free", gpus=32, overlap_slowdown=0.3)
+    assert slowed.forward_s > base.forward_s and slowed.step_s > base.step_s
+    assert slowed.muon_comm_bytes_per_rank == base.muon_comm_bytes_per_rank
+
+
+def test_hsdp_cross_node_all_reduces_run_on_their_own_stream():
+    from simulator.api import run
+
+    _, built = run(SimConfig(workload=SMALL, gpus=16, strategy="dmuon", layout="hsdp-keep", cost=COST))
+    inter = built.cluster.ops(3, "inter")
+    assert inter and all(op.coll.kind == "all_reduce" and op.coll.n == 2 for op in inter)
+    assert all(op.coll.kind != "all_reduce" for op in built.cluster.ops(3, "comm"))
+
+
+def test_config_fields_have_help():
+    assert all(text for text in SimConfig.help().values())
