@@ -51,7 +51,7 @@ def make_spec(cfg, workload, profile, cost, per_node: int):
     for m in muon:
         key = (m.rows, m.cols)
         if key not in ns_answers:
-            ns_answers[key] = cost.ns_time(m.rows, m.cols, 1, "standard", ns_dtype)
+            ns_answers[key] = cost.ns_time(m.rows, m.cols, 1, cfg.naive_ns_method, ns_dtype)
     ns_naive = [ns_answers[(m.rows, m.cols)].time_s * stretch for m in muon]
 
     ew_answers: dict = {}
@@ -80,7 +80,7 @@ def make_spec(cfg, workload, profile, cost, per_node: int):
         info.update(ns_makespan_s=plan.makespan_s * stretch, balancer=plan.balancer, method=plan.method)
         info["notes"] += list(plan.notes)
     elif cfg.strategy == "naive":
-        info.update(ns_makespan_s=sum(ns_naive), method=f"standard ({ns_dtype}, every rank)")
+        info.update(ns_makespan_s=sum(ns_naive), method=f"{cfg.naive_ns_method} ({ns_dtype}, every rank)")
 
     spec = StepSpec(
         strategy=cfg.strategy, layout=cfg.layout, n_ranks=cfg.gpus, per_node=per_node,
@@ -128,7 +128,7 @@ def _provenance(profile, cost, ns_answers, ew_answers, plan, strategy, stretch) 
     if strategy == "naive":
         n_meas = sum(a.measured for a in ns_answers.values())
         example = next(iter(ns_answers.values())).detail if ns_answers else ""
-        prov["ns_naive"] = (f"cost table {cost_name}: {n_meas} of {len(ns_answers)} standard-NS shapes "
+        prov["ns_naive"] = (f"cost table {cost_name}: {n_meas} of {len(ns_answers)} naive-NS shapes "
                             f"measured, the rest modelled (e.g. {example})")
     if plan is not None:
         prov["ns_plan"] = (f"plan from cost table {plan.cost_source}: {plan.balancer}, {plan.method}, "
