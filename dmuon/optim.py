@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InputError
-from .orthogonalize import NSConfig, as_matrix, orthogonalize_many
+from .newton_schulz import NSConfig, as_matrix, orthogonalize_many
 from .params import route
 
 ADJUST_LR = ("match_rms_adamw", "original")

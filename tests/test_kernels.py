@@ -122,7 +122,7 @@ def test_lower_tile_order_visits_each_lower_pair_once_grouped():
 
 @needs_interpreter
 def test_gram_ns_with_triton_ops_equals_torch_ops():
-    orth = pytest.importorskip("dmuon.orthogonalize")
+    orth = pytest.importorskip("dmuon.newton_schulz")
     gen = torch.Generator().manual_seed(11)
     g = torch.randn(2, 24, 40, generator=gen)
     a = orth.orthogonalize(g, method="gram", kernels="triton", dtype=torch.float32)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dmuon
-from dmuon.orthogonalize import (
+from dmuon.newton_schulz import (
     JORDAN,
     POLAR_EXPRESS_RAW,
     coefficient_schedule,

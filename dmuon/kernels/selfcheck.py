@@ -89,7 +89,7 @@ def check_case(case: Case, device: str = "cuda", seed: int = 0) -> tuple[bool, s
     lead = (case.batch,) if case.batch else ()
     n, m = case.n, case.m
     if case.op == "gram_ns":
-        from dmuon.orthogonalize import orthogonalize
+        from dmuon.newton_schulz import orthogonalize
 
         g = _rand(lead + (n, m), case.layout, torch.float32, gen, device)
         out = orthogonalize(g, method="gram", kernels="triton", dtype=dtype)

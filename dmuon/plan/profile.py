@@ -152,7 +152,7 @@ def profile_ns(
     """`ns` rows: every (n, m) of `shapes` x batch 1..max_batch x method x dtype."""
     import torch
 
-    from ..orthogonalize import orthogonalize
+    from ..newton_schulz import orthogonalize
 
     check_request(device, methods, dtypes, max_batch, repeats)
     source = source or f"measured here: {device_label(device)}, median of {repeats}"

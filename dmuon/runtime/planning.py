@@ -18,7 +18,7 @@ import torch
 
 from ..errors import InputError
 from ..kernels import triton_available
-from ..orthogonalize import NSConfig, iteration_dtype
+from ..newton_schulz import NSConfig, iteration_dtype
 from ..plan.flops import ns_flops
 from ..plan.types import Plan
 
