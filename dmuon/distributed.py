@@ -6,8 +6,10 @@ DMuon, per step: backward hooks sum each bucket's gradients onto the owner of ea
 matrix, from the Plan); step() lets each owner update momentum and orthogonalize its matrices (the plan's
 batches), then publishes the new weights from the owners; the next forward waits per module for its
 own bucket (overlap=True) or step() waits at its end (overlap=False). NaiveMuon all-reduces every
-gradient and runs NS for every matrix on every rank. Non-Muon parameters: all-reduced and updated with
-AdamW on every rank (replicated) in both. The math is `dmuon.optim`'s functional pieces throughout.
+gradient and runs NS for every matrix on every rank. Non-Muon parameters go to AdamW: DMuon shards
+them ZeRO-1 style (each rank updates and publishes 1/N; small ones ride whole in their layer's bucket),
+NaiveMuon replicates them (all-reduce, every rank updates all). The math is `dmuon.optim`'s functional
+pieces throughout (`muon_momentum_`, `orthogonalize`, `muon_apply_`, `adamw_step_`).
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ import weakref
 import torch
 
 from .errors import InputError, choice_error
+from .newton_schulz import NSConfig, as_matrix, orthogonalize, orthogonalize_many
 from .optim import NONFINITE, Muon, adamw_step_, lr_scale, muon_apply_, muon_momentum_, nonfinite_names
-from .orthogonalize import NSConfig, as_matrix, orthogonalize, orthogonalize_many
 from .params import route
 from .plan.types import MatrixSpec, Plan
 from .runtime.comm import CommStats, CommWorker
 from .runtime.exchange import EXCHANGE_CHOICES
 from .runtime.groups import build_groups
-from .runtime.guards import NonFiniteGradientError, agree_flags, check_devices, check_replicas
+from .runtime.guards import NonFiniteGradientError, check_devices, check_replicas, read_flags, submit_flags
 from .runtime.hooks import BackwardTracker, ForwardWaits
 from .runtime.model import broadcast_module_state, forward_layers
 from .runtime.planning import batch_method, build_model_plan
@@ -87,7 +89,7 @@ class _ReplicatedMuon(torch.optim.Optimizer):
         adamw_routes = [r for r in routes if not r.use_muon]
         if not muon_routes and warn_no_muon:
             warnings.warn(f"{type(self).__name__}: the model has no matrices routed to Muon; every parameter "
-                          "is trained with AdamW (replicated, all-reduced gradients)", stacklevel=2)
+                          "is trained with AdamW", stacklevel=2)
         groups = [Muon._internal_group(rs, flag, hparams) for rs, flag in ((muon_routes, True),
                                                                           (adamw_routes, False)) if rs]
         super().__init__(groups, {})
@@ -96,6 +98,9 @@ class _ReplicatedMuon(torch.optim.Optimizer):
         self.timeout_s, self.max_batch = float(timeout_s), max_batch
         self.skipped_steps = 0
         self._steps = 0
+        self._absorbed: set[int] = set()  # per step: units whose exchange was absorbed (see _absorb)
+        self._has_grad = self._nonfinite = None
+        self._flags = None
         self.shard_adamw = self.owner_centric if shard_adamw is None else bool(shard_adamw)
 
         self.groups = build_groups(process_group, node_size, timeout_s)
@@ -218,8 +223,13 @@ class _ReplicatedMuon(torch.optim.Optimizer):
                 u.wait_publish()
         if self.check_consistency_every and self._steps % self.check_consistency_every == 0:
             check_replicas(self._worker, self.groups, self.names, self.params, self.timeout_s)
-        has_grad, nonfinite = self._local_flags()
-        has_any, bad = agree_flags(self._worker, self.groups, has_grad, nonfinite, self.timeout_s)
+        self._absorbed = set()
+        self._has_grad = torch.zeros(len(self.params), dtype=torch.bool)
+        self._nonfinite = torch.zeros(len(self.params), dtype=torch.bool)
+        self._flags = None
+        pending = self._speculate()  # DMuon: NS on owned batches while the rest of the exchange arrives
+        self._absorb_all()
+        has_any, bad = read_flags(self._flags, self.timeout_s)
         if bad.any():
             names = [self.names[i] for i in bad.nonzero().flatten().tolist()]
             if self.nonfinite == "raise":
@@ -228,7 +238,7 @@ class _ReplicatedMuon(torch.optim.Optimizer):
                     "nothing was updated. Pass nonfinite='skip' to skip such steps")
             self.skipped_steps += 1
             return loss
-        self._muon_update(has_any)
+        self._muon_update(has_any, pending)
         self._adamw_update(has_any)
         for u in reversed(self.units):  # forward order: the next forward needs the first layers first
             if isinstance(u, OwnerUnit):
@@ -238,28 +248,42 @@ class _ReplicatedMuon(torch.optim.Optimizer):
         self._steps += 1
         return loss
 
-    def _local_flags(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Wait for the gradient exchange; scale sums to means; local has-grad and non-finite flags
-        (of what this rank holds: one pass per unit, then per parameter only where something is off)."""
-        n = len(self.params)
-        has_grad = torch.zeros(n, dtype=torch.bool)
-        nonfinite = torch.zeros(n, dtype=torch.bool)
-        suspects = []
+    # The exchange of each unit is "absorbed" once per step, as soon as it has arrived: sums scaled to
+    # means, local has-grad flags recorded, and a one-pass non-finite check of the part this rank holds
+    # (per parameter only where the pass finds something). When every unit is absorbed the flag
+    # all-reduce starts; step() waits for it before anything is committed.
+    def _absorb(self, u) -> None:
+        if u.position in self._absorbed:
+            return
+        u.wait_reduce()
+        u.scale_(1.0 / self.world_size)
+        for k, m in enumerate(u.members):
+            self._has_grad[m.index] = u.has_grad[k]
+        if self.nonfinite != "ignore":
+            chunk = u.readable()
+            if chunk.numel() and not torch.isfinite(chunk.sum()):
+                pieces = u.local_pieces()
+                for i in nonfinite_names([u.members[k].index for k, *_ in pieces], [g for *_, g in pieces]):
+                    self._nonfinite[i] = True
+        self._absorbed.add(u.position)
+        if len(self._absorbed) == len(self.units):
+            self._flags = submit_flags(self._worker, self.groups, self._has_grad, self._nonfinite)
+
+    def _absorb_ready(self) -> None:
+        """Absorb, in launch order, the units whose exchange has already finished (no waiting)."""
         for u in self.units:
-            u.wait_reduce()
-            u.scale_(1.0 / self.world_size)
-            for k, m in enumerate(u.members):
-                has_grad[m.index] = u.has_grad[k]
-            if self.nonfinite != "ignore":
-                chunk = u.readable()
-                if chunk.numel() and not torch.isfinite(chunk.sum()):
-                    suspects.append(u)
-        for u in suspects:
-            pieces = u.local_pieces()
-            bad = nonfinite_names([u.members[k].index for k, *_ in pieces], [g for *_, g in pieces])
-            for i in bad:
-                nonfinite[i] = True
-        return has_grad, nonfinite
+            if u.position not in self._absorbed:
+                if u.reduce_handle is None or not u.reduce_handle.done():
+                    return
+                self._absorb(u)
+
+    def _absorb_all(self) -> None:
+        for u in self.units:
+            self._absorb(u)
+
+    def _speculate(self):
+        """Work that may start before the flags are agreed (DMuon); nothing may be committed here."""
+        return None
 
     def _grad(self, i: int) -> torch.Tensor:
         unit, k = self._where[i]
@@ -282,7 +306,7 @@ class _ReplicatedMuon(torch.optim.Optimizer):
             p = self.params[i]
             muon_apply_(p, u, group["lr"], group["weight_decay"], lr_scale(p.shape, group["adjust_lr"]))
 
-    def _muon_update(self, has_any: torch.Tensor) -> None:
+    def _muon_update(self, has_any: torch.Tensor, pending) -> None:
         raise NotImplementedError
 
     def _adamw_update(self, has_any: torch.Tensor) -> None:
@@ -389,19 +413,40 @@ class DMuon(_ReplicatedMuon):
 
     owner_centric = True
 
-    def _muon_update(self, has_any: torch.Tensor) -> None:
+    def _speculate(self) -> list:
+        """Momentum and NS of this rank's batches, each as soon as its gradients have arrived, overlapping
+        the rest of the exchange and the flag all-reduce. Out of place: momentum goes to a copy of the
+        buffer, the update is kept; `_muon_update` commits both once the flags are agreed (members no
+        rank has a gradient for, and whole steps with a non-finite gradient, are dropped)."""
+        pending = []
         if self.plan is None:
-            return
+            return pending
         group = self.param_groups[0]
         for batch in self.plan.batches_of(self.rank):
-            idx = [i for i in batch.members if has_any[i]]
-            if not idx:
-                continue
-            inputs = self._muon_inputs(idx, group)
+            for i in batch.members:
+                self._absorb(self._where[i][0])
+            inputs, buffers = [], []
+            for i in batch.members:
+                p = self.params[i]
+                old = self.state[p].get("momentum_buffer")
+                buf = torch.zeros_like(p, memory_format=torch.preserve_format) if old is None else old.clone()
+                g = self._grad(i).to(p.dtype)
+                inputs.append(as_matrix(muon_momentum_(g, buf, group["momentum"], group["nesterov"])))
+                buffers.append(buf)
             flips = [tuple(x.shape) != (batch.rows, batch.cols) for x in inputs]
             stack = torch.stack([x.mT if f else x for x, f in zip(inputs, flips, strict=True)])
             out = orthogonalize(stack, **{**self.ns.kwargs(), "method": batch_method(self.plan, batch)})
-            self._apply(idx, [u.mT if f else u for u, f in zip(out.unbind(0), flips, strict=True)], group)
+            updates = [u.mT if f else u for u, f in zip(out.unbind(0), flips, strict=True)]
+            pending += list(zip(batch.members, buffers, updates, strict=True))
+            self._absorb_ready()
+        return pending
+
+    def _muon_update(self, has_any: torch.Tensor, pending) -> None:
+        group = self.param_groups[0]
+        for i, buf, update in pending:
+            if has_any[i]:
+                self.state[self.params[i]]["momentum_buffer"] = buf
+                self._apply([i], [update], group)
 
 
 class NaiveMuon(_ReplicatedMuon):
@@ -411,7 +456,7 @@ class NaiveMuon(_ReplicatedMuon):
 
     owner_centric = False
 
-    def _muon_update(self, has_any: torch.Tensor) -> None:
+    def _muon_update(self, has_any: torch.Tensor, pending) -> None:
         if self.plan is None:
             return
         group = self.param_groups[0]

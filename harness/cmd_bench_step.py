@@ -305,7 +305,8 @@ def aggregate(cfg: StepConfig, variant: tuple[str, bool, str], per_rank: list[li
                node_size=cfg.node_size,
                device=str(device.type), backend="nccl" if device.type == "cuda" else "gloo",
                threads_per_rank=torch.get_num_threads(), cpu_cores=os.cpu_count(),
-               torch_version=torch.__version__)
+               torch_version=torch.__version__,
+               measured_at=datetime.datetime.now().isoformat(timespec="seconds"))
     return row
 
 

@@ -42,10 +42,9 @@ def check_devices(named_params) -> torch.device:
     return first[1]
 
 
-def agree_flags(worker: CommWorker, groups: CommGroups, has_grad: torch.Tensor, nonfinite: torch.Tensor,
-                timeout_s: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Max over ranks of the two bool vectors (one entry per parameter); returns them on the CPU."""
-    n = has_grad.numel()
+def submit_flags(worker: CommWorker, groups: CommGroups, has_grad: torch.Tensor, nonfinite: torch.Tensor):
+    """Start the all-reduce (MAX over ranks) of the two bool vectors (one entry per parameter); pass the
+    returned handle to `read_flags`."""
     flags = torch.cat([has_grad, nonfinite]).to(torch.float32)
     device = torch.device("cuda", torch.cuda.current_device()) if groups.backend == "nccl" else "cpu"
     flags = flags.to(device)
@@ -54,8 +53,14 @@ def agree_flags(worker: CommWorker, groups: CommGroups, has_grad: torch.Tensor, 
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=groups.group)
         return flags
 
-    out = worker.submit("flag all-reduce (gradient present / non-finite)", job, kind="flags",
-                        bytes_=flags.numel() * 4).wait(timeout_s).cpu()
+    return worker.submit("flag all-reduce (gradient present / non-finite)", job, kind="flags",
+                         bytes_=flags.numel() * 4)
+
+
+def read_flags(handle, timeout_s: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(has a gradient on some rank, non-finite on some rank) per parameter, on the CPU."""
+    out = handle.wait(timeout_s).cpu()
+    n = out.numel() // 2
     return out[:n] > 0, out[n:] > 0
 
 
