@@ -26,9 +26,15 @@ def _progress_bar(description: str):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
-    prog = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), TextColumn("{task.fields[last]}"), console=console,
-                    disable=not console.is_terminal)
+    prog = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[last]}"),
+        console=console,
+        disable=not console.is_terminal,
+    )
     task = prog.add_task(description, total=None, last="")
     plain = not console.is_terminal
 
@@ -52,24 +58,35 @@ def print_summary(exp_name: str, rows: list[dict]) -> None:
         from .figures.paper import headline
 
         h, c = headline(df), claims()
-        con.print(f"[bold]paper (SIMULATED, {', '.join(sorted(set(df['profile'])))} profile), "
-                  f"{h['points']} (workload, GPUs) points vs the paper's abstract:")
-        con.print(f"  optimizer speedup dmuon/naive  {h['optimizer_speedup_min']:.1f}x - "
-                  f"{h['optimizer_speedup_max']:.0f}x   (paper {c['optimizer_speedup_min']:g}x - "
-                  f"{c['optimizer_speedup_max']:g}x; grad-sync tail in backward: "
-                  f"{h['optimizer_speedup_published_min']:.1f}x - {h['optimizer_speedup_published_max']:.0f}x)")
-        con.print(f"  step speedup dmuon/naive       {h['step_speedup_min']:.2f}x - {h['step_speedup_max']:.2f}x   "
-                  f"(paper {c['step_speedup_min']:g}x - {c['step_speedup_max']:g}x)")
-        con.print(f"  dmuon step overhead over adamw mean {h['step_overhead_mean_pct']:+.1f}%   "
-                  f"(paper ~{c['step_overhead_mean']:g}%)")
+        con.print(
+            f"[bold]paper (SIMULATED, {', '.join(sorted(set(df['profile'])))} profile), "
+            f"{h['points']} (workload, GPUs) points vs the paper's abstract:"
+        )
+        con.print(
+            f"  optimizer speedup dmuon/naive  {h['optimizer_speedup_min']:.1f}x - "
+            f"{h['optimizer_speedup_max']:.0f}x   (paper {c['optimizer_speedup_min']:g}x - "
+            f"{c['optimizer_speedup_max']:g}x; grad-sync tail in backward: "
+            f"{h['optimizer_speedup_published_min']:.1f}x - {h['optimizer_speedup_published_max']:.0f}x)"
+        )
+        con.print(
+            f"  step speedup dmuon/naive       {h['step_speedup_min']:.2f}x - {h['step_speedup_max']:.2f}x   "
+            f"(paper {c['step_speedup_min']:g}x - {c['step_speedup_max']:g}x)"
+        )
+        con.print(
+            f"  dmuon step overhead over adamw mean {h['step_overhead_mean_pct']:+.1f}%   "
+            f"(paper ~{c['step_overhead_mean']:g}%)"
+        )
     elif exp_name == "ablation" and "variant" in df.columns:
         from .figures.ablation import STEP_LABELS, mean_shares, paper_shares
 
         ours, paper = mean_shares(df), paper_shares()
         con.print("[bold]ablation (SIMULATED): share of the step-time saving naive -> full DMuon (mean):")
         for k, v in ours.items():
-            con.print(f"  {STEP_LABELS[k]:36s} {v:5.1f}%   (paper {paper[k]:g}%)" if k in paper else
-                      f"  {STEP_LABELS[k]:36s} {v:5.1f}%   (paper: not attributed)")
+            con.print(
+                f"  {STEP_LABELS[k]:36s} {v:5.1f}%   (paper {paper[k]:g}%)"
+                if k in paper
+                else f"  {STEP_LABELS[k]:36s} {v:5.1f}%   (paper: not attributed)"
+            )
 
 
 def render_figures(exp, out_dir: Path, figures_dir: Path, results_root: Path, console_print=print) -> None:
@@ -87,21 +104,35 @@ def register(app, bench) -> None:
 
     @app.command("run")
     def run_cmd(
-        experiment: str = typer.Argument("paper", help="experiments/<name>.toml name (paper | ablation | scaling "
-                                         "| balancers | kernels) or a path to your own .toml."),
+        experiment: str = typer.Argument(
+            "paper",
+            help="experiments/<name>.toml name (paper | ablation | scaling "
+            "| balancers | kernels) or a path to your own .toml.",
+        ),
         out: str = typer.Option(None, help="Output folder (default: results/<experiment>)."),
-        jobs: int = typer.Option(None, help="Worker processes (default: CPU cores; measurements run one at a "
-                                 "time)."),
-        resume: bool = typer.Option(True, "--resume/--no-resume", help="Skip rows already in the output "
-                                    "(default) or start over."),
-        set_: list[str] = typer.Option(None, "--set", help="Override a setting everywhere: key=value, value in "
-                                       "TOML syntax (--set gpus=[8,64] makes an axis, --set workload=pi0 fixes "
-                                       "it). Repeatable."),
-        figures: bool = typer.Option(True, "--figures/--no-figures", help="Draw the experiment's figures "
-                                     "afterwards."),
-        figures_dir: str = typer.Option(None, help="Figure folder (default: paper_figures/ for results under "
-                                        "results/, else <out>/figures)."),
-        list_: bool = typer.Option(False, "--list", help="List the experiments and their row counts, then exit."),
+        jobs: int = typer.Option(
+            None, help="Worker processes (default: CPU cores; measurements run one at a time)."
+        ),
+        resume: bool = typer.Option(
+            True, "--resume/--no-resume", help="Skip rows already in the output (default) or start over."
+        ),
+        set_: list[str] = typer.Option(
+            None,
+            "--set",
+            help="Override a setting everywhere: key=value, value in "
+            "TOML syntax (--set gpus=[8,64] makes an axis, --set workload=pi0 fixes "
+            "it). Repeatable.",
+        ),
+        figures: bool = typer.Option(
+            True, "--figures/--no-figures", help="Draw the experiment's figures afterwards."
+        ),
+        figures_dir: str = typer.Option(
+            None,
+            help="Figure folder (default: paper_figures/ for results under results/, else <out>/figures).",
+        ),
+        list_: bool = typer.Option(
+            False, "--list", help="List the experiments and their row counts, then exit."
+        ),
     ):
         """Run an experiment's sweep (default: paper): results.csv, config.json, provenance.json, figures."""
         import time
@@ -119,8 +150,15 @@ def register(app, bench) -> None:
         exp = load_experiment(experiment, set_ or [])
         out_dir = Path(out) if out else DEFAULT_RESULTS / exp.name
         results_root = out_dir.parent
-        fig_dir = Path(figures_dir) if figures_dir else (
-            DEFAULT_FIGURES if out_dir.resolve().parent == DEFAULT_RESULTS.resolve() else out_dir / "figures")
+        fig_dir = (
+            Path(figures_dir)
+            if figures_dir
+            else (
+                DEFAULT_FIGURES
+                if out_dir.resolve().parent == DEFAULT_RESULTS.resolve()
+                else out_dir / "figures"
+            )
+        )
         n_jobs = jobs if jobs is not None else (os.cpu_count() or 1)
         if n_jobs < 1:
             from dmuon.errors import InputError
@@ -130,9 +168,11 @@ def register(app, bench) -> None:
         update, prog = _progress_bar(f"{exp.name}")
         with prog:
             summary = run_sweep(exp, out_dir, jobs=n_jobs, resume=resume, progress=update)
-        con.print(f"{exp.name}: {summary.total} rows ({summary.ran} run, {summary.skipped} already done"
-                  + (f", {summary.dropped} stored rows not in this sweep dropped" if summary.dropped else "")
-                  + f") in {summary.wall_s:.1f} s -> {out_dir / 'results.csv'}")
+        con.print(
+            f"{exp.name}: {summary.total} rows ({summary.ran} run, {summary.skipped} already done"
+            + (f", {summary.dropped} stored rows not in this sweep dropped" if summary.dropped else "")
+            + f") in {summary.wall_s:.1f} s -> {out_dir / 'results.csv'}"
+        )
         print_summary(exp.name, summary.rows)
         if figures:
             render_figures(exp, out_dir, fig_dir, results_root, con.print)
@@ -140,8 +180,11 @@ def register(app, bench) -> None:
 
     @app.command("figures")
     def figures_cmd(
-        experiment: str = typer.Argument("all", help="paper | ablation | scaling | balancers | kernels | "
-                                         "validation | all (every experiment with stored results)."),
+        experiment: str = typer.Argument(
+            "all",
+            help="paper | ablation | scaling | balancers | kernels | "
+            "validation | all (every experiment with stored results).",
+        ),
         results: str = typer.Option(str(DEFAULT_RESULTS), help="Folder holding <experiment>/results.csv."),
         out: str = typer.Option(str(DEFAULT_FIGURES), help="Figure folder (index.md and comparison.md too)."),
     ):
@@ -155,10 +198,17 @@ def register(app, bench) -> None:
         root, fig_dir = Path(results), Path(out)
         known = list(dict.fromkeys(f.experiment for f in FIGURES.values()))
         if experiment == "all":
-            todo = [e for e in known if (root / e / FIGURES[next(n for n, f in FIGURES.items()
-                                                                  if f.experiment == e)].data).is_file()]
+            todo = [
+                e
+                for e in known
+                if (
+                    root / e / FIGURES[next(n for n, f in FIGURES.items() if f.experiment == e)].data
+                ).is_file()
+            ]
             if not todo:
-                raise InputError(f"no results under {root}/ yet; run `harness run` (and `harness validate`) first")
+                raise InputError(
+                    f"no results under {root}/ yet; run `harness run` (and `harness validate`) first"
+                )
         elif experiment in known or experiment in experiment_names():
             todo = [experiment]
         else:
@@ -174,17 +224,23 @@ def register(app, bench) -> None:
 
     @app.command("validate")
     def validate_cmd(
-        measure: bool = typer.Option(True, "--measure/--no-measure", help="Run real CPU bench-step runs for the "
-                                     "closed loop (default), or use the stored rows (results/validation/"
-                                     "bench_rows.csv, else results/bench/*.csv)."),
+        measure: bool = typer.Option(
+            True,
+            "--measure/--no-measure",
+            help="Run real CPU bench-step runs for the "
+            "closed loop (default), or use the stored rows (results/validation/"
+            "bench_rows.csv, else results/bench/*.csv).",
+        ),
         ranks: str = typer.Option("1,2", help="Rank counts of the closed-loop CPU runs (comma list)."),
         out: str = typer.Option(str(DEFAULT_RESULTS / VALIDATION), help="Where validation.csv goes."),
-        paper_results: str = typer.Option(str(DEFAULT_RESULTS / "paper" / "results.csv"),
-                                          help="The paper experiment's results (run first if missing)."),
+        paper_results: str = typer.Option(
+            str(DEFAULT_RESULTS / "paper" / "results.csv"),
+            help="The paper experiment's results (run first if missing).",
+        ),
         figure: bool = typer.Option(True, "--figure/--no-figure", help="Redraw figure 7 and comparison.md."),
     ):
-        """Simulator vs published (8 x A800 table, NS replay, headline) and vs real CPU runs; exit 1 if a bound
-        breaks."""
+        """Simulator vs published (8 x A800 table, NS replay, headline) and vs real CPU runs; exit 1 if a
+        bound breaks."""
         import json
         import time
 
@@ -205,15 +261,19 @@ def register(app, bench) -> None:
         if measure:
             from .cmd_plan import _csv_list
 
-            bench = v.measure_bench(tuple(_csv_list(ranks, "--ranks", int)),
-                                    progress=lambda s: print(s, file=sys.stderr, flush=True))
+            bench = v.measure_bench(
+                tuple(_csv_list(ranks, "--ranks", int)),
+                progress=lambda s: print(s, file=sys.stderr, flush=True),
+            )
             out_dir.mkdir(parents=True, exist_ok=True)
             tmp = bench_csv.with_suffix(".tmp")
             pd.DataFrame(bench).to_csv(tmp, index=False)
             os.replace(tmp, bench_csv)
             source = "measured now"
         else:
-            bench, src = v.read_bench_rows([bench_csv, *sorted(Path(DEFAULT_RESULTS / "bench").glob("*.csv"))])
+            bench, src = v.read_bench_rows(
+                [bench_csv, *sorted(Path(DEFAULT_RESULTS / "bench").glob("*.csv"))]
+            )
             source = f"stored rows {src}"
         rows += v.closed_loop_checks(bench, source)
         df = pd.DataFrame(rows)
@@ -225,8 +285,9 @@ def register(app, bench) -> None:
         class _Exp:  # provenance() only reads name and path
             name, path = VALIDATION, Path("harness validate")
 
-        prov = provenance(_Exp, rows, kind="simulated vs published and measured", wall_s=time.perf_counter() - t0,
-                          jobs=1)
+        prov = provenance(
+            _Exp, rows, kind="simulated vs published and measured", wall_s=time.perf_counter() - t0, jobs=1
+        )
         write_text_atomic(out_dir / "provenance.json", json.dumps(prov, indent=1) + "\n")
         failed = print_validation(df)
         if figure:
@@ -250,7 +311,8 @@ def print_validation(df) -> int:
     con = Console(width=max(Console().width, 150))
     failed = 0
     for check, sub in df.groupby("check", sort=False):
-        t = Table(title=f"{check}: {sub['reference_kind'].iloc[0]} vs simulated ({', '.join(sorted(set(sub['profile'].astype(str))))} profile)")
+        profiles = ", ".join(sorted(set(sub["profile"].astype(str))))
+        t = Table(title=f"{check}: {sub['reference_kind'].iloc[0]} vs simulated ({profiles} profile)")
         for c in ("point", "metric", "reference", "simulated", "error", "bound", "ok"):
             t.add_column(c, justify="left" if c in ("point", "metric") else "right")
         for r in sub.itertuples():
@@ -258,11 +320,20 @@ def print_validation(df) -> int:
             bound = "" if r.bound != r.bound or r.bound is None else f"{r.bound:.0%}"
             ok = ("yes" if r.within_bound else "[red]NO[/red]") if r.bounded else "shown"
             failed += bool(r.bounded and not r.within_bound)
-            t.add_row(r.label, str(r.metric), f"{r.reference * scale:.4g}{unit}", f"{r.simulated * scale:.4g}{unit}",
-                      f"{r.error:+.1%}", bound or ("see note" if r.bounded else ""), ok)
+            t.add_row(
+                r.label,
+                str(r.metric),
+                f"{r.reference * scale:.4g}{unit}",
+                f"{r.simulated * scale:.4g}{unit}",
+                f"{r.error:+.1%}",
+                bound or ("see note" if r.bounded else ""),
+                ok,
+            )
         con.print(t)
         for note in dict.fromkeys(n for n in sub["note"].astype(str) if n and n != "nan"):
             con.print(f"  note: {note}", highlight=False)
     n_checked = int(df["bounded"].sum())
-    con.print(f"[bold]{n_checked - failed} of {n_checked} checked rows within their bounds; {failed} outside.")
+    con.print(
+        f"[bold]{n_checked - failed} of {n_checked} checked rows within their bounds; {failed} outside."
+    )
     return failed

@@ -21,12 +21,39 @@ from dmuon.errors import choice_error
 
 # ---- simulate ------------------------------------------------------------------------------------
 _SIM_SKIP = ("plan", "cost")
-_SIM_METRICS = ("step_s", "forward_s", "backward_s", "optimizer_s", "grad_sync_tail_s", "exposed_comm_s",
-                "exposed_comm_mean_s", "tokens_per_s", "comm_bytes_per_rank", "muon_comm_bytes_per_rank",
-                "muon_comm_volume", "ns_makespan_s", "ns_busy_max_s", "plan_balancer", "plan_method", "profile")
+_SIM_METRICS = (
+    "step_s",
+    "forward_s",
+    "backward_s",
+    "optimizer_s",
+    "grad_sync_tail_s",
+    "exposed_comm_s",
+    "exposed_comm_mean_s",
+    "tokens_per_s",
+    "comm_bytes_per_rank",
+    "muon_comm_bytes_per_rank",
+    "muon_comm_volume",
+    "ns_makespan_s",
+    "ns_busy_max_s",
+    "plan_balancer",
+    "plan_method",
+    "profile",
+)
 # settings that cannot change a dmuon plan (rows differing only in these share a worker)
-_NOT_PLAN = ("strategy", "overlap", "variant", "nic_gbps", "overlap_slowdown", "hierarchical", "seq_len",
-             "micro_batch", "param_comm_dtype", "grad_comm_dtype", "naive_ns_method", "cpu_threads")
+_NOT_PLAN = (
+    "strategy",
+    "overlap",
+    "variant",
+    "nic_gbps",
+    "overlap_slowdown",
+    "hierarchical",
+    "seq_len",
+    "micro_batch",
+    "param_comm_dtype",
+    "grad_comm_dtype",
+    "naive_ns_method",
+    "cpu_threads",
+)
 
 
 class SimulateRunner:
@@ -48,7 +75,9 @@ class SimulateRunner:
         return float(s.get("gpus", 8)) * (4.0 if s.get("strategy") == "naive" else 1.0)
 
     def label(self, row: dict) -> str:
-        return " ".join(str(row.get(k)) for k in ("workload", "gpus", "gpu", "strategy", "variant") if row.get(k))
+        return " ".join(
+            str(row.get(k)) for k in ("workload", "gpus", "gpu", "strategy", "variant") if row.get(k)
+        )
 
     def run_group(self, group: list[dict], ctx: dict):
         from simulator.api import SimConfig, load_cost, run
@@ -65,10 +94,14 @@ class SimulateRunner:
             row.update(
                 optimizer_published_s=res.optimizer_s - res.grad_sync_tail_s,
                 backward_published_s=res.backward_s + res.grad_sync_tail_s,
-                nodes=res.settings["nodes"], ranks_per_node=res.settings["ranks_per_node"],
+                nodes=res.settings["nodes"],
+                ranks_per_node=res.settings["ranks_per_node"],
                 profile_description=res.provenance.get("profile", ""),
                 cost_source=load_cost(load_profile(cfg.gpu).cost_profiles).name,
-                notes="; ".join(dict.fromkeys(res.notes)), kind=self.kind, sim_wall_s=wall)
+                notes="; ".join(dict.fromkeys(res.notes)),
+                kind=self.kind,
+                sim_wall_s=wall,
+            )
             if _traced(s, ctx.get("traces", ())):
                 row["trace_file"] = _write_trace(built, res, s, Path(ctx["out_dir"]))
             yield row
@@ -84,13 +117,25 @@ def _write_trace(built, res, s: dict, out_dir: Path) -> str:
 
     from .sweep import write_text_atomic
 
-    tag = "_".join(str(s[k]) for k in ("workload", "gpus", "gpu", "strategy", "variant") if s.get(k) is not None)
+    tag = "_".join(
+        str(s[k]) for k in ("workload", "gpus", "gpu", "strategy", "variant") if s.get(k) is not None
+    )
     rel = Path("traces") / f"{tag.replace('/', '-').replace('+', 'p')}.json"
     events = trace_events(built, built.spec.per_node, steps=(built.spec.steps - 1,))
-    doc = {"traceEvents": events, "displayTimeUnit": "ms",
-           "otherData": {"workload": res.workload, "gpus": res.gpus, "strategy": res.strategy,
-                         "profile": res.profile, "step_s": res.step_s, "optimizer_s": res.optimizer_s,
-                         "simulated": True, "run_id": s.get("run_id")}}
+    doc = {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "workload": res.workload,
+            "gpus": res.gpus,
+            "strategy": res.strategy,
+            "profile": res.profile,
+            "step_s": res.step_s,
+            "optimizer_s": res.optimizer_s,
+            "simulated": True,
+            "run_id": s.get("run_id"),
+        },
+    }
     write_text_atomic(out_dir / rel, json.dumps(doc, separators=(",", ":"), default=str))
     return str(rel)
 
@@ -101,9 +146,19 @@ class PlanRunner:
     kind = "planned"
     parallel = True
     lead = ("workload", "gpus", "balancer")
-    settings = {"workload": "qwen2.5-7b", "gpus": 8, "profile": "a800", "balancer": "lpt", "method": "gram_sym",
-                "dtype": "bf16", "batching": True, "max_batch": 8, "bucket_numel": 0, "time_limit_s": 10.0,
-                "seed": 0}
+    settings = {
+        "workload": "qwen2.5-7b",
+        "gpus": 8,
+        "profile": "a800",
+        "balancer": "lpt",
+        "method": "gram_sym",
+        "dtype": "bf16",
+        "batching": True,
+        "max_batch": 8,
+        "bucket_numel": 0,
+        "time_limit_s": 10.0,
+        "seed": 0,
+    }
 
     def group_key(self, s: dict) -> str:
         return json.dumps({k: v for k, v in sorted(s.items()) if k != "balancer"}, default=str)
@@ -125,20 +180,40 @@ class PlanRunner:
             cost = load_cost(s["profile"])
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
-                plan = build_plan(load_workload(s["workload"]).muon_matrices, s["gpus"], cost,
-                                  balancer=s["balancer"], method=s["method"], dtype=s["dtype"],
-                                  batching=s["batching"], max_batch=s["max_batch"], bucket_numel=s["bucket_numel"],
-                                  time_limit_s=s["time_limit_s"], seed=s["seed"])
+                plan = build_plan(
+                    load_workload(s["workload"]).muon_matrices,
+                    s["gpus"],
+                    cost,
+                    balancer=s["balancer"],
+                    method=s["method"],
+                    dtype=s["dtype"],
+                    batching=s["batching"],
+                    max_batch=s["max_batch"],
+                    bucket_numel=s["bucket_numel"],
+                    time_limit_s=s["time_limit_s"],
+                    seed=s["seed"],
+                )
             loads = plan.loads_s
             row = dict(s)
-            row.update(makespan_s=plan.makespan_s, lower_bound_s=plan.lower_bound_s, efficiency=plan.efficiency,
-                       proven_bound_s=plan.makespan_s * (1 - plan.gap), gap=plan.gap,
-                       solve_time_s=plan.solve_time_s, load_mean_s=sum(loads) / len(loads),
-                       load_min_s=min(loads), n_matrices=len(plan.matrices), n_batches=len(plan.batches),
-                       n_buckets=len(plan.buckets), loads_s=json.dumps([round(x, 9) for x in loads]),
-                       cost_source=plan.cost_source, profile=s["profile"],
-                       fallback=any("fell back" in n for n in plan.notes), notes="; ".join(plan.notes),
-                       kind=self.kind)
+            row.update(
+                makespan_s=plan.makespan_s,
+                lower_bound_s=plan.lower_bound_s,
+                efficiency=plan.efficiency,
+                proven_bound_s=plan.makespan_s * (1 - plan.gap),
+                gap=plan.gap,
+                solve_time_s=plan.solve_time_s,
+                load_mean_s=sum(loads) / len(loads),
+                load_min_s=min(loads),
+                n_matrices=len(plan.matrices),
+                n_batches=len(plan.batches),
+                n_buckets=len(plan.buckets),
+                loads_s=json.dumps([round(x, 9) for x in loads]),
+                cost_source=plan.cost_source,
+                profile=s["profile"],
+                fallback=any("fell back" in n for n in plan.notes),
+                notes="; ".join(plan.notes),
+                kind=self.kind,
+            )
             yield row
 
 
@@ -156,8 +231,16 @@ class MeasureKernelsRunner:
     kind = "measured"
     parallel = False  # measurements must not share the cores with each other
     lead = ("workload", "matrix")
-    settings = {"workload": "qwen2.5-7b", "matrix": "q_proj", "scale": 8, "dtype": "fp32", "repeats": 3,
-                "max_batch": 8, "threads": 1, "steps": 5}
+    settings = {
+        "workload": "qwen2.5-7b",
+        "matrix": "q_proj",
+        "scale": 8,
+        "dtype": "fp32",
+        "repeats": 3,
+        "max_batch": 8,
+        "threads": 1,
+        "steps": 5,
+    }
 
     def group_key(self, s: dict) -> str:
         return json.dumps(s, sort_keys=True, default=str)
@@ -218,23 +301,31 @@ def measure_kernels(s: dict) -> dict:
     x = torch.randn((n, m), generator=gen, device=device).to(tdtype)
     stack = torch.randn((batch, n, m), generator=gen, device=device).to(tdtype)
     kw = {"kernels": "torch", "dtype": tdtype, "steps": s["steps"]}
-    fns = {col: (lambda meth=meth, co=co: orthogonalize(x, method=meth, coefficients=co, **kw))
-           for col, (meth, co) in VARIANTS.items()}
+    fns = {
+        col: (lambda meth=meth, co=co: orthogonalize(x, method=meth, coefficients=co, **kw))
+        for col, (meth, co) in VARIANTS.items()
+    }
     fns["loop_s"] = lambda: [orthogonalize(a, method="gram", **kw) for a in stack.unbind(0)]
     fns["batched_s"] = lambda: orthogonalize(stack, method="gram", **kw)
     load0 = os.getloadavg()[0]
     t = time_side_by_side(fns, repeats=s["repeats"], cuda=device.type == "cuda")
     row = dict(s)
     row.update(n=n, m=m, batch=batch, **t)
-    row.update(gram_speedup_jordan=t["standard_jordan_s"] / t["gram_jordan_s"],
-               gram_speedup_polar=t["standard_polar_s"] / t["gram_polar_s"],
-               polar_over_jordan_standard=t["standard_polar_s"] / t["standard_jordan_s"],
-               batch_speedup=t["loop_s"] / t["batched_s"],
-               standard_gflops=ns_flops(n, m, "standard", steps=s["steps"]) / t["standard_jordan_s"] / 1e9,
-               gram_gflops=ns_flops(n, m, "gram", steps=s["steps"]) / t["gram_jordan_s"] / 1e9,
-               device=f"measured on {where}", threads=s["threads"] if device.type == "cpu" else None,
-               torch_version=torch.__version__, load_1m_before=load0, load_1m_after=os.getloadavg()[0],
-               profile=f"measured: {where}", kind="measured")
+    row.update(
+        gram_speedup_jordan=t["standard_jordan_s"] / t["gram_jordan_s"],
+        gram_speedup_polar=t["standard_polar_s"] / t["gram_polar_s"],
+        polar_over_jordan_standard=t["standard_polar_s"] / t["standard_jordan_s"],
+        batch_speedup=t["loop_s"] / t["batched_s"],
+        standard_gflops=ns_flops(n, m, "standard", steps=s["steps"]) / t["standard_jordan_s"] / 1e9,
+        gram_gflops=ns_flops(n, m, "gram", steps=s["steps"]) / t["gram_jordan_s"] / 1e9,
+        device=f"measured on {where}",
+        threads=s["threads"] if device.type == "cpu" else None,
+        torch_version=torch.__version__,
+        load_1m_before=load0,
+        load_1m_after=os.getloadavg()[0],
+        profile=f"measured: {where}",
+        kind="measured",
+    )
     return row
 
 

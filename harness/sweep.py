@@ -75,10 +75,18 @@ class Experiment:
     overrides: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "source": str(self.path), "description": self.description,
-                "runner": self.runner, "figures": self.figures, "fixed": self.fixed,
-                "grids": [{"name": g.name, "fixed": g.fixed, "axes": g.axes} for g in self.grids],
-                "variants": self.variants, "traces": self.traces, "overrides": self.overrides}
+        return {
+            "name": self.name,
+            "source": str(self.path),
+            "description": self.description,
+            "runner": self.runner,
+            "figures": self.figures,
+            "fixed": self.fixed,
+            "grids": [{"name": g.name, "fixed": g.fixed, "axes": g.axes} for g in self.grids],
+            "variants": self.variants,
+            "traces": self.traces,
+            "overrides": self.overrides,
+        }
 
 
 def experiment_names() -> tuple[str, ...]:
@@ -128,12 +136,22 @@ def load_experiment(name_or_path: str, overrides: list[str] | dict | None = None
     figures = raw.get("figures", [])
     if not isinstance(figures, list) or not all(isinstance(f, str) for f in figures):
         raise InputError(f"{where}: figures must be a list of figure names")
-    variants = {str(n): _table(v, f"{where}: [variants.{n}]") for n, v in
-                _table(raw.get("variants", {}), f"{where}: [variants]").items()}
+    variants = {
+        str(n): _table(v, f"{where}: [variants.{n}]")
+        for n, v in _table(raw.get("variants", {}), f"{where}: [variants]").items()
+    }
     grids = []
     if "axes" in raw or "grid" not in raw:
-        grids.append(Grid("", {}, {k: _axis_values(k, v, where) for k, v in
-                                   _table(raw.get("axes", {}), f"{where}: [axes]").items()}))
+        grids.append(
+            Grid(
+                "",
+                {},
+                {
+                    k: _axis_values(k, v, where)
+                    for k, v in _table(raw.get("axes", {}), f"{where}: [axes]").items()
+                },
+            )
+        )
     raw_grids = raw.get("grid", [])
     if not isinstance(raw_grids, list):
         raise InputError(f"{where}: grid must be an array of tables ([[grid]])")
@@ -143,19 +161,32 @@ def load_experiment(name_or_path: str, overrides: list[str] | dict | None = None
         for k in g:
             if k not in GRID_KEYS:
                 raise InputError(f"{gw}: unknown key {k!r}; accepted: {', '.join(GRID_KEYS)}")
-        grids.append(Grid(str(g.get("name", f"grid{i + 1}")), _table(g.get("fixed", {}), f"{gw} fixed"),
-                          {k: _axis_values(k, v, gw) for k, v in _table(g.get("axes", {}), f"{gw} axes").items()}))
+        grids.append(
+            Grid(
+                str(g.get("name", f"grid{i + 1}")),
+                _table(g.get("fixed", {}), f"{gw} fixed"),
+                {k: _axis_values(k, v, gw) for k, v in _table(g.get("axes", {}), f"{gw} axes").items()},
+            )
+        )
     traces = raw.get("trace", [])
     if not isinstance(traces, list):
         raise InputError(f"{where}: trace must be an array of tables ([[trace]])")
-    exp = Experiment(name=path.stem, path=path, description=str(raw.get("description", "")),
-                     runner=runner.name, figures=list(figures),
-                     fixed=_table(raw.get("fixed", {}), f"{where}: [fixed]"), grids=grids, variants=variants,
-                     traces=[_table(t, f"{where}: [[trace]]") for t in traces])
+    exp = Experiment(
+        name=path.stem,
+        path=path,
+        description=str(raw.get("description", "")),
+        runner=runner.name,
+        figures=list(figures),
+        fixed=_table(raw.get("fixed", {}), f"{where}: [fixed]"),
+        grids=grids,
+        variants=variants,
+        traces=[_table(t, f"{where}: [[trace]]") for t in traces],
+    )
     check_keys(exp, runner, where)
     if overrides:
-        apply_overrides(exp, parse_overrides(overrides) if not isinstance(overrides, dict) else overrides,
-                        runner)
+        apply_overrides(
+            exp, parse_overrides(overrides) if not isinstance(overrides, dict) else overrides, runner
+        )
     return exp
 
 
@@ -165,7 +196,9 @@ def check_keys(exp: Experiment, runner, where: str) -> None:
     def check(keys, place: str):
         for k in keys:
             if k not in accepted:
-                raise InputError(f"{where}: unknown setting {k!r} in {place}; accepted: {', '.join(accepted)}")
+                raise InputError(
+                    f"{where}: unknown setting {k!r} in {place}; accepted: {', '.join(accepted)}"
+                )
 
     check(exp.fixed, "[fixed]")
     for g in exp.grids:
@@ -174,8 +207,10 @@ def check_keys(exp: Experiment, runner, where: str) -> None:
         if "variant" in g.axes:
             for v in g.axes["variant"]:
                 if v not in exp.variants:
-                    raise InputError(f"{where}: variant {v!r} has no [variants.{v}] table; defined: "
-                                     f"{', '.join(exp.variants) or 'none'}")
+                    raise InputError(
+                        f"{where}: variant {v!r} has no [variants.{v}] table; defined: "
+                        f"{', '.join(exp.variants) or 'none'}"
+                    )
     for name, bundle in exp.variants.items():
         check(bundle, f"[variants.{name}]")
         if "variant" in bundle:
@@ -191,8 +226,10 @@ def parse_value(text: str):
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         if text.strip() == "" or any(c in text for c in "[]{}=\"'"):
-            raise InputError(f"--set value {text!r} is neither a TOML value (e.g. 8, [8, 64], true, \"a800\") "
-                             "nor a bare word") from None
+            raise InputError(
+                f'--set value {text!r} is neither a TOML value (e.g. 8, [8, 64], true, "a800") '
+                "nor a bare word"
+            ) from None
         return text.strip()
 
 
@@ -202,8 +239,9 @@ def parse_overrides(items: list[str]) -> dict:
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key or not key.replace("_", "").isalnum():
-            raise InputError(f"--set {item!r}: expected key=value, e.g. --set gpus=[8,64] or "
-                             "--set workload=pi0")
+            raise InputError(
+                f"--set {item!r}: expected key=value, e.g. --set gpus=[8,64] or --set workload=pi0"
+            )
         out[key] = parse_value(value)
     return out
 
@@ -212,8 +250,10 @@ def apply_overrides(exp: Experiment, overrides: dict, runner) -> None:
     accepted = (*runner.settings, "variant")
     for key, value in overrides.items():
         if key not in accepted:
-            raise InputError(f"--set {key}: unknown setting for experiment {exp.name!r} ({exp.path}); "
-                             f"accepted: {', '.join(accepted)}")
+            raise InputError(
+                f"--set {key}: unknown setting for experiment {exp.name!r} ({exp.path}); "
+                f"accepted: {', '.join(accepted)}"
+            )
         if isinstance(value, list):
             _axis_values(key, value, f"--set {key}")
             exp.fixed.pop(key, None)
@@ -226,10 +266,12 @@ def apply_overrides(exp: Experiment, overrides: dict, runner) -> None:
                 g.fixed.pop(key, None)
                 g.axes.pop(key, None)
         if key == "variant":
-            for v in (value if isinstance(value, list) else [value]):
+            for v in value if isinstance(value, list) else [value]:
                 if v not in exp.variants:
-                    raise InputError(f"--set variant: {v!r} is not a variant of {exp.name!r}; defined: "
-                                     f"{', '.join(exp.variants) or 'none'}")
+                    raise InputError(
+                        f"--set variant: {v!r} is not a variant of {exp.name!r}; defined: "
+                        f"{', '.join(exp.variants) or 'none'}"
+                    )
         exp.overrides[key] = value
 
 
@@ -261,8 +303,14 @@ def expand(exp: Experiment) -> list[dict]:
                     raise InputError(f"{exp.path}: variant {name!r} sets {clash}, which are also axes")
                 s.update(exp.variants[name])
             s.update(point)
-            order = [*(k for k in runner.lead if k in s), *point, *(exp.variants.get(s.get("variant"), {})),
-                     *g.fixed, *exp.fixed, *runner.settings]
+            order = [
+                *(k for k in runner.lead if k in s),
+                *point,
+                *(exp.variants.get(s.get("variant"), {})),
+                *g.fixed,
+                *exp.fixed,
+                *runner.settings,
+            ]
             s = {k: s[k] for k in dict.fromkeys(order)}  # columns: axes first, then fixed, then defaults
             if g.name:
                 s = {"grid": g.name, **s}
@@ -276,6 +324,13 @@ def expand(exp: Experiment) -> list[dict]:
 
 
 # ---- storage -------------------------------------------------------------------------------------
+def file_mode() -> int:
+    """0o666 minus the umask: what open() would give (mkstemp's temp files are 0o600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -283,6 +338,7 @@ def write_text_atomic(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, file_mode())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -343,6 +399,7 @@ class ResultStore:
         os.close(fd)
         try:
             df.to_csv(tmp, index=False)
+            os.chmod(tmp, file_mode())
             os.replace(tmp, self.csv)
         except BaseException:
             if os.path.exists(tmp):
@@ -378,8 +435,9 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def provenance(exp: Experiment, rows: list[dict], *, kind: str, wall_s: float, jobs: int,
-               command: str | None = None) -> dict:
+def provenance(
+    exp: Experiment, rows: list[dict], *, kind: str, wall_s: float, jobs: int, command: str | None = None
+) -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -396,8 +454,13 @@ def provenance(exp: Experiment, rows: list[dict], *, kind: str, wall_s: float, j
         "git_dirty": None if status is None else bool(status),
         "kind": kind,
         "profiles": profiles,
-        "profile_descriptions": sorted({str(r.get("profile_description")) for r in rows
-                                        if r.get("profile_description") not in (None, "")}),
+        "profile_descriptions": sorted(
+            {
+                str(r.get("profile_description"))
+                for r in rows
+                if r.get("profile_description") not in (None, "")
+            }
+        ),
         "host": platform.node(),
         "cpu": f"{cpu_name()} ({os.cpu_count()} cores)",
         "python": platform.python_version(),
@@ -445,8 +508,15 @@ def _run_group(runner_name: str, group: list[dict], ctx: dict) -> tuple[list[dic
     return rows, None
 
 
-def run_sweep(exp: Experiment, out_dir: Path, *, jobs: int = 1, resume: bool = True,
-              progress: Callable[[int, int, str], None] | None = None, command: str | None = None) -> SweepSummary:
+def run_sweep(
+    exp: Experiment,
+    out_dir: Path,
+    *,
+    jobs: int = 1,
+    resume: bool = True,
+    progress: Callable[[int, int, str], None] | None = None,
+    command: str | None = None,
+) -> SweepSummary:
     """Run every row of `exp` not finished yet; write results.csv, config.json, provenance.json."""
     from .runners import get_runner
 
@@ -470,8 +540,10 @@ def run_sweep(exp: Experiment, out_dir: Path, *, jobs: int = 1, resume: bool = T
     ctx = {"out_dir": str(out_dir.resolve()), "traces": exp.traces}
     columns = [*dict.fromkeys(k for s in points for k in s), "run_id"]
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out_dir / "config.json", json.dumps(
-        {**exp.to_dict(), "rows": len(points), "columns": columns}, indent=1, default=str) + "\n")
+    write_text_atomic(
+        out_dir / "config.json",
+        json.dumps({**exp.to_dict(), "rows": len(points), "columns": columns}, indent=1, default=str) + "\n",
+    )
     t0 = time.perf_counter()
     finished = len(done)
     jobs = 1 if not runner.parallel else max(1, min(jobs, len(ordered) or 1))
@@ -494,8 +566,9 @@ def run_sweep(exp: Experiment, out_dir: Path, *, jobs: int = 1, resume: bool = T
             import multiprocessing as mp
             from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 
-            with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"),
-                                     initializer=_worker_init) as pool:
+            with ProcessPoolExecutor(
+                max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init
+            ) as pool:
                 pending = {pool.submit(_run_group, runner.name, g, ctx) for g in ordered}
                 try:
                     while pending:
@@ -511,14 +584,34 @@ def run_sweep(exp: Experiment, out_dir: Path, *, jobs: int = 1, resume: bool = T
                         f.cancel()
                     raise
     finally:
-        kept = store.finalize(ids, columns)
+        store.finalize(ids, columns)
     wall = time.perf_counter() - t0
     rows = store.read_rows()
-    write_text_atomic(out_dir / "provenance.json", json.dumps(
-        provenance(exp, rows, kind=runner.kind, wall_s=wall, jobs=jobs, command=command), indent=1) + "\n")
-    return SweepSummary(out_dir=out_dir, total=len(points), ran=len(todo), skipped=len(done),
-                        dropped=max(0, before - len(done)), wall_s=wall, rows=rows)
+    write_text_atomic(
+        out_dir / "provenance.json",
+        json.dumps(provenance(exp, rows, kind=runner.kind, wall_s=wall, jobs=jobs, command=command), indent=1)
+        + "\n",
+    )
+    return SweepSummary(
+        out_dir=out_dir,
+        total=len(points),
+        ran=len(todo),
+        skipped=len(done),
+        dropped=max(0, before - len(done)),
+        wall_s=wall,
+        rows=rows,
+    )
 
 
-__all__ = ["Experiment", "Grid", "ResultStore", "SweepSummary", "expand", "experiment_names", "load_experiment",
-           "parse_overrides", "run_id", "run_sweep"]
+__all__ = [
+    "Experiment",
+    "Grid",
+    "ResultStore",
+    "SweepSummary",
+    "expand",
+    "experiment_names",
+    "load_experiment",
+    "parse_overrides",
+    "run_id",
+    "run_sweep",
+]

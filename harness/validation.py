@@ -1,5 +1,5 @@
-"""`harness validate`'s checks, as rows of one error table (results/validation/validation.csv). The numbers come
-from simulator.validate and simulator.reference; this module only decides which rows are checked and
+"""`harness validate`'s checks, as rows of one error table (results/validation/validation.csv). The numbers
+come from simulator.validate and simulator.reference; this module only decides which rows are checked and
 against which bound, and measures the closed-loop CPU runs with harness.cmd_bench_step.
 
 checks (column `check`):
@@ -11,8 +11,9 @@ checks (column `check`):
                     batching off: the published DMuon numbers are the naive ones / 8). Checked (25%) except
                     the point the a800 NS calibration was fitted to.
   headline          the paper's abstract ranges vs the same ranges over the paper experiment's rows
-                    (results/paper/results.csv; `harness validate` runs it first if missing). Checked: the simulated and published ranges overlap (speedups),
-                    the mean overhead over AdamW within 2 percentage points. Endpoint errors are shown.
+                    (results/paper/results.csv; `harness validate` runs it first if missing). Checked:
+                    the simulated and published ranges overlap (speedups), the mean overhead over AdamW
+                    within 2 percentage points. Endpoint errors are shown.
   closed_loop       real CPU runs of `harness bench step` vs the same runs simulated with the cpu profile
                     (simulator.validate.closed_loop): step and optimizer time within 15% per strategy.
 Rows: check, label, workload, strategy, metric, unit, reference, reference_kind, simulated, error (relative),
@@ -37,13 +38,43 @@ NS_CALIBRATION_POINT = ("pi0", "naive, standard NS")  # the a800 profile's stand
 BENCH_DEFAULT_RANKS = (1, 2)
 
 
-def _row(check, label, workload, strategy, metric, unit, reference, kind, simulated, bound, bounded, note="",
-         profile="", error=None, within=None) -> dict:
+def _row(
+    check,
+    label,
+    workload,
+    strategy,
+    metric,
+    unit,
+    reference,
+    kind,
+    simulated,
+    bound,
+    bounded,
+    note="",
+    profile="",
+    error=None,
+    within=None,
+) -> dict:
     err = error if error is not None else (simulated / reference - 1 if reference else float("nan"))
+    bound = bound if bounded else None  # rows shown only carry no bound
     ok = within if within is not None else (abs(err) <= bound if bound is not None else True)
-    return {"check": check, "label": label, "workload": workload, "strategy": strategy, "metric": metric,
-            "unit": unit, "reference": reference, "reference_kind": kind, "simulated": simulated, "error": err,
-            "bound": bound, "bounded": bool(bounded), "within_bound": bool(ok), "note": note, "profile": profile}
+    return {
+        "check": check,
+        "label": label,
+        "workload": workload,
+        "strategy": strategy,
+        "metric": metric,
+        "unit": unit,
+        "reference": reference,
+        "reference_kind": kind,
+        "simulated": simulated,
+        "error": err,
+        "bound": bound,
+        "bounded": bool(bounded),
+        "within_bound": bool(ok),
+        "note": note,
+        "profile": profile,
+    }
 
 
 def published_checks() -> list[dict]:
@@ -52,13 +83,31 @@ def published_checks() -> list[dict]:
     out = []
     for r in published_rows():
         in_sample, ddp = r["in_sample"], r["layout"] != "fsdp-keep"
-        note = ("in-sample: the a800 profile was fitted to this number" if in_sample else
-                "DDP+Muon: not the paper's FSDP2 setting (DDP per-layer overheads fitted on FSDP2 runs)" if ddp
-                else "")
-        out.append(_row("published_8xa800", f"{r['workload']} {r['method']}", r["workload"], r["strategy"],
-                        r["metric"], "s", r["published_ms"] / 1e3, "published: reported.csv a800_8gpu_llm",
-                        r["simulated_ms"] / 1e3, PUBLISHED_BOUND, not (in_sample or ddp), note, r["profile"],
-                        error=r["error"]))
+        note = (
+            "in-sample: the a800 profile was fitted to this number"
+            if in_sample
+            else "DDP+Muon: not the paper's FSDP2 setting (DDP per-layer overheads fitted on FSDP2 runs)"
+            if ddp
+            else ""
+        )
+        out.append(
+            _row(
+                "published_8xa800",
+                f"{r['workload']} {r['method']}",
+                r["workload"],
+                r["strategy"],
+                r["metric"],
+                "s",
+                r["published_ms"] / 1e3,
+                "published: reported.csv a800_8gpu_llm",
+                r["simulated_ms"] / 1e3,
+                PUBLISHED_BOUND,
+                not (in_sample or ddp),
+                note,
+                r["profile"],
+                error=r["error"],
+            )
+        )
     return out
 
 
@@ -69,19 +118,34 @@ def ns_replay_checks(gpu: str = "a800") -> list[dict]:
     out = []
     for r in ns_replay_rows():
         strategy, extra = NS_REPLAY[r["method"]]
-        sim = simulate(SimConfig(workload=r["workload"], gpus=int(r["gpus"]), gpu=gpu, strategy=strategy, **extra))
+        sim = simulate(
+            SimConfig(workload=r["workload"], gpus=int(r["gpus"]), gpu=gpu, strategy=strategy, **extra)
+        )
         in_sample = (r["workload"], r["method"]) == NS_CALIBRATION_POINT
-        out.append(_row("ns_replay", f"{r['workload']} {r['method']}", r["workload"], strategy, "ns_time", "s",
-                        float(r["value"]) / 1e3, "published: reported.csv a800_8gpu_ns_replay", sim.ns_makespan_s,
-                        PUBLISHED_BOUND, not in_sample,
-                        "in-sample: the a800 standard-NS scale was calibrated on it" if in_sample else
-                        ("slowest owner, plan without batching" if strategy == "dmuon" else "NS total per rank"),
-                        sim.profile))
+        out.append(
+            _row(
+                "ns_replay",
+                f"{r['workload']} {r['method']}",
+                r["workload"],
+                strategy,
+                "ns_time",
+                "s",
+                float(r["value"]) / 1e3,
+                "published: reported.csv a800_8gpu_ns_replay",
+                sim.ns_makespan_s,
+                PUBLISHED_BOUND,
+                not in_sample,
+                "in-sample: the a800 standard-NS scale was calibrated on it"
+                if in_sample
+                else ("slowest owner, plan without batching" if strategy == "dmuon" else "NS total per rank"),
+                sim.profile,
+            )
+        )
     return out
 
 
 def headline_checks(paper_df, src: str) -> list[dict]:
-    """The abstract's ranges vs ours over the paper experiment's rows (`paper_df`, results/paper/results.csv)."""
+    """The abstract's ranges vs ours over the paper experiment's rows (results/paper/results.csv)."""
     from simulator.reference import claims
 
     from .figures.paper import headline
@@ -89,25 +153,69 @@ def headline_checks(paper_df, src: str) -> list[dict]:
     h = headline(paper_df)
     c = claims()
     out = []
-    for q, lo_k, hi_k in (("optimizer speedup dmuon/naive", "optimizer_speedup_min", "optimizer_speedup_max"),
-                          ("step speedup dmuon/naive", "step_speedup_min", "step_speedup_max")):
+    for q, lo_k, hi_k in (
+        ("optimizer speedup dmuon/naive", "optimizer_speedup_min", "optimizer_speedup_max"),
+        ("step speedup dmuon/naive", "step_speedup_min", "step_speedup_max"),
+    ):
         lo, hi = h[lo_k], h[hi_k]
         overlap = lo <= c[hi_k] and hi >= c[lo_k]
         for end, ours, paper in (("min", lo, c[lo_k]), ("max", hi, c[hi_k])):
-            out.append(_row("headline", f"{q}, {end}", "all", "dmuon", f"{q} {end}", "x", paper,
-                            "published: reported.csv paper_claims (abstract)", ours, None, True,
-                            f"checked: ours [{lo:.3g}, {hi:.3g}] overlaps the paper's [{c[lo_k]:.3g}, {c[hi_k]:.3g}] "
-                            f"({src})", "a800", within=overlap))
+            out.append(
+                _row(
+                    "headline",
+                    f"{q}, {end}",
+                    "all",
+                    "dmuon",
+                    f"{q} {end}",
+                    "x",
+                    paper,
+                    "published: reported.csv paper_claims (abstract)",
+                    ours,
+                    None,
+                    True,
+                    f"checked: ours [{lo:.3g}, {hi:.3g}] overlaps the paper's [{c[lo_k]:.3g}, {c[hi_k]:.3g}] "
+                    f"({src})",
+                    "a800",
+                    within=overlap,
+                )
+            )
     ov = h["step_overhead_mean_pct"]
-    out.append(_row("headline", "dmuon step overhead over adamw, mean", "all", "dmuon", "step overhead mean", "%",
-                    c["step_overhead_mean"], "published: reported.csv paper_claims (summary)", ov, None, True,
-                    f"checked: within {OVERHEAD_BOUND_PP:g} percentage points ({src})", "a800",
-                    within=abs(ov - c["step_overhead_mean"]) <= OVERHEAD_BOUND_PP))
-    out.append(_row("headline", "naive optimizer / (fwd + bwd), max", "all", "naive", "naive optimizer over fwd+bwd",
-                    "x", c["optimizer_over_fwd_bwd_min"], "published: reported.csv paper_claims (abstract: > 2x)",
-                    h["naive_optimizer_over_fwd_bwd_max"], None, False,
-                    f"shown: the abstract says naive Muon costs more than 2x fwd+bwd; ours ranges "
-                    f"{h['naive_optimizer_over_fwd_bwd_min']:.2f}-{h['naive_optimizer_over_fwd_bwd_max']:.2f}x", "a800"))
+    out.append(
+        _row(
+            "headline",
+            "dmuon step overhead over adamw, mean",
+            "all",
+            "dmuon",
+            "step overhead mean",
+            "%",
+            c["step_overhead_mean"],
+            "published: reported.csv paper_claims (summary)",
+            ov,
+            None,
+            True,
+            f"checked: within {OVERHEAD_BOUND_PP:g} percentage points ({src})",
+            "a800",
+            within=abs(ov - c["step_overhead_mean"]) <= OVERHEAD_BOUND_PP,
+        )
+    )
+    out.append(
+        _row(
+            "headline",
+            "naive optimizer / (fwd + bwd), max",
+            "all",
+            "naive",
+            "naive optimizer over fwd+bwd",
+            "x",
+            c["optimizer_over_fwd_bwd_min"],
+            "published: reported.csv paper_claims (abstract: > 2x)",
+            h["naive_optimizer_over_fwd_bwd_max"],
+            None,
+            False,
+            f"shown: the abstract says naive Muon costs more than 2x fwd+bwd; ours ranges "
+            f"{h['naive_optimizer_over_fwd_bwd_min']:.2f}-{h['naive_optimizer_over_fwd_bwd_max']:.2f}x",
+            "a800",
+        )
+    )
     return out
 
 
@@ -141,9 +249,24 @@ def closed_loop_checks(bench_rows: list[dict], source: str) -> list[dict]:
         for metric in ("step", "optimizer"):
             if f"measured_{metric}_s" not in c:
                 continue
-            out.append(_row("closed_loop", label, c["workload"], b["strategy"], metric, "s",
-                            c[f"measured_{metric}_s"], f"measured on {cpu_name()}", c[f"simulated_{metric}_s"],
-                            CLOSED_LOOP_BOUND, True, note, c["profile"], error=c[f"{metric}_error"]))
+            out.append(
+                _row(
+                    "closed_loop",
+                    label,
+                    c["workload"],
+                    b["strategy"],
+                    metric,
+                    "s",
+                    c[f"measured_{metric}_s"],
+                    f"measured on {cpu_name()}",
+                    c[f"simulated_{metric}_s"],
+                    CLOSED_LOOP_BOUND,
+                    True,
+                    note,
+                    c["profile"],
+                    error=c[f"{metric}_error"],
+                )
+            )
     return out
 
 
@@ -156,9 +279,18 @@ def read_bench_rows(paths: list[Path]) -> tuple[list[dict], str]:
         if Path(p).is_file():
             df = pd.read_csv(p)
             return [{k: (None if v != v else v) for k, v in r.items()} for r in df.to_dict("records")], str(p)
-    raise InputError("--no-measure: no committed bench rows found (looked for "
-                     + ", ".join(str(p) for p in paths) + "); run `harness validate` without --no-measure")
+    raise InputError(
+        "--no-measure: no committed bench rows found (looked for "
+        + ", ".join(str(p) for p in paths)
+        + "); run `harness validate` without --no-measure"
+    )
 
 
-__all__ = ["closed_loop_checks", "headline_checks", "measure_bench", "ns_replay_checks", "published_checks",
-           "read_bench_rows"]
+__all__ = [
+    "closed_loop_checks",
+    "headline_checks",
+    "measure_bench",
+    "ns_replay_checks",
+    "published_checks",
+    "read_bench_rows",
+]

@@ -84,7 +84,8 @@ def test_every_shipped_experiment_expands():
 def test_expansion_is_the_product_with_fixed_settings(tiny):
     rows = expand(load_experiment(str(tiny)))
     assert [(r["gpus"], r["strategy"]) for r in rows] == [
-        (g, s) for g in (1, 2) for s in ("adamw", "naive", "dmuon")]
+        (g, s) for g in (1, 2) for s in ("adamw", "naive", "dmuon")
+    ]
     assert all(r["seq_len"] == 64 and r["gpu"] == "a800" for r in rows)
     assert list(rows[0])[:3] == ["workload", "gpus", "gpu"]  # lead columns first
     assert len({run_id(r) for r in rows}) == 6
@@ -96,18 +97,24 @@ def test_overrides_make_axes_or_fix_values(tiny):
     assert [r["gpus"] for r in rows] == [1, 2, 4]
     assert {r["strategy"] for r in rows} == {"dmuon"} and {r["seq_len"] for r in rows} == {32}
     assert exp.overrides == {"gpus": [1, 2, 4], "strategy": "dmuon", "seq_len": 32}
-    assert parse_overrides(["workload=pi0", "overlap=false", "gpu=\"h200\""]) == {
-        "workload": "pi0", "overlap": False, "gpu": "h200"}
+    assert parse_overrides(["workload=pi0", "overlap=false", 'gpu="h200"']) == {
+        "workload": "pi0",
+        "overlap": False,
+        "gpu": "h200",
+    }
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("gpus", "expected key=value"),
-    ("=3", "expected key=value"),
-    ("gpus=[8,", "neither a TOML value"),
-    ("gpus=[]", "is empty"),
-    ("warp_speed=9", "unknown setting for experiment 'tinyexp'"),
-    ("variant=fast", "not a variant"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("gpus", "expected key=value"),
+        ("=3", "expected key=value"),
+        ("gpus=[8,", "neither a TOML value"),
+        ("gpus=[]", "is empty"),
+        ("warp_speed=9", "unknown setting for experiment 'tinyexp'"),
+        ("variant=fast", "not a variant"),
+    ],
+)
 def test_bad_overrides_raise_input_error(tiny, bad, message):
     with pytest.raises(InputError, match=message):
         load_experiment(str(tiny), [bad])
@@ -152,10 +159,18 @@ batching = false
 """)
     rows = expand(load_experiment(str(p)))
     assert [(r["grid"], r.get("variant"), r["strategy"], r["gpus"]) for r in rows] == [
-        ("a", "slow", "naive", 8), ("a", "fast", "dmuon", 8), ("b", None, "adamw", 16), ("b", None, "naive", 16)]
+        ("a", "slow", "naive", 8),
+        ("a", "fast", "dmuon", 8),
+        ("b", None, "adamw", 16),
+        ("b", None, "naive", 16),
+    ]
     assert rows[1]["batching"] is False and rows[0]["batching"] is True
-    p.write_text(p.read_text().replace('axes = { variant = ["slow", "fast"], gpus = [8] }',
-                                       'axes = { variant = ["slow"], strategy = ["adamw"] }'))
+    p.write_text(
+        p.read_text().replace(
+            'axes = { variant = ["slow", "fast"], gpus = [8] }',
+            'axes = { variant = ["slow"], strategy = ["adamw"] }',
+        )
+    )
     with pytest.raises(InputError, match="also axes"):
         expand(load_experiment(str(p)))
 
@@ -167,12 +182,33 @@ def test_results_schema_and_resume_skips_finished_rows(tiny, tmp_path, count_run
     assert (s.ran, s.skipped, len(count_runs)) == (6, 0, 6)
     df = pd.read_csv(out / "results.csv")
     assert len(df) == 6 and df["run_id"].is_unique
-    for col in ("gpus", "strategy", "workload", "seq_len", "run_id", "step_s", "optimizer_s", "forward_s",
-                "tokens_per_s", "ns_makespan_s", "profile", "kind"):
+    for col in (
+        "gpus",
+        "strategy",
+        "workload",
+        "seq_len",
+        "run_id",
+        "step_s",
+        "optimizer_s",
+        "forward_s",
+        "tokens_per_s",
+        "ns_makespan_s",
+        "profile",
+        "kind",
+    ):
         assert col in df.columns
     assert df["step_s"].gt(0).all() and set(df["kind"]) == {"simulated"}
     prov = json.loads((out / "provenance.json").read_text())
-    for key in ("project_version", "git_commit", "git_dirty", "profiles", "kind", "host", "date_utc", "command"):
+    for key in (
+        "project_version",
+        "git_commit",
+        "git_dirty",
+        "profiles",
+        "kind",
+        "host",
+        "date_utc",
+        "command",
+    ):
         assert key in prov
     assert prov["profiles"] == ["a800"] and prov["kind"] == "simulated"
     assert json.loads((out / "config.json").read_text())["rows"] == 6
@@ -238,14 +274,23 @@ def test_naive_ns_method_switch():
 def test_plan_runner_rows(tmp_path):
     (tmp_path / "tiny.toml").write_text(TINY_WORKLOAD)
     runner = get_runner("plan")
-    rows = list(runner.run_group([{**runner.settings, "workload": str(tmp_path / "tiny.toml"), "gpus": 3,
-                              "balancer": b} for b in ("round_robin", "lpt")], {}))
+    rows = list(
+        runner.run_group(
+            [
+                {**runner.settings, "workload": str(tmp_path / "tiny.toml"), "gpus": 3, "balancer": b}
+                for b in ("round_robin", "lpt")
+            ],
+            {},
+        )
+    )
     for r in rows:
         loads = json.loads(r["loads_s"])
         assert len(loads) == 3 and max(loads) == pytest.approx(r["makespan_s"], rel=1e-6)
         assert r["lower_bound_s"] <= r["makespan_s"] * (1 + 1e-9)
         assert 0 < r["efficiency"] <= 1 + 1e-9
-    assert rows[1]["makespan_s"] <= rows[0]["makespan_s"] * (1 + 1e-9)  # LPT never worse than round-robin here
+    assert rows[1]["makespan_s"] <= rows[0]["makespan_s"] * (
+        1 + 1e-9
+    )  # LPT never worse than round-robin here
 
 
 def test_kernel_measurement_row():
@@ -253,10 +298,23 @@ def test_kernel_measurement_row():
     assert kernel_shape("qwen2.5-7b", "down_proj", 8)[:2] == (448, 2368)  # (18944, 3584): NS shape (min, max)
     with pytest.raises(InputError, match="no Muon matrix 'lm_head'"):
         kernel_shape("qwen2.5-7b", "lm_head", 8)
-    s = {**get_runner("measure-kernels").settings, "matrix": "k_proj", "scale": 32, "repeats": 1, "max_batch": 3}
+    s = {
+        **get_runner("measure-kernels").settings,
+        "matrix": "k_proj",
+        "scale": 32,
+        "repeats": 1,
+        "max_batch": 3,
+    }
     r = measure_kernels(s)
     assert (r["n"], r["m"], r["batch"]) == (16, 112, 3)
-    for col in ("standard_jordan_s", "gram_jordan_s", "standard_polar_s", "gram_polar_s", "loop_s", "batched_s"):
+    for col in (
+        "standard_jordan_s",
+        "gram_jordan_s",
+        "standard_polar_s",
+        "gram_polar_s",
+        "loop_s",
+        "batched_s",
+    ):
         assert r[col] > 0
     assert r["gram_speedup_jordan"] == pytest.approx(r["standard_jordan_s"] / r["gram_jordan_s"])
     assert r["device"].startswith("measured on ") and r["kind"] == "measured"

@@ -33,23 +33,64 @@ class FigureSpec:
         return f"{self.number:02d}_{self.name}"
 
 
-FIGURES = {f.name: f for f in (
-    FigureSpec(1, "optimizer_time", "paper", "Optimizer step time per workload and GPU count (log scale)",
-               "paper:optimizer_time"),
-    FigureSpec(2, "step_speedup", "paper", "Step time, speedup over naive Muon, overhead over AdamW",
-               "paper:step_speedup"),
-    FigureSpec(3, "scaling", "scaling", "Scaling what-if: throughput vs GPUs (A800, H200), NIC bandwidth, GPUs "
-               "per node", "scaling:scaling"),
-    FigureSpec(4, "ablation", "ablation", "Ablation: contribution of each optimization, ours beside the paper's",
-               "ablation:ablation"),
-    FigureSpec(5, "balancer_loads", "balancers", "Per-rank optimizer load: round-robin vs LPT vs MILP",
-               "balancers:balancer_loads"),
-    FigureSpec(6, "timeline", "paper", "Simulated timeline of one training step per strategy (Gantt)",
-               "paper:timeline"),
-    FigureSpec(7, "validation", "validation", "Validation: simulated vs published / measured",
-               "validation:validation", data="validation.csv"),
-    FigureSpec(8, "kernels", "kernels", "Orthogonalization variants measured on this CPU", "kernels:kernels"),
-)}
+FIGURES = {
+    f.name: f
+    for f in (
+        FigureSpec(
+            1,
+            "optimizer_time",
+            "paper",
+            "Optimizer step time per workload and GPU count (log scale)",
+            "paper:optimizer_time",
+        ),
+        FigureSpec(
+            2,
+            "step_speedup",
+            "paper",
+            "Step time, speedup over naive Muon, overhead over AdamW",
+            "paper:step_speedup",
+        ),
+        FigureSpec(
+            3,
+            "scaling",
+            "scaling",
+            "Scaling what-if: throughput vs GPUs (A800, H200), NIC bandwidth, GPUs per node",
+            "scaling:scaling",
+        ),
+        FigureSpec(
+            4,
+            "ablation",
+            "ablation",
+            "Ablation: contribution of each optimization, ours beside the paper's",
+            "ablation:ablation",
+        ),
+        FigureSpec(
+            5,
+            "balancer_loads",
+            "balancers",
+            "Per-rank optimizer load: round-robin vs LPT vs MILP",
+            "balancers:balancer_loads",
+        ),
+        FigureSpec(
+            6,
+            "timeline",
+            "paper",
+            "Simulated timeline of one training step per strategy (Gantt)",
+            "paper:timeline",
+        ),
+        FigureSpec(
+            7,
+            "validation",
+            "validation",
+            "Validation: simulated vs published / measured",
+            "validation:validation",
+            data="validation.csv",
+        ),
+        FigureSpec(
+            8, "kernels", "kernels", "Orthogonalization variants measured on this CPU", "kernels:kernels"
+        ),
+    )
+}
 
 
 def _call(spec: FigureSpec, df, results_dir: Path):
@@ -63,8 +104,9 @@ def figure_caption(fig) -> str:
     return texts[0] if texts else ""
 
 
-def render(name: str, results_dir: Path, figures_dir: Path, *, stem: str | None = None,
-           command: str | None = None) -> dict:
+def render(
+    name: str, results_dir: Path, figures_dir: Path, *, stem: str | None = None, command: str | None = None
+) -> dict:
     """Draw figure `name` from results_dir/<its data file>; returns its index entry."""
     from .common import plt, read_results, save
 
@@ -77,12 +119,22 @@ def render(name: str, results_dir: Path, figures_dir: Path, *, stem: str | None 
         raise InputError(f"{data} has no rows")
     fig = _call(spec, df, Path(results_dir))
     paths = save(fig, figures_dir, stem or spec.stem)
-    entry = {"number": spec.number, "name": name, "title": spec.title, "caption": figure_caption(fig),
-             "files": [p.name for p in paths], "data": _rel(data),
-             "command": command or ("harness validate && harness figures validation" if spec.experiment ==
-                                    "validation" else f"harness run {spec.experiment}"),
-             "redraw": f"harness figures {spec.experiment}",
-             "generated_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    entry = {
+        "number": spec.number,
+        "name": name,
+        "title": spec.title,
+        "caption": figure_caption(fig),
+        "files": [p.name for p in paths],
+        "data": _rel(data),
+        "command": command
+        or (
+            "harness validate && harness figures validation"
+            if spec.experiment == "validation"
+            else f"harness run {spec.experiment}"
+        ),
+        "redraw": f"harness figures {spec.experiment}",
+        "generated_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
     plt().close(fig)
     return entry
 
@@ -100,16 +152,26 @@ def figures_of(experiment: str, names: list[str] | None = None) -> list[str]:
     return [n for n, f in FIGURES.items() if f.experiment == experiment]
 
 
-def render_experiment(experiment: str, results_root: Path, figures_dir: Path, names: list[str] | None = None,
-                      *, results_dir: Path | None = None, update_index: bool = True) -> list[dict]:
+def render_experiment(
+    experiment: str,
+    results_root: Path,
+    figures_dir: Path,
+    names: list[str] | None = None,
+    *,
+    results_dir: Path | None = None,
+    update_index: bool = True,
+) -> list[dict]:
     """Every figure of `experiment` (or `names`) from results_root/<experiment>/ (or results_dir)."""
     rdir = Path(results_dir) if results_dir is not None else Path(results_root) / experiment
     entries = []
     canonical = experiment in {f.experiment for f in FIGURES.values()}
     for name in figures_of(experiment, names):
         stem = None if canonical else f"{experiment}_{name}"
-        entries.append(render(name, rdir, figures_dir, stem=stem,
-                              command=None if canonical else f"harness run {experiment}"))
+        entries.append(
+            render(
+                name, rdir, figures_dir, stem=stem, command=None if canonical else f"harness run {experiment}"
+            )
+        )
     if update_index:
         write_index(figures_dir, entries)
     return entries
@@ -125,20 +187,29 @@ def write_index(figures_dir: Path, entries: list[dict]) -> Path:
     for e in entries:
         known[e["files"][0].rsplit(".", 1)[0]] = e
     write_text_atomic(store, json.dumps(dict(sorted(known.items())), indent=1) + "\n")
-    lines = ["# Paper figures", "",
-             "Generated by the `harness` CLI from the committed result tables; every caption says whether its",
-             "numbers are simulated (and with which hardware profile) or measured (and where).",
-             "Regenerate one experiment's data with the first command, redraw with the second. "
-             "[comparison.md](comparison.md) puts our numbers beside the published ones.", ""]
-    for stem, e in sorted(known.items(), key=lambda kv: (kv[1]["number"], kv[0])):
+    lines = [
+        "# Paper figures",
+        "",
+        "Generated by the `harness` CLI from the committed result tables; every caption says whether its",
+        "numbers are simulated (and with which hardware profile) or measured (and where).",
+        "Regenerate one experiment's data with the first command, redraw with the second. "
+        "[comparison.md](comparison.md) puts our numbers beside the published ones.",
+        "",
+    ]
+    for _stem, e in sorted(known.items(), key=lambda kv: (kv[1]["number"], kv[0])):
         png, pdf = e["files"][0], e["files"][1] if len(e["files"]) > 1 else ""
-        lines += [f"## {e['number']}. {e['title']}", "",
-                  f"![{e['title']}]({png})", "",
-                  f"- files: [{png}]({png})" + (f", [{pdf}]({pdf})" if pdf else ""),
-                  f"- data: `{e['data']}`",
-                  f"- data command: `{e['command']}`",
-                  f"- redraw: `{e['redraw']}`",
-                  f"- caption: {e['caption']}", ""]
+        lines += [
+            f"## {e['number']}. {e['title']}",
+            "",
+            f"![{e['title']}]({png})",
+            "",
+            f"- files: [{png}]({png})" + (f", [{pdf}]({pdf})" if pdf else ""),
+            f"- data: `{e['data']}`",
+            f"- data command: `{e['command']}`",
+            f"- redraw: `{e['redraw']}`",
+            f"- caption: {e['caption']}",
+            "",
+        ]
     path = figures_dir / "index.md"
     write_text_atomic(path, "\n".join(lines))
     return path

@@ -20,9 +20,18 @@ def plt():
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as pyplot
 
-    pyplot.rcParams.update({"figure.dpi": 110, "savefig.dpi": 150, "font.size": 9, "axes.titlesize": 10,
-                            "axes.grid": True, "grid.alpha": 0.3, "legend.fontsize": 8,
-                            "pdf.fonttype": 42})
+    pyplot.rcParams.update(
+        {
+            "figure.dpi": 110,
+            "savefig.dpi": 150,
+            "font.size": 9,
+            "axes.titlesize": 10,
+            "axes.grid": True,
+            "grid.alpha": 0.3,
+            "legend.fontsize": 8,
+            "pdf.fonttype": 42,
+        }
+    )
     return pyplot
 
 
@@ -55,6 +64,8 @@ def profile_caption(df) -> str:
 
 def save(fig, out_dir: Path, stem: str) -> list[Path]:
     """PNG and PDF, each written to a temp file and renamed."""
+    from ..sweep import file_mode
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -64,6 +75,7 @@ def save(fig, out_dir: Path, stem: str) -> list[Path]:
         os.close(fd)
         try:
             fig.savefig(tmp, format=ext, bbox_inches="tight")
+            os.chmod(tmp, file_mode())
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):

@@ -11,8 +11,10 @@ from pathlib import Path
 from .common import STRATEGY_COLORS, STRATEGY_LABELS, WALL_WM_NOTE, caption, fmt_ms, plt, profile_caption
 
 STRATEGIES = ("adamw", "naive", "dmuon")
-OPT_DEF = ("optimizer = end of backward to the end of step(), with the gradient reduce-scatter tail counted in "
-           "backward as the published tables do")
+OPT_DEF = (
+    "optimizer = end of backward to the end of step(), with the gradient reduce-scatter tail counted in "
+    "backward as the published tables do"
+)
 
 
 def _workloads(df) -> list[str]:
@@ -25,9 +27,11 @@ def _title(w: str) -> str:
 
 def _settings(df) -> str:
     r = df.iloc[0]
-    return (f"{r.get('layout')}, seq {r.get('seq_len')}, micro-batch {r.get('micro_batch')}, "
-            f"{r.get('gpus_per_node')} GPUs/node; DMuon: balancer {r.get('balancer')}, NS method "
-            f"{r.get('ns_method')}")
+    return (
+        f"{r.get('layout')}, seq {r.get('seq_len')}, micro-batch {r.get('micro_batch')}, "
+        f"{r.get('gpus_per_node')} GPUs/node; DMuon: balancer {r.get('balancer')}, NS method "
+        f"{r.get('ns_method')}"
+    )
 
 
 def _pivot(df, value: str):
@@ -44,13 +48,19 @@ def headline(df) -> dict:
     optp = pp["naive"] / pp["dmuon"]
     step = st["naive"] / st["dmuon"]
     over = st["dmuon"] / st["adamw"] - 1
-    return {"optimizer_speedup_min": opt.min(), "optimizer_speedup_max": opt.max(),
-            "optimizer_speedup_published_min": optp.min(), "optimizer_speedup_published_max": optp.max(),
-            "step_speedup_min": step.min(), "step_speedup_max": step.max(),
-            "step_overhead_mean_pct": 100 * over.mean(), "step_overhead_max_pct": 100 * over.max(),
-            "naive_optimizer_over_fwd_bwd_min": (p["naive"] / fb["naive"]).min(),
-            "naive_optimizer_over_fwd_bwd_max": (p["naive"] / fb["naive"]).max(),
-            "points": len(opt)}
+    return {
+        "optimizer_speedup_min": opt.min(),
+        "optimizer_speedup_max": opt.max(),
+        "optimizer_speedup_published_min": optp.min(),
+        "optimizer_speedup_published_max": optp.max(),
+        "step_speedup_min": step.min(),
+        "step_speedup_max": step.max(),
+        "step_overhead_mean_pct": 100 * over.mean(),
+        "step_overhead_max_pct": 100 * over.max(),
+        "naive_optimizer_over_fwd_bwd_min": (p["naive"] / fb["naive"]).min(),
+        "naive_optimizer_over_fwd_bwd_max": (p["naive"] / fb["naive"]).max(),
+        "points": len(opt),
+    }
 
 
 def optimizer_time(df):
@@ -64,15 +74,28 @@ def optimizer_time(df):
         for s in STRATEGIES:
             d = sub[sub["strategy"] == s].sort_values("gpus")
             if len(d):
-                ax.plot(d["gpus"], d["optimizer_published_s"] * 1e3, "o-", color=STRATEGY_COLORS[s],
-                        label=STRATEGY_LABELS[s], ms=4)
+                ax.plot(
+                    d["gpus"],
+                    d["optimizer_published_s"] * 1e3,
+                    "o-",
+                    color=STRATEGY_COLORS[s],
+                    label=STRATEGY_LABELS[s],
+                    ms=4,
+                )
         p = sub.pivot_table(index="gpus", columns="strategy", values="optimizer_published_s", aggfunc="first")
         if {"naive", "dmuon"} <= set(p.columns):
             for g, r in p.iterrows():  # the speedup, written just under the naive curve
                 x = r["naive"] / r["dmuon"]
-                ax.annotate(f"{x:.0f}x" if x >= 10 else f"{x:.1f}x", (g, r["naive"] * 1e3),
-                            textcoords="offset points", xytext=(0, -12), ha="center", fontsize=7,
-                            color=STRATEGY_COLORS["dmuon"], fontweight="bold")
+                ax.annotate(
+                    f"{x:.0f}x" if x >= 10 else f"{x:.1f}x",
+                    (g, r["naive"] * 1e3),
+                    textcoords="offset points",
+                    xytext=(0, -12),
+                    ha="center",
+                    fontsize=7,
+                    color=STRATEGY_COLORS["dmuon"],
+                    fontweight="bold",
+                )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(sorted(sub["gpus"].unique()))
@@ -81,15 +104,19 @@ def optimizer_time(df):
         ax.set_xlabel("GPUs")
     for ax in axes[:, 0]:
         ax.set_ylabel("optimizer step time (ms, log scale)")
-    for ax in list(axes.flat)[len(ws):]:
+    for ax in list(axes.flat)[len(ws) :]:
         ax.set_visible(False)
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.suptitle("Optimizer step time — AdamW vs naive Muon vs DMuon (green numbers: DMuon speedup over naive)",
-                 y=1.06)
+    fig.suptitle(
+        "Optimizer step time — AdamW vs naive Muon vs DMuon (green numbers: DMuon speedup over naive)", y=1.06
+    )
     fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
-    caption(fig, f"{profile_caption(df)}. {_settings(df)}. {OPT_DEF}."
-            + (f" {WALL_WM_NOTE}." if "wall-wm" in ws else ""))
+    caption(
+        fig,
+        f"{profile_caption(df)}. {_settings(df)}. {OPT_DEF}."
+        + (f" {WALL_WM_NOTE}." if "wall-wm" in ws else ""),
+    )
     return fig
 
 
@@ -109,15 +136,28 @@ def step_speedup(df):
         ax.set_ylim(bottom=0)
         if {"naive", "dmuon"} <= set(p.columns):
             sp = p["naive"] / p["dmuon"]
-            bars = ax2.bar(xs, sp.values, color=STRATEGY_COLORS["dmuon"], alpha=0.8, width=0.6,
-                           label="step speedup DMuon vs naive")
+            bars = ax2.bar(
+                xs,
+                sp.values,
+                color=STRATEGY_COLORS["dmuon"],
+                alpha=0.8,
+                width=0.6,
+                label="step speedup DMuon vs naive",
+            )
             for b, v in zip(bars, sp.values, strict=True):
                 ax2.text(b.get_x() + b.get_width() / 2, v, f"{v:.2f}x", ha="center", va="bottom", fontsize=7)
             ax2.set_ylim(0, max(sp.max() * 1.25, 1.2))
         if {"adamw", "dmuon"} <= set(p.columns):
             ov = 100 * (p["dmuon"] / p["adamw"] - 1)
             t = ax2.twinx()
-            t.plot(xs, ov.values, "s--", color=STRATEGY_COLORS["adamw"], ms=4, label="DMuon overhead over AdamW (%)")
+            t.plot(
+                xs,
+                ov.values,
+                "s--",
+                color=STRATEGY_COLORS["adamw"],
+                ms=4,
+                label="DMuon overhead over AdamW (%)",
+            )
             t.axhline(0, color=STRATEGY_COLORS["adamw"], lw=0.6, ls=":")
             lim = max(5.0, float(abs(ov).max()) * 1.3)
             t.set_ylim(-lim, lim)
@@ -139,8 +179,11 @@ def step_speedup(df):
     fig.suptitle("Training step time, DMuon speedup over naive Muon, and overhead over AdamW", y=1.06)
     fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 1.02), ncol=3, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
-    caption(fig, f"{profile_caption(df)}. {_settings(df)}. Step = forward + backward + optimizer, steady state."
-            + (f" {WALL_WM_NOTE}." if "wall-wm" in ws else ""))
+    caption(
+        fig,
+        f"{profile_caption(df)}. {_settings(df)}. Step = forward + backward + optimizer, steady state."
+        + (f" {WALL_WM_NOTE}." if "wall-wm" in ws else ""),
+    )
     return fig
 
 
@@ -168,7 +211,9 @@ def timeline(df, results_dir: Path, max_ranks: int = 8):
     first = rows.iloc[0]
     rows = rows[(rows["workload"] == first["workload"]) & (rows["gpus"] == first["gpus"])]
     rows = rows.sort_values("strategy", key=lambda s: s.map({k: i for i, k in enumerate(STRATEGIES)}))
-    fig, axes = pyplot.subplots(len(rows), 1, figsize=(12, 1.2 + 1.45 * len(rows)), squeeze=False, sharex=True)
+    fig, axes = pyplot.subplots(
+        len(rows), 1, figsize=(12, 1.2 + 1.45 * len(rows)), squeeze=False, sharex=True
+    )
     t_end = 0.0
     for ax, (_, r) in zip(axes[:, 0], rows.iterrows(), strict=True):
         events, names, meta = load_trace(Path(results_dir) / r["trace_file"])
@@ -180,23 +225,36 @@ def timeline(df, results_dir: Path, max_ranks: int = 8):
             if e["tid"] not in ypos:
                 continue
             start, dur = (e["ts"] - t0) / 1e3, e["dur"] / 1e3
-            ax.broken_barh([(start, max(dur, 1e-3))], (ypos[e["tid"]] - 0.4, 0.8),
-                           facecolors=PHASE_COLORS.get(e.get("cat"), "#999999"), linewidth=0)
+            ax.broken_barh(
+                [(start, max(dur, 1e-3))],
+                (ypos[e["tid"]] - 0.4, 0.8),
+                facecolors=PHASE_COLORS.get(e.get("cat"), "#999999"),
+                linewidth=0,
+            )
             t_end = max(t_end, start + dur)
         ax.set_yticks(range(len(tracks)))
         ax.set_yticklabels([names.get(t, str(t)).replace("rank ", "r") for t in tracks], fontsize=6)
         ax.invert_yaxis()
-        ax.set_title(f"{STRATEGY_LABELS[r['strategy']]}: step {fmt_ms(r['step_s'])} ms, optimizer "
-                     f"{fmt_ms(r['optimizer_s'])} ms", loc="left")
+        ax.set_title(
+            f"{STRATEGY_LABELS[r['strategy']]}: step {fmt_ms(r['step_s'])} ms, optimizer "
+            f"{fmt_ms(r['optimizer_s'])} ms",
+            loc="left",
+        )
         ax.grid(axis="y", alpha=0)
     for ph, c in PHASE_COLORS.items():
         axes[0, 0].bar(0, 0, color=c, label=PHASE_LABELS[ph])
     axes[0, 0].legend(loc="upper right", ncol=4, fontsize=7)
     axes[-1, 0].set_xlabel("time since the step began (ms)")
     axes[-1, 0].set_xlim(0, t_end * 1.01)
-    fig.suptitle(f"Simulated timeline of one training step: {_title(first['workload'])} on {first['gpus']} GPUs "
-                 f"(compute and communication stream per rank)", y=1.0)
+    fig.suptitle(
+        f"Simulated timeline of one training step: {_title(first['workload'])} on {first['gpus']} GPUs "
+        f"(compute and communication stream per rank)",
+        y=1.0,
+    )
     fig.tight_layout()
-    caption(fig, f"{profile_caption(rows)}. Second simulated step (steady state) from the simulator's trace events; "
-                 f"open the JSON files in Perfetto for details.")
+    caption(
+        fig,
+        f"{profile_caption(rows)}. Second simulated step (steady state) from the simulator's trace events; "
+        f"open the JSON files in Perfetto for details.",
+    )
     return fig
