@@ -50,7 +50,7 @@ def print_summary(exp_name: str, rows: list[dict]) -> None:
     import pandas as pd
     from rich.console import Console
 
-    con = Console()
+    con = Console(soft_wrap=True)
     df = pd.DataFrame(rows)
     if exp_name == "paper" and {"strategy", "optimizer_s"} <= set(df.columns):
         from simulator.reference import claims
@@ -141,7 +141,7 @@ def register(app, bench) -> None:
 
         from .sweep import expand, experiment_names, load_experiment, run_sweep
 
-        con = Console()
+        con = Console(soft_wrap=True)
         if list_:
             for name in experiment_names():
                 e = load_experiment(name)
@@ -170,6 +170,7 @@ def register(app, bench) -> None:
             summary = run_sweep(exp, out_dir, jobs=n_jobs, resume=resume, progress=update)
         con.print(
             f"{exp.name}: {summary.total} rows ({summary.ran} run, {summary.skipped} already done"
+            + (f"; {summary.stale} stored rows were from other code: run again" if summary.stale else "")
             + (f", {summary.dropped} stored rows not in this sweep dropped" if summary.dropped else "")
             + f") in {summary.wall_s:.1f} s -> {out_dir / 'results.csv'}"
         )

@@ -22,7 +22,8 @@ Output folder (default results/<name>): results.csv (one row per run: every sett
 metric; written atomically), config.json (the resolved experiment), provenance.json. While a sweep runs,
 finished rows are appended as whole JSON lines (flushed) to .journal.jsonl; results.csv is rewritten
 from it atomically at the end, also when the sweep fails or is interrupted. With resume (the default)
-rows whose run_id is already in results.csv or the journal are not run again.
+rows whose run_id is already in results.csv or the journal, stored by the same code version (column
+`code`: git commit, '+dirty' for a modified tree), are not run again; rows from other code are.
 """
 
 from __future__ import annotations
@@ -370,8 +371,10 @@ class ResultStore:
                     continue
         return rows
 
-    def finished_ids(self) -> set[str]:
-        return {str(r["run_id"]) for r in self.read_rows() if r.get("run_id") not in (None, "")}
+    def finished_ids(self, code: str | None = None) -> set[str]:
+        """Run ids stored (only those produced by code version `code`, when given)."""
+        return {str(r["run_id"]) for r in self.read_rows()
+                if r.get("run_id") not in (None, "") and (code is None or str(r.get("code")) == code)}
 
     def append(self, rows: list[dict]) -> None:
         """Whole lines, one write + flush + fsync: an interruption leaves whole rows (or a torn last one)."""
@@ -423,6 +426,21 @@ def _git(*args: str) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
+
+
+def code_version() -> str:
+    """The git commit (12 hex digits), '+dirty' when tracked files differ from it; else the package version.
+    Resume skips only rows stored by the same code version."""
+    commit = _git("rev-parse", "HEAD")
+    if not commit:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return f"v{version('dmuon-harness')}"
+        except PackageNotFoundError:
+            return "unknown"
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return commit[:12] + ("+dirty" if dirty else "")
 
 
 def cpu_name() -> str:
@@ -483,6 +501,7 @@ class SweepSummary:
     dropped: int
     wall_s: float
     rows: list[dict]
+    stale: int = 0  # stored rows of this sweep made by another code version, run again
 
 
 def _worker_init() -> None:
@@ -530,7 +549,9 @@ def run_sweep(
             store.journal.unlink()
         if store.csv.exists():
             store.csv.unlink()
-    done = store.finished_ids() & set(ids)
+    code = code_version()
+    done = store.finished_ids(code) & set(ids)
+    stale = (store.finished_ids() & set(ids)) - done  # stored by other code: run again
     before = len(store.finished_ids())
     todo = [(i, s) for i, s in zip(ids, points, strict=True) if i not in done]
     groups: dict = {}
@@ -538,7 +559,7 @@ def run_sweep(
         groups.setdefault(runner.group_key(s), []).append({**s, "run_id": i})
     ordered = sorted(groups.values(), key=lambda g: -sum(runner.cost_hint(s) for s in g))
     ctx = {"out_dir": str(out_dir.resolve()), "traces": exp.traces}
-    columns = [*dict.fromkeys(k for s in points for k in s), "run_id"]
+    columns = [*dict.fromkeys(k for s in points for k in s), "run_id", "code"]
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(
         out_dir / "config.json",
@@ -552,6 +573,7 @@ def run_sweep(
 
     def record(rows: list[dict]) -> None:
         nonlocal finished
+        rows = [{**r, "code": code} for r in rows]
         store.append(rows)
         finished += len(rows)
         if progress:
@@ -597,7 +619,8 @@ def run_sweep(
         total=len(points),
         ran=len(todo),
         skipped=len(done),
-        dropped=max(0, before - len(done)),
+        dropped=max(0, before - len(done) - len(stale)),
+        stale=len(stale),
         wall_s=wall,
         rows=rows,
     )

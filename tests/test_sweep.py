@@ -7,6 +7,7 @@ import pytest
 
 import simulator.api
 from dmuon.errors import InputError
+from harness import sweep
 from harness.runners import get_runner, kernel_shape, measure_kernels
 from harness.sweep import (
     JOURNAL,
@@ -219,6 +220,16 @@ def test_results_schema_and_resume_skips_finished_rows(tiny, tmp_path, count_run
     assert len(pd.read_csv(out / "results.csv")) == 9
     s = run_sweep(load_experiment(str(tiny), ["gpus=[1, 2, 4]"]), out, jobs=1, resume=False)
     assert (s.ran, len(count_runs)) == (9, 18)
+    assert set(pd.read_csv(out / "results.csv")["code"]) == {sweep.code_version()}
+
+
+def test_rows_stored_by_other_code_are_run_again(tiny, tmp_path, count_runs, monkeypatch):
+    out = tmp_path / "out"
+    run_sweep(load_experiment(str(tiny)), out, jobs=1)
+    monkeypatch.setattr(sweep, "code_version", lambda: "0123456789ab")
+    s = run_sweep(load_experiment(str(tiny)), out, jobs=1)
+    assert (s.ran, s.skipped, s.stale, len(count_runs)) == (6, 0, 6, 12)
+    assert set(pd.read_csv(out / "results.csv")["code"]) == {"0123456789ab"}
 
 
 def test_interrupted_sweep_leaves_only_whole_rows(tiny, tmp_path, monkeypatch):
