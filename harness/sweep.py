@@ -78,7 +78,7 @@ class Experiment:
     def to_dict(self) -> dict:
         return {
             "name": self.name,
-            "source": str(self.path),
+            "source": shown_path(self.path),
             "description": self.description,
             "runner": self.runner,
             "figures": self.figures,
@@ -88,6 +88,14 @@ class Experiment:
             "traces": self.traces,
             "overrides": self.overrides,
         }
+
+
+def shown_path(p) -> str:
+    """A path relative to the project root when it lies inside it (stored files stay portable)."""
+    try:
+        return str(Path(p).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(p)
 
 
 def experiment_names() -> tuple[str, ...]:
@@ -466,7 +474,7 @@ def provenance(
     profiles = sorted({str(r.get("profile")) for r in rows if r.get("profile") not in (None, "")})
     return {
         "experiment": exp.name,
-        "experiment_file": str(exp.path),
+        "experiment_file": shown_path(exp.path),
         "project_version": ver,
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": None if status is None else bool(status),

@@ -63,23 +63,22 @@ def validation(df):
         ax.set_xlabel("published / measured (ms, log)" if check != "closed_loop" else "measured (ms, log)")
         ax.set_ylabel("simulated (ms, log)")
         ax.set_title(title, fontsize=9)
-        labels = [str(x) for x in (d["metric"] + " " + d["label"])]
-        order = sorted(range(len(d)), key=lambda i: (d["metric"][i], labels[i]))
-        for j, i in enumerate(order):
-            r = d.iloc[i]
+        rows = sorted(set(d["label"].astype(str)))  # one row per point label; its metrics as markers
+        for _, r in d.iterrows():
             ax2.scatter(
                 100 * r["error"],
-                j,
+                rows.index(str(r["label"])),
                 marker=MARKERS.get(r["metric"], "o"),
-                s=22,
+                s=24,
                 facecolors=_color(r) if r["bounded"] else "none",
                 edgecolors=_color(r),
+                alpha=0.9,
             )
         ax2.axvline(0, color="#333333", lw=0.8)
         for sgn in (-1, 1):
             ax2.axvline(100 * sgn * bound, color="#c44e52", ls=":", lw=1)
-        ax2.set_yticks(range(len(order)))
-        ax2.set_yticklabels([labels[i] for i in order], fontsize=5.5 if len(order) > 30 else 7)
+        ax2.set_yticks(range(len(rows)))
+        ax2.set_yticklabels(rows, fontsize=7)
         ax2.invert_yaxis()
         ax2.set_xlabel("error of the simulation (%)")
         n_b = int(d["bounded"].sum())
