@@ -230,16 +230,30 @@ def check_keys(exp: Experiment, runner, where: str) -> None:
 
 # ---- overrides -----------------------------------------------------------------------------------
 def parse_value(text: str):
-    """A --set value: TOML syntax ([8, 64], 2048, 1.5, true, "x") or else the bare text as a string."""
+    """A --set value: TOML syntax ([8, 64], 2048, 1.5, true, "x"), a bare word (pi0), or a list whose items
+    are either ([pi0, wall-oss], [8, "a800"])."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
-        if text.strip() == "" or any(c in text for c in "[]{}=\"'"):
-            raise InputError(
-                f'--set value {text!r} is neither a TOML value (e.g. 8, [8, 64], true, "a800") '
-                "nor a bare word"
-            ) from None
-        return text.strip()
+        t = text.strip()
+        if t.startswith("[") and t.endswith("]") and t[1:-1].strip():
+            return [_scalar(x, text) for x in t[1:-1].split(",")]
+        return _scalar(t, text)
+
+
+def _scalar(item: str, text: str):
+    item = item.strip()
+    try:
+        v = tomllib.loads(f"v = {item}")["v"]
+        if not isinstance(v, (list, dict)):
+            return v
+    except tomllib.TOMLDecodeError:
+        if item and not any(c in item for c in "[]{}=\"' "):
+            return item
+    raise InputError(
+        f'--set value {text!r} is not a TOML value (e.g. 8, [8, 64], true, "a800"), a bare word '
+        "(pi0) or a list of them ([pi0, wall-oss])"
+    )
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -381,8 +395,11 @@ class ResultStore:
 
     def finished_ids(self, code: str | None = None) -> set[str]:
         """Run ids stored (only those produced by code version `code`, when given)."""
-        return {str(r["run_id"]) for r in self.read_rows()
-                if r.get("run_id") not in (None, "") and (code is None or str(r.get("code")) == code)}
+        return {
+            str(r["run_id"])
+            for r in self.read_rows()
+            if r.get("run_id") not in (None, "") and (code is None or str(r.get("code")) == code)
+        }
 
     def append(self, rows: list[dict]) -> None:
         """Whole lines, one write + flush + fsync: an interruption leaves whole rows (or a torn last one)."""

@@ -103,6 +103,11 @@ def test_overrides_make_axes_or_fix_values(tiny):
         "overlap": False,
         "gpu": "h200",
     }
+    assert parse_overrides(["workload=[qwen2.5-7b, pi0]", "gpus=[8,16]", "x=[a800, 8, true]"]) == {
+        "workload": ["qwen2.5-7b", "pi0"],
+        "gpus": [8, 16],
+        "x": ["a800", 8, True],
+    }
 
 
 @pytest.mark.parametrize(
@@ -110,7 +115,9 @@ def test_overrides_make_axes_or_fix_values(tiny):
     [
         ("gpus", "expected key=value"),
         ("=3", "expected key=value"),
-        ("gpus=[8,", "neither a TOML value"),
+        ("gpus=[8,", "is not a TOML value"),
+        ("gpus=[[8]]x", "is not a TOML value"),
+        ("workload=two words", "is not a TOML value"),
         ("gpus=[]", "is empty"),
         ("warp_speed=9", "unknown setting for experiment 'tinyexp'"),
         ("variant=fast", "not a variant"),
@@ -329,3 +336,29 @@ def test_kernel_measurement_row():
         assert r[col] > 0
     assert r["gram_speedup_jordan"] == pytest.approx(r["standard_jordan_s"] / r["gram_jordan_s"])
     assert r["device"].startswith("measured on ") and r["kind"] == "measured"
+
+
+def test_rows_sharing_a_plan_build_it_once(tiny, tmp_path, monkeypatch):
+    import dmuon.plan.build
+
+    built = []
+    real = dmuon.plan.build.build_plan
+
+    def counting(*args, **kwargs):
+        built.append(kwargs.get("balancer"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dmuon.plan.build, "build_plan", counting)
+    exp = load_experiment(
+        str(tiny),
+        [
+            "gpus=[2, 3]",
+            "strategy=[adamw, naive, dmuon]",
+            "overlap=[true, false]",
+            "balancer=milp",
+            "milp_time_limit_s=1",
+        ],
+    )
+    s = run_sweep(exp, tmp_path / "out", jobs=1)
+    assert s.ran == 12
+    assert len(built) == 2  # one plan per GPU count: overlap on/off and the other strategies reuse it
