@@ -453,9 +453,17 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+GENERATED = ("results", "paper_figures")  # outputs, not code: ignored when asking whether the tree is dirty
+
+
+def _code_status() -> str | None:
+    """`git status` of tracked files outside the generated outputs ('' = clean, None = no git)."""
+    return _git("status", "--porcelain", "--untracked-files=no", "--", ".", *(f":!{g}" for g in GENERATED))
+
+
 def code_version() -> str:
-    """The git commit (12 hex digits), '+dirty' when tracked files differ from it; else the package version.
-    Resume skips only rows stored by the same code version."""
+    """The git commit (12 hex digits), '+dirty' when tracked files other than the generated outputs differ
+    from it; else the package version. Resume skips only rows stored by the same code version."""
     commit = _git("rev-parse", "HEAD")
     if not commit:
         from importlib.metadata import PackageNotFoundError, version
@@ -464,7 +472,7 @@ def code_version() -> str:
             return f"v{version('dmuon-harness')}"
         except PackageNotFoundError:
             return "unknown"
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    dirty = _code_status()
     return commit[:12] + ("+dirty" if dirty else "")
 
 
@@ -487,7 +495,7 @@ def provenance(
         ver = version("dmuon-harness")
     except PackageNotFoundError:
         ver = "unknown"
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    status = _code_status()
     profiles = sorted({str(r.get("profile")) for r in rows if r.get("profile") not in (None, "")})
     return {
         "experiment": exp.name,
