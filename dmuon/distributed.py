@@ -137,8 +137,9 @@ class _ReplicatedMuon(torch.optim.Optimizer):
     def _build_units(self, exchange: str, bucket_numel: int) -> list:
         """Exchange units in launch order (reverse forward layer). Muon matrices: the plan's buckets.
         AdamW parameters of at most SMALL_ADAMW elements ride in the bucket of their layer (DMuon: owned
-        by the rank owning the fewest elements of that bucket); the others form one unit per layer,
-        adjacent small units merged; DMuon shards those evenly over the ranks (shard_adamw)."""
+        by the rank owning the fewest elements of that bucket); the others form one unit per layer (a
+        small one joins the unit launched just before it; with bucket_numel, units grow to that size);
+        DMuon shards those evenly over the ranks (shard_adamw)."""
         entries = []  # [min layer, members, kind]
         by_layer = {}
         if self.plan is not None:
@@ -160,14 +161,12 @@ class _ReplicatedMuon(torch.optim.Optimizer):
                 groups[-1].append(i)
             else:
                 groups.append([i])
-        merged: list[list[int]] = []
-        for g in groups:
+        merged: list[list[int]] = []  # built in launch order (reverse forward): a small group joins the
+        for g in reversed(groups):    # group launched just before it
             size = sum(self.params[i].numel() for i in g)
             last = sum(self.params[i].numel() for i in merged[-1]) if merged else 0
-            if merged and size <= SMALL_ADAMW and last <= SMALL_ADAMW:
-                merged[-1] += g
-            elif merged and bucket_numel and last < bucket_numel:
-                merged[-1] += g
+            if merged and (size <= SMALL_ADAMW or (bucket_numel and last < bucket_numel)):
+                merged[-1] = g + merged[-1]
             else:
                 merged.append(list(g))
         for g in merged:

@@ -132,13 +132,23 @@ class AllReduceUnit(_Unit):
         return self._grad_buf
 
 
+def auto_mode(numels, owners, groups: CommGroups) -> str:
+    """The exchange mode "auto" picks for one bucket. gloo: "reduce" (its reduce-scatter runs an
+    all-reduce underneath: measured here, 8 MB over 2 / 4 CPU ranks, reduce-scatter 11.7 / 21.6 ms vs
+    per-owner reduces 5.1 / 14.5 ms). Others (NCCL): "reduce_scatter" (one collective) when padding the
+    owner chunks to equal size adds at most 10% to the bucket, else "reduce"."""
+    if groups.backend == "gloo":
+        return "reduce"
+    padded = OwnerLayout(numels, owners, groups, "reduce_scatter")
+    return "reduce_scatter" if padded.total <= AUTO_MAX_PADDING * padded.payload else "reduce"
+
+
 class OwnerUnit(_Unit):
     """Members' gradients summed onto their owners; owners' new weights published to everyone.
 
     sharded=False: each member has one owner (`Member.owner`, Muon matrices). sharded=True: the members
     are split evenly over the ranks, ZeRO-style (AdamW parameters); a rank owns pieces of them.
-    mode: "reduce_scatter" | "reduce" (see exchange.py) or "auto": reduce-scatter where padding the owner
-    chunks to equal size adds at most 10% to the bucket, else per-owner reduce / broadcast.
+    mode: "reduce_scatter" | "reduce" (see exchange.py) or "auto" (`auto_mode`).
     `pieces` lists this rank's pieces as (k, lo, hi): elements [lo, hi) of member k's flattened tensor.
     """
 
@@ -151,8 +161,7 @@ class OwnerUnit(_Unit):
         numels = [m.param.numel() for m in members]
         owners = None if sharded else [m.owner for m in members]
         if mode == "auto":
-            padded = OwnerLayout(numels, owners, groups, "reduce_scatter")
-            mode = "reduce_scatter" if padded.total <= AUTO_MAX_PADDING * padded.payload else "reduce"
+            mode = auto_mode(numels, owners, groups)
         self.layout = OwnerLayout(numels, owners, groups, mode)
         self._offsets = list(self.layout.offsets)
         self._grad_buf = self._alloc(self.layout.total)
