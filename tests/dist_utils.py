@@ -81,8 +81,12 @@ def _child(fn, rank: int, world_size: int, port: int, args: tuple, pg_timeout_s:
 
 
 def run_distributed(fn, world_size: int, args: tuple = (), *, timeout_s: float = 90.0,
-                    pg_timeout_s: float = 30.0, allow_errors: bool = False) -> list:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; see the module docstring."""
+                    pg_timeout_s: float = 30.0, allow_errors: bool = False,
+                    grace_s: float | None = None) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; see the module docstring.
+
+    Once a rank has raised, the others get `grace_s` more seconds (default pg_timeout_s + 5: long
+    enough for their own collective timeouts to fire) before they are killed."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
@@ -94,8 +98,12 @@ def run_distributed(fn, world_size: int, args: tuple = (), *, timeout_s: float =
         p.start()
     outcomes: dict[int, RankOutcome] = {}
     deadline = time.monotonic() + timeout_s
+    grace_s = pg_timeout_s + 5.0 if grace_s is None else grace_s
+    shortened = False
     try:
         while len(outcomes) < world_size:
+            if not shortened and any(not o.ok for o in outcomes.values()):
+                deadline, shortened = min(deadline, time.monotonic() + grace_s), True
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -121,6 +129,10 @@ def run_distributed(fn, world_size: int, args: tuple = (), *, timeout_s: float =
                 p.join(timeout=5.0)
         out_queue.close()
     missing = [r for r in range(world_size) if r not in outcomes]
+    if missing and any(not o.ok for o in outcomes.values()) and not allow_errors:
+        detail = "\n".join(f"--- rank {o.rank}: {o.error_type}: {o.error}\n{o.traceback}"
+                           for o in outcomes.values() if not o.ok)
+        raise RanksFailed(f"ranks {missing} of {world_size} were killed after another rank raised:\n{detail}")
     if missing:
         reported = ", ".join(f"rank {o.rank}: {'ok' if o.ok else o.error_type + ': ' + o.error}"
                              for o in sorted(outcomes.values(), key=lambda o: o.rank))
