@@ -1,6 +1,8 @@
 """Distributed Muon on the replicated (DDP-like) layout: `DMuon` (owner-centric) and `NaiveMuon`
 (gather-then-compute, the paper's baseline). Both take the model itself, install hooks and own the
-gradient synchronization (no DDP wrapper). See docs/runtime.md.
+gradient synchronization (no DDP wrapper). See docs/runtime.md. On an FSDP2 model the same classes run
+the fsdp2-owner layout here (DTensor parameters are "local": FSDP2 syncs them, AdamW updates their local
+shards) or, with FSDP2-sharded Muon matrices, dispatch to `runtime/fsdp_sharded.py` (docs/fsdp.md).
 
 DMuon, per step: backward hooks sum each bucket's gradients onto the owner of each matrix (one owner per
 matrix, from the Plan); step() lets each owner update momentum and orthogonalize its matrices (the plan's
@@ -27,6 +29,7 @@ from .params import route
 from .plan.types import MatrixSpec, Plan
 from .runtime.comm import CommStats, CommWorker
 from .runtime.exchange import EXCHANGE_CHOICES
+from .runtime.fsdp import MEMORY, is_dtensor, layout_class, local_tensor, mesh_node_size, resolve_layout
 from .runtime.groups import build_groups
 from .runtime.guards import NonFiniteGradientError, check_devices, check_replicas, read_flags, submit_flags
 from .runtime.hooks import BackwardTracker, ForwardWaits
@@ -49,6 +52,11 @@ class _ReplicatedMuon(torch.optim.Optimizer):
     """Shared machinery of DMuon and NaiveMuon; see the module docstring and `DMuon`."""
 
     owner_centric = True
+    _muon_units = True  # Muon matrices are exchanged by units (False: fsdp2-sharded, FSDP2 moves them)
+
+    def __new__(cls, model=None, *args, **kwargs):
+        return super().__new__(layout_class(cls, model, kwargs.get("layout", "auto"),
+                                            kwargs.get("muon_predicate")))
 
     def __init__(self, model: torch.nn.Module, *, lr: float = 0.02, momentum: float = 0.95,
                  nesterov: bool = True, weight_decay: float = 0.0, adjust_lr: str = "match_rms_adamw",
@@ -58,7 +66,8 @@ class _ReplicatedMuon(torch.optim.Optimizer):
                  balancer: str = "lpt", profile: str | None = None, overlap: bool = True,
                  node_size: int | None = None, bucket_numel: int = 0, nonfinite: str = "raise",
                  check_consistency_every: int = 0, timeout_s: float = 600.0, exchange: str = "auto",
-                 max_batch: int = 8, shard_adamw: bool | None = None, warn_no_muon: bool = True):
+                 max_batch: int = 8, shard_adamw: bool | None = None, warn_no_muon: bool = True,
+                 layout: str = "auto", memory: str = "keep"):
         if not isinstance(model, torch.nn.Module):
             raise InputError(f"{type(self).__name__} takes the model (an nn.Module) itself, got "
                              f"{type(model).__name__}; it installs hooks on it (do not wrap it in DDP)")
@@ -81,6 +90,15 @@ class _ReplicatedMuon(torch.optim.Optimizer):
         routes = route(model, muon_predicate)
         if not routes:
             raise InputError("the model has no trainable parameters (all frozen?)")
+        self.layout = resolve_layout(model, layout, muon_predicate)
+        if memory not in MEMORY:
+            raise choice_error("memory", memory, MEMORY)
+        if memory == "free" and self.layout != "fsdp2-owner":
+            raise InputError(f"memory='free' is for layout 'fsdp2-owner' (this model is {self.layout!r}); "
+                             "on 'fsdp2-sharded' FSDP2 decides (fully_shard(reshard_after_forward=True))")
+        self.memory = memory
+        if self.layout == "fsdp2-owner" and node_size is None and process_group is None:
+            node_size = mesh_node_size(model)  # HSDP: two-level exchange, replicas as the outer level
         self.device = check_devices((r.name, r.param) for r in routes)
         hparams = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                        adjust_lr=adjust_lr, adamw_lr=adamw_lr, adamw_betas=tuple(adamw_betas),
@@ -109,6 +127,7 @@ class _ReplicatedMuon(torch.optim.Optimizer):
         self.names = [r.name for r in muon_routes] + [r.name for r in adamw_routes]
         self.params = [r.param for r in muon_routes] + [r.param for r in adamw_routes]
         self.n_muon = len(muon_routes)
+        self.local = [is_dtensor(p) for p in self.params]  # FSDP2-managed: updated on the local shard
         layer_of = dict(zip([n for n, _ in model.named_parameters()],
                             forward_layers([n for n, _ in model.named_parameters()]), strict=True))
         self.layers = [layer_of.get(n, 0) for n in self.names]
@@ -118,7 +137,13 @@ class _ReplicatedMuon(torch.optim.Optimizer):
 
         self.comm_stats = CommStats()
         self._worker = CommWorker(self.rank, self.timeout_s, self.device, self.comm_stats)
-        self._finalizer = weakref.finalize(self, self._worker.close)
+        self._pub_worker = self._pub_groups = None
+        if memory == "free":  # publications from forward / backward hooks: their own thread and groups
+            self._pub_groups = build_groups(process_group, node_size, timeout_s)
+            self._pub_worker = CommWorker(self.rank, self.timeout_s, self.device, self.comm_stats)
+        workers = [w for w in (self._worker, self._pub_worker) if w is not None]
+        self._finalizer = weakref.finalize(self, lambda: [w.close() for w in workers])
+        self._launched: set[int] = set()  # units whose exchange was launched since the last step
         self.units = self._build_units(exchange, bucket_numel)
         self._where = {}  # param index -> (unit, position in unit)
         for u in self.units:
@@ -126,6 +151,13 @@ class _ReplicatedMuon(torch.optim.Optimizer):
                 self._where[m.index] = (u, k)
         self._tracker = BackwardTracker([u.params for u in self.units], self._launch, enabled=overlap)
         owner_units = {id(m.param): u for u in self.units if isinstance(u, OwnerUnit) for m in u.members}
+        self._residency = None
+        if memory == "free":
+            from .runtime.fsdp_memory import Residency
+
+            self._residency = Residency(model, [u for u in self.units if isinstance(u, OwnerUnit)
+                                                and not u.sharded], self.rank)
+            owner_units = {k: u for k, u in owner_units.items() if u.sharded}
         self._forward_waits = ForwardWaits(model, owner_units, self._wait_publish) if owner_units else None
 
     # ---- construction ------------------------------------------------------------------------
@@ -142,7 +174,7 @@ class _ReplicatedMuon(torch.optim.Optimizer):
         DMuon shards those evenly over the ranks (shard_adamw)."""
         entries = []  # [min layer, members, kind]
         by_layer = {}
-        if self.plan is not None:
+        if self.plan is not None and self._muon_units:
             for b in self.plan.buckets:
                 members = [Member(i, self.names[i], self.params[i], self.plan.owners[i]) for i in b.members]
                 e = [min(self.layers[i] for i in b.members), members, "muon"]
@@ -151,6 +183,8 @@ class _ReplicatedMuon(torch.optim.Optimizer):
                     by_layer.setdefault(self.layers[i], e)
         groups: list[list[int]] = []
         for i in range(self.n_muon, len(self.params)):
+            if self.local[i]:
+                continue
             e = by_layer.get(self.layers[i])
             if e is not None and self.params[i].numel() <= SMALL_ADAMW:
                 load = [0] * self.world_size
@@ -178,13 +212,21 @@ class _ReplicatedMuon(torch.optim.Optimizer):
             if not self.owner_centric or (kind == "adamw" and not self.shard_adamw):
                 units.append(AllReduceUnit(pos, members, self.groups, self._worker))
             else:
+                fsdp = self.layout == "fsdp2-owner"  # memory matters: buffers only while in flight
                 units.append(OwnerUnit(pos, members, self.groups, self._worker, exchange,
-                                       sharded=kind == "adamw"))
+                                       sharded=kind == "adamw", transient=fsdp,
+                                       pub_worker=self._pub_worker, pub_groups=self._pub_groups))
+                units[-1].consume_grads = fsdp
         return units
 
     # ---- communication -------------------------------------------------------------------------
     def _launch(self, u: int) -> None:
         unit = self.units[u]
+        if unit.consume_grads and u in self._launched:
+            raise InputError("layout 'fsdp2-owner' consumes each Muon gradient when it is exchanged, so only "
+                             "one backward per step may exchange: accumulate micro-batches inside "
+                             "optimizer.no_sync() and run the last backward outside it")
+        self._launched.add(u)
         unit.launch_reduce(f"gradient exchange of bucket {u} ({unit.kind}, {len(unit.members)} params)")
 
     def _wait_publish(self, unit) -> None:
@@ -201,12 +243,16 @@ class _ReplicatedMuon(torch.optim.Optimizer):
             u.wait_reduce()
             if isinstance(u, OwnerUnit):
                 u.wait_publish()
+        if self._residency is not None:  # memory='free': materialize every matrix on every rank
+            self._residency.materialize_all()
 
     def close(self) -> None:
         """Remove the hooks and stop the communication thread (the optimizer is unusable afterwards)."""
         self._tracker.remove()
         if self._forward_waits is not None:
             self._forward_waits.remove()
+        if self._residency is not None:
+            self._residency.remove()
         self._finalizer()
 
     # ---- the step ------------------------------------------------------------------------------
@@ -217,17 +263,23 @@ class _ReplicatedMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._tracker.finish()
+        self._launched = set()
         for u in self.units:
             if isinstance(u, OwnerUnit):
                 u.wait_publish()
         if self.check_consistency_every and self._steps % self.check_consistency_every == 0:
-            check_replicas(self._worker, self.groups, self.names, self.params, self.timeout_s)
+            shared = [i for i in range(len(self.params)) if not self.local[i]]
+            check_replicas(self._worker, self.groups, [self.names[i] for i in shared],
+                           [self.params[i] for i in shared], self.timeout_s)
         self._absorbed = set()
         self._has_grad = torch.zeros(len(self.params), dtype=torch.bool)
         self._nonfinite = torch.zeros(len(self.params), dtype=torch.bool)
         self._flags = None
+        self._local_flags()
         pending = self._speculate()  # DMuon: NS on owned batches while the rest of the exchange arrives
         self._absorb_all()
+        if self._flags is None:  # no exchange units (every parameter FSDP2-managed)
+            self._flags = submit_flags(self._worker, self.groups, self._has_grad, self._nonfinite)
         has_any, bad = read_flags(self._flags, self.timeout_s)
         if bad.any():
             names = [self.names[i] for i in bad.nonzero().flatten().tolist()]
@@ -240,12 +292,23 @@ class _ReplicatedMuon(torch.optim.Optimizer):
         self._muon_update(has_any, pending)
         self._adamw_update(has_any)
         for u in reversed(self.units):  # forward order: the next forward needs the first layers first
-            if isinstance(u, OwnerUnit):
+            if isinstance(u, OwnerUnit) and (self._residency is None or u.sharded):
                 u.launch_publish(f"weight publication of bucket {u.position} ({len(u.members)} params)")
-        if not self.overlap:
+        if self._residency is not None:
+            self._residency.end_step()  # memory='free': the next forward publishes, unit by unit
+        elif not self.overlap:
             self.synchronize()
         self._steps += 1
         return loss
+
+    def _local_flags(self) -> None:
+        """Flags of the FSDP2-managed parameters (their gradients are already averaged, sharded)."""
+        for i, p in enumerate(self.params):
+            if self.local[i] and p.grad is not None:
+                self._has_grad[i] = True
+                if self.nonfinite != "ignore":
+                    g = local_tensor(p.grad)
+                    self._nonfinite[i] = bool(g.numel()) and not bool(torch.isfinite(g).all())
 
     # The exchange of each unit is "absorbed" once per step, as soon as it has arrived: sums scaled to
     # means, local has-grad flags recorded, and a one-pass non-finite check of the part this rank holds
@@ -309,32 +372,34 @@ class _ReplicatedMuon(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _adamw_update(self, has_any: torch.Tensor) -> None:
-        """AdamW on what this rank updates: whole parameters (replicated or owned) or its 1/N pieces."""
+        """AdamW on what this rank updates: whole parameters (replicated or owned), its 1/N pieces, or the
+        local shards of FSDP2-managed parameters."""
         group = next((g for g in self.param_groups if not g["use_muon"]), None)
         if group is None:
             return
+        work = [(i, None, None, local_tensor(self.params[i].grad) if has_any[i] else None)
+                for i in range(self.n_muon, len(self.params)) if self.local[i]]
+        work += [(u.members[k].index, lo, hi, g) for u in self.units for k, lo, hi, g in u.local_pieces()]
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for u in self.units:
-            for k, lo, hi, g in u.local_pieces():
-                i = u.members[k].index
-                if i < self.n_muon or not has_any[i]:
-                    continue
-                p = self.params[i]
-                whole = (lo, hi) == (0, p.numel())
-                target = p if whole else p.detach().view(-1)[lo:hi]
-                st = self.state[p]
-                if "step" not in st:
-                    st["step"] = 0
-                    st["exp_avg"] = torch.zeros_like(target, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(target, memory_format=torch.preserve_format)
-                    if not whole:
-                        st["shard"] = (lo, hi)
-                st["step"] += 1
-                params.append(target)
-                grads.append(g.view(target.shape).to(p.dtype))
-                exp_avgs.append(st["exp_avg"])
-                exp_avg_sqs.append(st["exp_avg_sq"])
-                steps.append(st["step"])
+        for i, lo, hi, g in work:
+            if i < self.n_muon or not has_any[i]:
+                continue
+            p = self.params[i]
+            whole = lo is None or (lo, hi) == (0, p.numel())
+            target = local_tensor(p) if lo is None else p if whole else p.detach().view(-1)[lo:hi]
+            st = self.state[p]
+            if "step" not in st:
+                st["step"] = 0
+                st["exp_avg"] = torch.zeros_like(target, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(target, memory_format=torch.preserve_format)
+                if not whole:
+                    st["shard"] = (lo, hi)
+            st["step"] += 1
+            params.append(target)
+            grads.append(g.view(target.shape).to(p.dtype))
+            exp_avgs.append(st["exp_avg"])
+            exp_avg_sqs.append(st["exp_avg_sq"])
+            steps.append(st["step"])
         if params:
             adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps, lr=group["lr"], betas=group["betas"],
                         eps=group["eps"], weight_decay=group["weight_decay"])

@@ -10,11 +10,13 @@ this safe:
     worker, and every later wait raises `CommError` naming the first failure: no rank hangs;
   - on CUDA the jobs run on a dedicated stream: a job first waits for the event recorded when its
     input was packed, and the consumer's stream waits for the event recorded after the job.
-`CommStats` counts what the compute thread waited (exposed communication) and the bytes sent.
+`CommStats` counts what the compute thread waited (exposed communication) and the bytes sent; set
+`worker.counter` to a `bytecount.CollectiveBytes` to record the jobs' collectives as they run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -96,6 +98,7 @@ class CommWorker:
         self._failure: BaseException | None = None
         self._failed_job = ""
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.counter = None  # a bytecount.CollectiveBytes: jobs run with it active (label "dmuon")
         self._thread = threading.Thread(target=_run, args=(self._queue, self), name=f"dmuon-comm-{rank}",
                                         daemon=True)
         self._thread.start()
@@ -140,8 +143,10 @@ def _run(jobs: queue.SimpleQueue, worker: CommWorker) -> None:
                                      f"({worker._failure})")
             handle._done.set()
             continue
+        counter = worker.counter
+        counting = counter.active("dmuon") if counter is not None else contextlib.nullcontext()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), counting:
                 if worker._stream is not None:
                     with torch.cuda.stream(worker._stream):
                         worker._stream.wait_event(ready)
@@ -156,3 +161,4 @@ def _run(jobs: queue.SimpleQueue, worker: CommWorker) -> None:
             handle.error = e
         finally:
             handle._done.set()
+            del item, fn  # drop the job (and the buffers it holds) now, not at the next job

@@ -38,10 +38,13 @@ def forward_layers(names: Sequence[str]) -> list[int]:
 
 @torch.no_grad()
 def broadcast_module_state(model: torch.nn.Module, groups: CommGroups) -> None:
-    """Copy rank 0's parameters and buffers to every rank (one broadcast per dtype)."""
+    """Copy rank 0's parameters and buffers to every rank (one broadcast per dtype). DTensors (FSDP2
+    shards, which differ per rank by design) are left alone."""
+    from torch.distributed.tensor import DTensor
+
     if groups.world_size == 1:
         return
-    tensors = [p for p in model.parameters()] + [b for b in model.buffers()]
+    tensors = [t for t in list(model.parameters()) + list(model.buffers()) if not isinstance(t, DTensor)]
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     seen = set()
     for t in tensors:

@@ -9,7 +9,8 @@ a module needs its weights).
 
 The compute thread packs (`pack`: gradient, or zeros where a parameter has none this step) and submits;
 the communication thread runs the collectives. A unit never repacks a buffer still in flight.
-Buffers use the members' promoted dtype on their device; they are allocated once.
+Buffers use the members' promoted dtype on their device; they are allocated once, or (OwnerUnit with
+transient=True, the FSDP2 owner layout) at each launch and dropped as soon as the job is done with them.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class _Unit:
         self.has_grad: list[bool] = [False] * len(members)  # at the last pack
         self._offsets: list[int] = []
         self._grad_buf: torch.Tensor | None = None
+        self._buf_numel = 0
+        self.consume_grads = False  # True: a member's .grad is dropped once packed (FSDP2 owner layout)
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -68,6 +71,8 @@ class _Unit:
         """Copy each member's local gradient (zeros where it has none) into the send buffer."""
         if self.reduce_handle is not None and not self.reduce_handle.done():
             self.reduce_handle.wait()  # a second backward before step(): the buffer is still in flight
+        if self._grad_buf is None:
+            self._grad_buf = self._alloc(self._buf_numel)
         buf = self._grad_buf
         for k, (m, off) in enumerate(zip(self.members, self._offsets, strict=True)):
             view = buf.narrow(0, off, m.param.numel())
@@ -77,13 +82,15 @@ class _Unit:
                 view.zero_()
             else:
                 view.copy_(g.reshape(-1))
+                if self.consume_grads:
+                    m.param.grad = None
 
     def wait_reduce(self) -> None:
         if self.reduce_handle is not None:
             self.reduce_handle.wait()
 
     def buffer_bytes(self) -> int:
-        return self._grad_buf.numel() * self._grad_buf.element_size()
+        return self._buf_numel * torch.empty(0, dtype=self.dtype).element_size()
 
     def sent_bytes(self, factor: float) -> int:
         """Estimated bytes this rank sends for one collective pass over the buffer: `factor` x size,
@@ -105,6 +112,7 @@ class AllReduceUnit(_Unit):
             self._offsets.append(pos)
             pos += m.param.numel()
         total = padded_numel(pos, groups)
+        self._buf_numel = total
         self._grad_buf = self._alloc(total)
         g = groups.node_size if groups.two_level else 1
         self._tmp = self._alloc(total // g) if groups.two_level else None
@@ -150,26 +158,33 @@ class OwnerUnit(_Unit):
     are split evenly over the ranks, ZeRO-style (AdamW parameters); a rank owns pieces of them.
     mode: "reduce_scatter" | "reduce" (see exchange.py) or "auto" (`auto_mode`).
     `pieces` lists this rank's pieces as (k, lo, hi): elements [lo, hi) of member k's flattened tensor.
+    transient: buffers allocated per launch and dropped after use (memory only while in flight).
+    pub_worker / pub_groups: run publications on another communication thread and process group
+    (memory='free', whose publications are triggered from forward and backward hooks).
     """
 
     kind = "owner"
 
     def __init__(self, position: int, members: list[Member], groups: CommGroups, worker: CommWorker,
-                 mode: str, sharded: bool = False):
+                 mode: str, sharded: bool = False, transient: bool = False,
+                 pub_worker: CommWorker | None = None, pub_groups: CommGroups | None = None):
         super().__init__(position, members, groups, worker)
         self.sharded = sharded
+        self.transient = transient
+        self.pub_worker = pub_worker or worker
+        self.pub_groups = pub_groups or groups
+        self._before_copy = None
         numels = [m.param.numel() for m in members]
         owners = None if sharded else [m.owner for m in members]
         if mode == "auto":
             mode = auto_mode(numels, owners, groups)
         self.layout = OwnerLayout(numels, owners, groups, mode)
         self._offsets = list(self.layout.offsets)
-        self._grad_buf = self._alloc(self.layout.total)
-        self._pub_buf = self._alloc(self.layout.total)
-        cap, rs = self.layout.chunk_cap, mode == "reduce_scatter"
-        self._out = self._alloc(cap) if rs else None
-        self._mine = self._alloc(cap) if rs else None
-        self._tmp = self._alloc(cap * groups.n_nodes) if rs and groups.two_level else None
+        self._buf_numel = self.layout.total
+        self._rs = mode == "reduce_scatter"
+        self._grad_buf = self._pub_buf = self._out = self._mine = self._tmp = None
+        if not transient:
+            self._alloc_buffers()
         self._reduced: torch.Tensor | None = None
         self.publish_handle: Handle | None = None
         me = groups.rank
@@ -182,13 +197,40 @@ class OwnerUnit(_Unit):
         self._others = [(members[k].param, lo, hi, off) for o in range(groups.world_size)
                         for k, lo, hi, off in self.layout.pieces[o] if o != me and (k, lo) not in mine]
 
+    def _alloc_buffers(self) -> None:
+        cap = self.layout.chunk_cap
+        if self._grad_buf is None:
+            self._grad_buf = self._alloc(self.layout.total)
+        if self._pub_buf is None:
+            self._pub_buf = self._alloc(self.layout.total)
+        if self._rs:
+            self._out = self._out if self._out is not None else self._alloc(cap)
+            self._mine = self._mine if self._mine is not None else self._alloc(cap)
+            if self.groups.two_level and self._tmp is None:
+                self._tmp = self._alloc(cap * self.groups.n_nodes)
+
+    def retarget(self, targets: dict[int, torch.Tensor], before_copy) -> None:
+        """Publication copies into `targets[id(param)]` (an alias of the parameter's storage) instead of
+        the parameter, after calling `before_copy()` on the communication thread (memory='free')."""
+        self._others = [(targets.get(id(p), p), lo, hi, off) for p, lo, hi, off in self._others]
+        self._before_copy = before_copy
+
     def launch_reduce(self, name: str) -> Handle:
         self.pack()
         self._reduced = None
-        buf, layout, groups, out, tmp = self._grad_buf, self.layout, self.groups, self._out, self._tmp
+        buf, layout, groups = self._grad_buf, self.layout, self.groups
+        if self.transient:
+            cap, nodes = layout.chunk_cap, groups.n_nodes
+            out = self._alloc(cap) if self._rs else None
+            tmp = self._alloc(cap * nodes) if self._rs and groups.two_level else None
+            self._grad_buf = None  # the job holds it until the collective is done
+        else:
+            out, tmp = self._out, self._tmp
+        transient = self.transient
 
         def job():
-            return reduce_to_owners(buf, layout, groups, out=out, tmp=tmp)
+            summed = reduce_to_owners(buf, layout, groups, out=out, tmp=tmp)
+            return summed.clone() if transient and out is None else summed
 
         self.reduce_handle = self.worker.submit(name, job, kind="grad_to_owner", bytes_=self.sent_bytes(1))
         return self.reduce_handle
@@ -226,23 +268,32 @@ class OwnerUnit(_Unit):
     def launch_publish(self, name: str) -> Handle:
         """Copy this rank's (already updated) pieces into its send chunk and publish; the job copies
         every other rank's pieces into the parameters."""
-        if self.layout.mode == "reduce":
-            chunk, base = self._pub_buf, 0
+        if self.transient:
+            cap, groups = self.layout.chunk_cap, self.pub_groups
+            buf = self._alloc(self.layout.total)
+            mine = self._alloc(cap) if self._rs else None
+            tmp = self._alloc(cap * groups.n_nodes) if self._rs and groups.two_level else None
         else:
-            chunk, base = self._mine, self._chunk_start
+            buf, mine, tmp, groups = self._pub_buf, self._mine, self._tmp, self.pub_groups
+        if self.layout.mode == "reduce":
+            chunk, base = buf, 0
+        else:
+            chunk, base = mine, self._chunk_start
         for k, lo, hi, off in self._my_pieces:
             p = self.members[k].param
             chunk.narrow(0, off - base, hi - lo).copy_(p.detach().reshape(-1)[lo:hi])
-        buf, layout, groups, mine, tmp, others = (self._pub_buf, self.layout, self.groups, self._mine,
-                                                  self._tmp, self._others)
+        layout, others, before_copy = self.layout, self._others, self._before_copy
 
         def job():
             publish_from_owners(buf, layout, groups, mine=mine, tmp=tmp)
+            if before_copy is not None:
+                before_copy()
             for p, lo, hi, off in others:
                 p.detach().view(-1)[lo:hi].copy_(buf.narrow(0, off, hi - lo))
 
         self._reduced = None
-        self.publish_handle = self.worker.submit(name, job, kind="weight_publish", bytes_=self.sent_bytes(1))
+        self.publish_handle = self.pub_worker.submit(name, job, kind="weight_publish",
+                                                     bytes_=self.sent_bytes(1))
         return self.publish_handle
 
     def wait_publish(self) -> None:
