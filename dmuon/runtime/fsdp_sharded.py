@@ -1,0 +1,333 @@
+"""The fsdp2-sharded layout: the Muon matrices stay FSDP2-sharded (DTensor, rows split torch.chunk-style
+over the shard ranks), FSDP2 moves their weights and gradients, and the optimizer runs at step():
+
+ShardedDMuon (owner-centric): momentum on the local shards; per plan bucket, one packed
+`all_to_all_single` within the shard group sends every shard of the Nesterov input to the matrix's
+owner, the owner concatenates the rows, runs the plan's batched NS, and one packed `all_to_all_single`
+returns each rank its rows of the update. All buckets' first exchanges are queued at once, so the
+exchange of bucket k+1 runs while the owner orthogonalizes bucket k; returns go in bucket order.
+HSDP (2-D mesh, replicate x shard): owners are spread over all R x S ranks and only the owner's replica
+exchanges a matrix, so each NS runs once in the whole job; after applying, each rank broadcasts the new
+shards of its replica's matrices over its replicate group (one async job per bucket) and the next
+forward of the FSDP2 module holding them waits for it (a forward pre-hook placed before FSDP2's).
+
+ShardedNaiveMuon (gather-then-compute): momentum on the local shards, `full_tensor()` (an all-gather)
+of every Nesterov input, every rank orthogonalizes every matrix and keeps its rows of the update.
+
+Bytes per step, P = elements of the Muon matrices, N = shard ranks (see docs/fsdp.md): FSDP2 moves
+(N-1)/N P per all-gather (forward; again in backward with reshard_after_forward) and (N-1)/N P per
+gradient reduce-scatter; ShardedDMuon adds 2 (N-1)/N^2 P on average (each rank sends the shards it does
+not own and, as an owner, the rows it computed for the others); ShardedNaiveMuon adds (N-1)/N P.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import DMuon, NaiveMuon
+from ..errors import InputError
+from ..newton_schulz import orthogonalize, orthogonalize_many
+from ..optim import lr_scale, muon_apply_, muon_momentum_
+from .bytecount import label
+from .fsdp import chunk_rows, fsdp_owner_module, local_tensor, mesh_of
+from .planning import batch_method
+
+
+class _Geometry:
+    """Where every Muon matrix's rows live: mesh coordinates of plan ranks, rows per shard rank."""
+
+    def __init__(self, opt, timeout_s: float):
+        import datetime
+
+        named = [(opt.names[i], opt.params[i]) for i in range(opt.n_muon)]
+        self.mesh, self.hsdp = mesh_of(named)
+        grid = self.mesh.mesh if self.hsdp else self.mesh.mesh.view(1, -1)
+        self.R, self.S = int(grid.shape[0]), int(grid.shape[1])
+        ranks = opt.groups.global_ranks
+        if sorted(ranks) != sorted(grid.flatten().tolist()):
+            raise InputError(f"the optimizer's process group (ranks {list(ranks)}) differs from the ranks of "
+                             f"the Muon matrices' device mesh ({grid.flatten().tolist()}); accepted: the "
+                             "mesh's ranks (leave process_group=None when the mesh spans the world)")
+        where = {int(g): (r, s) for r in range(self.R) for s in range(self.S) for g in [grid[r, s]]}
+        self.coord = [where[g] for g in ranks]  # plan rank -> (replica, shard)
+        self.r, self.s = self.coord[opt.rank]
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.shard_group = self.replicate_group = None
+        for r in range(self.R):  # every rank creates every group, in the same order
+            pg = dist.new_group([int(g) for g in grid[r].tolist()], timeout=timeout)
+            if r == self.r:
+                self.shard_group = pg
+        if self.R > 1:
+            for s in range(self.S):
+                pg = dist.new_group([int(g) for g in grid[:, s].tolist()], timeout=timeout)
+                if s == self.s:
+                    self.replicate_group = pg
+        self.rows = []  # per matrix: rows held by each shard rank
+        self.cols = []
+        for name, p in named:
+            rows = p.shape[0]
+            self.rows.append(chunk_rows(rows, self.S))
+            self.cols.append(p.numel() // rows)
+            have = local_tensor(p).shape[0] if p.dim() else 0
+            if have != self.rows[-1][self.s]:
+                raise InputError(f"{name}: the local shard has {have} rows but torch.chunk of {rows} rows over "
+                                 f"{self.S} shard ranks gives {self.rows[-1][self.s]}; accepted: FSDP2's default "
+                                 "Shard(0) placement")
+
+    def owner_coord(self, plan, i: int) -> tuple[int, int]:
+        return self.coord[plan.owners[i]]
+
+    def numel(self, i: int, s: int) -> int:
+        return self.rows[i][s] * self.cols[i]
+
+
+class _ShardedMixin:
+    """Construction shared by both sharded classes (the Muon matrices are not in any exchange unit)."""
+
+    _layout_fixed = True
+    _muon_units = False
+
+    def __init__(self, model, **kwargs):
+        super().__init__(model, **kwargs)
+        if self.layout != "fsdp2-sharded":
+            raise InputError(f"{type(self).__name__} needs FSDP2-sharded Muon matrices, got layout "
+                             f"{self.layout!r}")
+        self.geo = _Geometry(self, self.timeout_s) if self.n_muon else None
+
+    def _speculate(self) -> list:
+        return []
+
+    def _momentum_inputs(self, idx, group) -> dict[int, torch.Tensor]:
+        """Momentum on the local shards (committed: the flags are agreed); the (rows_s, cols) NS inputs."""
+        out = {}
+        for i in idx:
+            p = self.params[i]
+            mine = local_tensor(p)
+            st = self.state[p]
+            if "momentum_buffer" not in st:
+                st["momentum_buffer"] = torch.zeros_like(mine, memory_format=torch.preserve_format)
+            g = local_tensor(p.grad).to(p.dtype)
+            inp = muon_momentum_(g, st["momentum_buffer"], group["momentum"], group["nesterov"])
+            out[i] = inp.reshape(mine.shape[0], self.geo.cols[i])
+        return out
+
+    def _apply_local(self, i: int, rows_update: torch.Tensor, group) -> None:
+        p = self.params[i]
+        mine = local_tensor(p)
+        if mine.numel():
+            muon_apply_(mine, rows_update.reshape(mine.shape), group["lr"], group["weight_decay"],
+                        lr_scale(p.shape, group["adjust_lr"]))
+
+
+class ShardedDMuon(_ShardedMixin, DMuon):
+    """DMuon on FSDP2-sharded Muon matrices (layout 'fsdp2-sharded'); see the module docstring."""
+
+    def __init__(self, model, **kwargs):
+        super().__init__(model, **kwargs)
+        self._bcast: dict[int, object] = {}  # bucket -> handle of its replica broadcast (HSDP)
+        self._waits = []
+        if self.geo is not None and self.geo.R > 1:
+            self._install_waits(model)
+
+    def _install_waits(self, model) -> None:
+        bucket_of = {i: b.index for b in self.plan.buckets for i in b.members}
+        by_module: dict[int, tuple[torch.nn.Module, set[int]]] = {}
+        for i in range(self.n_muon):
+            m = fsdp_owner_module(model, self.params[i]) or model
+            by_module.setdefault(id(m), (m, set()))[1].add(bucket_of[i])
+        for m, buckets in by_module.values():
+            def hook(*args, _b=tuple(sorted(buckets)), **kw):
+                for b in _b:
+                    self._wait_bcast(b)
+            self._waits.append(m.register_forward_pre_hook(hook, prepend=True))
+
+    def _wait_bcast(self, b: int) -> None:
+        h = self._bcast.pop(b, None)
+        if h is not None:
+            h.wait()
+
+    def synchronize(self) -> None:
+        super().synchronize()
+        for b in list(self._bcast):
+            self._wait_bcast(b)
+
+    def close(self) -> None:
+        for h in self._waits:
+            h.remove()
+        self._waits = []
+        super().close()
+
+    def _muon_update(self, has_any: torch.Tensor, pending) -> None:
+        if self.plan is None:
+            return
+        for b in list(self._bcast):
+            self._wait_bcast(b)
+        group, geo, plan = self.param_groups[0], self.geo, self.plan
+        active = [i for i in range(self.n_muon) if has_any[i]]
+        inputs = self._momentum_inputs(active, group)
+        on = set(active)
+        buckets = [[i for i in b.members if i in on] for b in plan.buckets]
+        mine = [[i for i in ms if geo.owner_coord(plan, i)[0] == geo.r] for ms in buckets]  # my replica's
+        owned = [[i for i in ms if plan.owners[i] == self.rank] for ms in buckets]
+        bucket_of = {i: k for k, ms in enumerate(buckets) for i in ms}
+        dtypes = [self._dtype(ms) for ms in buckets]
+        # 1. every bucket's inputs to their owners, all queued now (FIFO on the communication thread)
+        sends = []
+        for k, ms in enumerate(buckets):
+            if not mine[k]:
+                sends.append(None)
+                continue
+            by_dest = [[inputs[i].reshape(-1) for i in mine[k] if geo.owner_coord(plan, i)[1] == s]
+                       for s in range(geo.S)]
+            in_splits = [sum(t.numel() for t in ts) for ts in by_dest]
+            out_splits = [sum(geo.numel(i, s) for i in owned[k]) for s in range(geo.S)]
+            sends.append(self._all_to_all(f"Muon inputs of bucket {k} to their owners", dtypes[k],
+                                          [t for ts in by_dest for t in ts], in_splits, out_splits))
+        # 2. the owner's batches, bucket by bucket; each bucket's rows go back as soon as it is complete
+        updates: dict[int, torch.Tensor] = {}
+        batches = [bt for bt in plan.batches_of(self.rank) if any(i in on for i in bt.members)]
+        returns = []
+        for k in range(len(buckets)):
+            for bt in [bt for bt in batches if any(bucket_of.get(i) == k for i in bt.members)]:
+                batches.remove(bt)
+                self._orthogonalize(bt, on, sends, bucket_of, owned, updates)
+            if not mine[k]:
+                returns.append(None)
+                continue
+            rows = [updates[i].reshape(self.params[i].shape[0], -1) for i in owned[k]]
+            back = [r.narrow(0, sum(geo.rows[i][:s]), geo.rows[i][s]).reshape(-1)
+                    for s in range(geo.S) for i, r in zip(owned[k], rows, strict=True)]
+            for i in owned[k]:
+                del updates[i]
+            h = sends[k]
+            in_splits, out_splits = h.splits
+            returns.append(self._all_to_all(f"Muon updates of bucket {k} to the shards", dtypes[k], back,
+                                            out_splits, in_splits))
+        # 3. apply this replica's updates; HSDP: broadcast the new shards to the other replicas
+        for k, ms in enumerate(buckets):
+            if returns[k] is not None:
+                recv = returns[k].wait()
+                offsets = _offsets_by_source(mine[k], geo, plan, recv)
+                for i in mine[k]:
+                    self._apply_local(i, offsets[i], group)
+            if geo.R > 1 and ms:
+                self._bcast[k] = self._broadcast_replicas(k, ms, dtypes[k])
+
+    def _dtype(self, members) -> torch.dtype:
+        dtype = torch.float32
+        for n, i in enumerate(members):
+            dtype = self.params[i].dtype if n == 0 else torch.promote_types(dtype, self.params[i].dtype)
+        return dtype
+
+    def _all_to_all(self, name: str, dtype, pieces, in_splits, out_splits):
+        send = torch.cat([t.to(dtype) for t in pieces]) if pieces else torch.empty(0, dtype=dtype,
+                                                                                  device=self.device)
+        recv = torch.empty(sum(out_splits), dtype=dtype, device=self.device)
+        group = self.geo.shard_group
+
+        def job():
+            dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
+            return recv
+
+        sent = (sum(in_splits) - in_splits[self.geo.s]) * send.element_size()
+        h = self._worker.submit(name, job, kind="all_to_all", bytes_=sent)
+        h.splits = (in_splits, out_splits)
+        return h
+
+    def _orthogonalize(self, bt, on, sends, bucket_of, owned, updates) -> None:
+        """Assemble the batch's full matrices from the received rows, one batched NS call."""
+        geo, plan = self.geo, self.plan
+        members = [i for i in bt.members if i in on]
+        fulls = []
+        for i in members:
+            k = bucket_of[i]
+            recv = sends[k].wait()
+            # recv = concat over sources s of (concat over owned[k] of rows_s(i) x cols)
+            pos, parts = 0, []
+            for s in range(geo.S):
+                for j in owned[k]:
+                    n = geo.numel(j, s)
+                    if j == i:
+                        parts.append(recv.narrow(0, pos, n))
+                    pos += n
+            p = self.params[i]
+            fulls.append(torch.cat(parts).view(p.shape[0], -1).to(p.dtype))
+        flips = [tuple(x.shape) != (bt.rows, bt.cols) for x in fulls]
+        stack = torch.stack([x.mT if f else x for x, f in zip(fulls, flips, strict=True)])
+        out = orthogonalize(stack, **{**self.ns.kwargs(), "method": batch_method(plan, bt)})
+        for i, u, f in zip(members, out.unbind(0), flips, strict=True):
+            updates[i] = u.mT if f else u
+
+    def _broadcast_replicas(self, k: int, members, dtype):
+        """New local shards of bucket k's matrices from the replica that owns them to the others."""
+        geo, plan = self.geo, self.plan
+        by_src = [[i for i in members if geo.owner_coord(plan, i)[0] == r] for r in range(geo.R)]
+        bufs = []
+        for r in range(geo.R):
+            n = sum(geo.numel(i, geo.s) for i in by_src[r])
+            if r == geo.r:
+                parts = [local_tensor(self.params[i]).reshape(-1).to(dtype) for i in by_src[r]]
+                bufs.append(torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=self.device))
+            else:
+                bufs.append(torch.empty(n, dtype=dtype, device=self.device))
+        targets = [[local_tensor(self.params[i]) for i in by_src[r]] for r in range(geo.R)]
+        group = geo.replicate_group
+
+        def job():
+            works = [dist.broadcast(bufs[r], group_src=r, group=group, async_op=True)
+                     for r in range(geo.R) if bufs[r].numel()]
+            for w in works:
+                w.wait()
+            for r in range(geo.R):
+                if r != geo.r:
+                    pos = 0
+                    for t in targets[r]:
+                        t.view(-1).copy_(bufs[r].narrow(0, pos, t.numel()))
+                        pos += t.numel()
+
+        n = sum(b.numel() * b.element_size() for b in bufs)
+        return self._worker.submit(f"replica broadcast of bucket {k}", job, kind="replica_broadcast",
+                                   bytes_=int(n * (geo.R - 1) / geo.R))
+
+
+def _offsets_by_source(members, geo, plan, recv) -> dict[int, torch.Tensor]:
+    """Split the returned buffer (concat over owners' shard ranks s of their matrices' rows for me) into
+    each member's rows."""
+    out, pos = {}, 0
+    for s in range(geo.S):
+        for i in members:
+            if geo.owner_coord(plan, i)[1] == s:
+                n = geo.numel(i, geo.s)
+                out[i] = recv.narrow(0, pos, n)
+                pos += n
+    return out
+
+
+class ShardedNaiveMuon(_ShardedMixin, NaiveMuon):
+    """NaiveMuon on FSDP2-sharded Muon matrices: all-gather every input, every NS on every rank."""
+
+    def _muon_update(self, has_any: torch.Tensor, pending) -> None:
+        if self.plan is None:
+            return
+        from torch.distributed.tensor import DTensor
+
+        group = self.param_groups[0]
+        idx = [i for i in range(self.n_muon) if has_any[i]]
+        inputs = self._momentum_inputs(idx, group)
+        fulls = []
+        with label("optimizer"):
+            for i in idx:
+                p = self.params[i]
+                d = DTensor.from_local(inputs[i], p.device_mesh, p.placements, run_check=False,
+                                       shape=torch.Size((p.shape[0], self.geo.cols[i])),
+                                       stride=(self.geo.cols[i], 1))
+                fulls.append(d.full_tensor())
+        updates = orthogonalize_many(fulls, **self.ns.kwargs())
+        s = self.geo.s
+        for i, u in zip(idx, updates, strict=True):
+            lo = sum(self.geo.rows[i][:s])
+            self._apply_local(i, u.narrow(0, lo, self.geo.rows[i][s]), group)
+
+
+SHARDED_CLASSES = {"DMuon": ShardedDMuon, "NaiveMuon": ShardedNaiveMuon}
