@@ -28,6 +28,9 @@ _EXPORTS = {
     "adamw_params": "params",
     "muon_params": "params",
     "route": "params",
+    "shard_model": "runtime.fsdp",
+    "save_checkpoint": "runtime.checkpoint",
+    "load_checkpoint": "runtime.checkpoint",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -238,13 +238,28 @@ class _ReplicatedMuon(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Wait for every exchange in flight (new weights on every rank): before eval, checkpoints, or
-        reading parameters outside the model's forward."""
+        reading parameters outside the model's forward. memory='free': also publishes every matrix to
+        every rank (collective: call it on every rank)."""
+        self.synchronize_exchanges()
+        if self._residency is not None:
+            self._residency.materialize_all()
+
+    def synchronize_exchanges(self) -> None:
+        """Wait for the exchanges in flight (without materializing anything in memory='free')."""
         for u in self.units:
             u.wait_reduce()
             if isinstance(u, OwnerUnit):
                 u.wait_publish()
-        if self._residency is not None:  # memory='free': materialize every matrix on every rank
+
+    def publish_owned(self) -> None:
+        """Owners publish their current weights to every rank, and wait (after loading a checkpoint)."""
+        if self._residency is not None:
             self._residency.materialize_all()
+            return
+        for u in reversed(self.units):
+            if isinstance(u, OwnerUnit):
+                u.launch_publish(f"weight publication of bucket {u.position} after loading")
+        self.synchronize_exchanges()
 
     def close(self) -> None:
         """Remove the hooks and stop the communication thread (the optimizer is unusable afterwards)."""
@@ -408,7 +423,7 @@ class _ReplicatedMuon(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """This rank's state: hyperparameters, the plan, and the state of the parameters this rank
         updates (DMuon: momentum of its owned matrices only; AdamW state everywhere), keyed by name."""
-        self.synchronize()
+        self.synchronize_exchanges()
         return {
             "format": STATE_FORMAT, "optimizer": type(self).__name__, "rank": self.rank,
             "world_size": self.world_size, "plan": self.plan.to_dict() if self.plan is not None else None,

@@ -1,11 +1,12 @@
 """Byte counter for collectives: sees every c10d collective a thread issues and records what it moves.
 
-`CollectiveBytes` is a `TorchDispatchMode`: every torch.distributed collective (the optimizer's, FSDP2's,
-DTensor's `full_tensor()`) dispatches a `c10d.*` op, which the mode records before running it. Nothing
-is patched. Dispatch modes are per thread: `with counter.active():` counts the calling thread (FSDP2
-issues its collectives from the training thread, in forward and backward); `CommWorker.counter =
-counter` makes the optimizer's communication thread count its jobs too. Each record carries a label
-(`with label("optimizer"):` on the issuing thread; the communication thread's jobs are "dmuon").
+`CollectiveBytes` is a `TorchDispatchMode`: every torch.distributed collective dispatches a `c10d.*` op
+(the optimizer's, FSDP2's) or a functional `_c10d_functional.*` op (DTensor's `full_tensor()`), which
+the mode records before running it. Nothing is patched. Dispatch modes are per thread: `with
+counter.active():` counts the calling thread (FSDP2 issues its collectives from the training thread, in
+forward and backward); `CommWorker.counter = counter` makes the optimizer's communication thread count
+its jobs too. Each record carries a label (`with label("optimizer"):` on the issuing thread; the
+communication thread's jobs are "dmuon").
 
 Bytes are counted per rank as "bytes this rank puts on the wire" under ring / chain algorithms, for a
 payload of S bytes on a group of N ranks:
@@ -129,17 +130,61 @@ def measure(op: str, args) -> tuple[str, int, float, int]:
     return "other", _nbytes(args), 0.0, n
 
 
+def _group_by_name(name) -> tuple[int, int]:
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        pg = _resolve_process_group(name)
+        return pg.size(), pg.rank()
+    except (ImportError, RuntimeError, ValueError, KeyError):
+        return 1, 0
+
+
+def measure_functional(op: str, args) -> tuple[str, int, float, int]:
+    """The same for the functional collectives (`_c10d_functional.*`: DTensor's full_tensor() etc.),
+    which return their output instead of filling one."""
+    if op in ("all_gather_into_tensor", "all_gather_into_tensor_coalesced"):
+        n = int(args[1])
+        s = _nbytes(args[0]) * n
+        return "all_gather", s, (n - 1) / n * s, n
+    if op in ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):
+        n = int(args[2])
+        s = _nbytes(args[0])
+        return "reduce_scatter", s, (n - 1) / n * s, n
+    if op in ("all_reduce", "all_reduce_coalesced", "all_reduce_"):
+        n, _ = _group_by_name(args[2])
+        s = _nbytes(args[0])
+        return "all_reduce", s, 2 * (n - 1) / n * s, n
+    if op in ("broadcast", "broadcast_"):
+        n, _ = _group_by_name(args[2])
+        s = _nbytes(args[0])
+        return "broadcast", s, (n - 1) / n * s, n
+    if op == "all_to_all_single":
+        n, rank = _group_by_name(args[3])
+        inp, splits = args[0], list(args[2])
+        s = _nbytes(inp)
+        row = inp.numel() // inp.shape[0] if inp.dim() and inp.shape[0] else 0
+        mine = (splits[rank] * row if splits else inp.numel() // max(n, 1)) * inp.element_size()
+        return "all_to_all", s, float(s - mine), n
+    return "other", _nbytes(args), 0.0, 1
+
+
+_FUNCTIONAL_SKIP = {"wait_tensor"}
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, counter: CollectiveBytes, default_label: str):
         super().__init__()
         self.counter, self.default_label = counter, default_label
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d" and func.__name__.split(".")[0] != "barrier":
+        name = func.__name__.split(".")[0]
+        if (func.namespace == "c10d" and name != "barrier") or (
+                func.namespace == "_c10d_functional" and name not in _FUNCTIONAL_SKIP):
             full = list(args)
             if kwargs:  # keyword arguments after the positional ones, in schema order
                 full += [kwargs[a.name] for a in func._schema.arguments[len(args):] if a.name in kwargs]
-            self.counter._record(func.__name__.split(".")[0], full, current_label(self.default_label))
+            self.counter._record(name, full, current_label(self.default_label), func.namespace == "c10d")
         return func(*args, **(kwargs or {}))
 
 
@@ -154,8 +199,8 @@ class CollectiveBytes:
         """A context manager counting the collectives of the calling thread."""
         return _Mode(self, default_label)
 
-    def _record(self, op: str, args, lab: str) -> None:
-        kind, payload, sent, n = measure(op, args)
+    def _record(self, op: str, args, lab: str, c10d: bool = True) -> None:
+        kind, payload, sent, n = measure(op, args) if c10d else measure_functional(op, args)
         with self._lock:
             self.records.append(Record(op, kind, n, payload, sent, lab))
 

@@ -100,6 +100,8 @@ class Residency:
         self._handles.append(model.register_forward_pre_hook(lambda *a, **k: self.start_cycle()))
         self._handles.append(model.register_forward_hook(lambda *a, **k: self._end_forward()))
         self._handles.append(model.register_state_dict_pre_hook(lambda *a, **k: self._state_dict_hook()))
+        for s in self.units:  # from now on a rank holds only its own matrices between uses
+            self.free(s)
 
     # ---- publication -------------------------------------------------------------------------
     def _materializer(self, s: _UnitState):

@@ -71,8 +71,9 @@ class _Geometry:
             self.cols.append(p.numel() // rows)
             have = local_tensor(p).shape[0] if p.dim() else 0
             if have != self.rows[-1][self.s]:
-                raise InputError(f"{name}: the local shard has {have} rows but torch.chunk of {rows} rows over "
-                                 f"{self.S} shard ranks gives {self.rows[-1][self.s]}; accepted: FSDP2's default "
+                want = self.rows[-1][self.s]
+                raise InputError(f"{name}: the local shard has {have} rows but torch.chunk of {rows} rows "
+                                 f"over {self.S} shard ranks gives {want}; accepted: FSDP2's default "
                                  "Shard(0) placement")
 
     def owner_coord(self, plan, i: int) -> tuple[int, int]:
@@ -147,8 +148,8 @@ class ShardedDMuon(_ShardedMixin, DMuon):
         if h is not None:
             h.wait()
 
-    def synchronize(self) -> None:
-        super().synchronize()
+    def synchronize_exchanges(self) -> None:
+        super().synchronize_exchanges()
         for b in list(self._bcast):
             self._wait_bcast(b)
 
@@ -174,7 +175,7 @@ class ShardedDMuon(_ShardedMixin, DMuon):
         dtypes = [self._dtype(ms) for ms in buckets]
         # 1. every bucket's inputs to their owners, all queued now (FIFO on the communication thread)
         sends = []
-        for k, ms in enumerate(buckets):
+        for k in range(len(buckets)):
             if not mine[k]:
                 sends.append(None)
                 continue
