@@ -186,3 +186,23 @@ def synthetic_batch(vocab: int, seq_len: int, micro_batch: int, *, seed: int, st
     g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
     tokens = torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=g)
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+def shard_for(model, strategy: str, layout: str, memory: str) -> str:
+    """Apply the bench's FSDP2 layout to `model` (in place; a 1-D mesh over the ranks) and return the
+    optimizer layout: 'ddp' -> 'replicated' (nothing applied); 'fsdp2-owner' -> DMuon keeps the Muon
+    matrices outside FSDP2 ('fsdp2-owner'), NaiveMuon / adamw run on FSDP2-sharded matrices (the naive
+    baseline on FSDP); 'fsdp2-sharded' -> everything FSDP2-sharded. memory 'free' = reshard after forward."""
+    if layout == "ddp":
+        return "replicated"
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.runtime.fsdp import shard_model
+
+    target = "fsdp2-owner" if layout == "fsdp2-owner" and strategy == "dmuon" else "fsdp2-sharded"
+    device = next(model.parameters()).device.type
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    shard_model(model, target, mesh=mesh, reshard_after_forward=memory == "free",
+                blocks=list(model.model.layers))
+    return target

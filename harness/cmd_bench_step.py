@@ -24,14 +24,23 @@ step() on all ranks, so that skew between ranks (large when ranks time-share CPU
 to the optimizer phase that follows: the phases are measured as if every rank finished backward
 together, as a synchronous cluster (and the simulator) does; step_s then excludes the skew too.
 Reported: per step the max over ranks, then the median over all timed steps of the variant.
-peak_mem_bytes: CUDA: max allocated during the block; CPU: growth of the resident set during the block
-(sampled at phase ends) over the set before the model was built, after returning freed heap memory to
-the OS: what the variant's model, activations, gradients, optimizer state and buffers took.
-comm_bytes_per_step: estimated bytes a rank sends per step (max over ranks): buffer size (padding
-included) x (N-1)/N for reduce-scatter, all-gather, per-owner reduce and broadcast, x 2 (N-1)/N for
-all-reduce (ring / chain algorithms), plus the tiny flag all-reduce.
+peak_mem_bytes: CUDA: max allocated during the block; CPU: the peak resident set of the rank (the
+kernel's high-water mark, reset when the block starts) over the set before the model was built, after
+returning freed heap memory to the OS: what the variant's model, activations, gradients, optimizer
+state and buffers took at their peak. CPU ranks run with MALLOC_MMAP_THRESHOLD_=65536 so that a freed
+tensor leaves the resident set at once (glibc would otherwise keep it in its heap).
+comm_bytes_per_step: bytes a rank sends per step (max over ranks), counted on one extra untimed step at
+the end of the block by `dmuon.runtime.bytecount` (every collective of every thread: the optimizer's
+and FSDP2's): payload (padding included) x (N-1)/N for reduce-scatter, all-gather, per-owner reduce
+and broadcast, x 2 (N-1)/N for all-reduce (ring / chain algorithms), the exact bytes sent for
+all-to-all; opt_comm_bytes_per_step is the optimizer's own part (fsdp_comm_bytes_per_step: FSDP2's).
 strategy adamw = every parameter on replicated AdamW with bucketed async all-reduce (DDP-like), the
 same runtime with no Muon matrices.
+--layout ddp (replicated model) | fsdp2-owner | fsdp2-sharded (FSDP2 via `dmuon.shard_model`, a 1-D
+mesh over the ranks; see docs/fsdp.md). fsdp2-owner: DMuon with the Muon matrices outside FSDP2
+(owner-centric), NaiveMuon and adamw on FSDP2-sharded matrices (gather-then-compute: the paper's
+baseline on FSDP). fsdp2-sharded: every strategy on FSDP2-sharded matrices. --memory keep | free:
+FSDP2's reshard_after_forward (False | True) and, for the owner layout, DMuon's memory mode.
 """
 
 from __future__ import annotations
@@ -44,12 +53,14 @@ import socket
 import statistics
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
 
 from dmuon.errors import InputError, choice_error
 
 STRATEGIES = ("dmuon", "naive", "adamw")
+LAYOUTS = ("ddp", "fsdp2-owner", "fsdp2-sharded")
+MEMORY = ("keep", "free")
 OVERLAP = ("on", "off", "both")
 METRICS = ("step_s", "forward_s", "backward_s", "optimizer_s", "exposed_comm_s", "optimizer_cpu_s")
 
@@ -77,6 +88,8 @@ class StepConfig:
     seed: int = 0
     timeout_s: float = 1800.0
     profile_trace: str | None = None
+    layout: str = "ddp"
+    memory: str = "keep"
     notes: list[str] = field(default_factory=list)
 
     def variants(self) -> list[tuple[str, bool, str]]:
@@ -128,6 +141,14 @@ def check_config(cfg: StepConfig) -> None:
         if ex not in EXCHANGE_CHOICES:
             raise choice_error("exchange", ex, EXCHANGE_CHOICES)
     check_node_size(cfg.node_size, cfg.ranks)
+    if cfg.layout not in LAYOUTS:
+        raise choice_error("layout", cfg.layout, LAYOUTS)
+    if cfg.memory not in MEMORY:
+        raise choice_error("memory", cfg.memory, MEMORY)
+    if cfg.layout == "ddp" and cfg.memory != "keep":
+        raise InputError("--memory free needs an FSDP2 layout; accepted with --layout ddp: keep")
+    if cfg.layout != "ddp" and cfg.node_size is not None:
+        raise InputError("--node-size is for --layout ddp (FSDP2 layouts use a 1-D mesh here)")
     decoder_spec(load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers))
 
 
@@ -145,12 +166,64 @@ def _rss_bytes() -> int:
 def _make_optimizer(strategy: str, model, cfg: StepConfig, overlap: bool, exchange: str):
     from dmuon.distributed import DMuon, NaiveMuon
 
+    from .benchmodel import shard_for
+
     common = dict(overlap=overlap, node_size=cfg.node_size, timeout_s=min(cfg.timeout_s, 600.0),
                   exchange=exchange, balancer=cfg.balancer, profile=cfg.profile)
+    layout = shard_for(model, strategy, cfg.layout, cfg.memory)
+    if layout == "fsdp2-owner":
+        common["memory"] = cfg.memory
     if strategy == "adamw":
         return DMuon(model, muon_predicate=lambda name, p: False, warn_no_muon=False, shard_adamw=False,
                      **common)
     return (DMuon if strategy == "dmuon" else NaiveMuon)(model, **common)
+
+
+def _reset_peak_rss() -> None:
+    """Reset the kernel's resident-set high-water mark (Linux >= 4.0; else the peak stays process-wide)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return _rss_bytes()
+
+
+def _count_step(cfg: StepConfig, model, opt, rank: int, device, it: int) -> dict:
+    """One more (untimed) iteration with every collective counted (see the module docstring)."""
+    from dmuon.runtime.bytecount import CollectiveBytes
+
+    from .benchmodel import synthetic_batch
+
+    counter = CollectiveBytes()
+    workers = [w for w in (opt._worker, getattr(opt, "_pub_worker", None)) if w is not None]
+    opt.synchronize_exchanges()
+    for w in workers:
+        w.counter = counter
+    x, y = synthetic_batch(model.vocab, cfg.seq_len, cfg.micro_batch, seed=cfg.seed, step=it, rank=rank,
+                           device=device)
+    try:
+        with counter.active():
+            model(x, y).backward()
+            opt.step()
+            opt.synchronize_exchanges()
+    finally:
+        for w in workers:
+            w.counter = None
+    opt.zero_grad(set_to_none=True)
+    own = counter.bytes(label="dmuon") + counter.bytes(label="optimizer")
+    return dict(comm_bytes_per_step=counter.bytes(), opt_comm_bytes_per_step=own,
+                fsdp_comm_bytes_per_step=counter.bytes(label="main"))
 
 
 def _trim_heap() -> None:
@@ -180,6 +253,7 @@ def run_variant(cfg: StepConfig, variant: tuple[str, bool, str], rank: int, worl
     dtype = torch.bfloat16 if cuda else torch.float32
     _trim_heap()
     base_rss = _rss_bytes()
+    _reset_peak_rss()
     model = build_bench_model(load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers),
                               seed=cfg.seed, device=device, dtype=dtype)
     opt = _make_optimizer(strategy, model, cfg, overlap, exchange)
@@ -210,12 +284,10 @@ def run_variant(cfg: StepConfig, variant: tuple[str, bool, str], rank: int, worl
         x, y = synthetic_batch(model.vocab, cfg.seq_len, cfg.micro_batch, seed=cfg.seed, step=it, rank=rank,
                                device=device)
         opt.comm_stats.reset()
-        rss = _rss_bytes()
         align()
         t0 = now()
         loss = model(x, y)
         t1 = now()
-        rss = max(rss, _rss_bytes())
         loss.backward()
         t2 = now()
         skew = align()
@@ -226,15 +298,16 @@ def run_variant(cfg: StepConfig, variant: tuple[str, bool, str], rank: int, worl
         t3 = now()
         opt.zero_grad(set_to_none=True)
         t4 = now()
-        rss = max(rss, _rss_bytes())
         if it >= cfg.warmup:
             records.append(dict(step_s=t4 - t0 - skew, forward_s=t1 - t0, backward_s=t2 - skew - t1,
                                 optimizer_s=t3 - t2,
                                 exposed_comm_s=opt.comm_stats.wait_s, optimizer_cpu_s=c3 - c2,
-                                comm_bytes_per_step=opt.comm_stats.total_bytes,
                                 peak_mem_bytes=(torch.cuda.max_memory_allocated(device) if cuda
-                                                else rss - base_rss),
+                                                else _peak_rss() - base_rss),
                                 loss=float(loss.detach()), load_1m=os.getloadavg()[0]))
+    counted = _count_step(cfg, model, opt, rank, device, cfg.warmup + timed)
+    for r in records:
+        r.update(counted)
     if prof is not None:
         prof.__exit__(None, None, None)
         os.makedirs(cfg.profile_trace, exist_ok=True)
@@ -267,6 +340,10 @@ def rank_main(cfg: StepConfig, rank: int, world: int, local_rank: int) -> list[d
     records: list[list[dict]] = [[] for _ in variants]
     per_block = [cfg.steps // cfg.rounds + (1 if r < cfg.steps % cfg.rounds else 0)
                  for r in range(cfg.rounds)]
+    if cfg.layout != "ddp":  # an untimed block per variant first: libraries and lazily built state
+        for variant in variants:  # (DTensor, FSDP2) load here, not in the first measured block's peak
+            dist.barrier()
+            run_variant(replace(cfg, warmup=0, profile_trace=None), variant, rank, world, device, 1)
     for rnd, timed in enumerate(per_block):
         for k, variant in enumerate(variants):
             if timed:
@@ -287,8 +364,10 @@ def aggregate(cfg: StepConfig, variant: tuple[str, bool, str], per_rank: list[li
 
     steps = len(per_rank[0])
     strategy, overlap, exchange = variant
-    row = dict(ranks=world, strategy=strategy, overlap=overlap, exchange=exchange)
-    for key in METRICS + ("comm_bytes_per_step", "peak_mem_bytes"):
+    row = dict(ranks=world, strategy=strategy, overlap=overlap, exchange=exchange, layout=cfg.layout,
+               memory=cfg.memory)
+    for key in METRICS + ("comm_bytes_per_step", "opt_comm_bytes_per_step", "fsdp_comm_bytes_per_step",
+                          "peak_mem_bytes"):
         per_step = [max(r[i][key] for r in per_rank) for i in range(steps)]
         row[key] = statistics.median(per_step)
     for key in ("step_s", "optimizer_s"):  # spread; the minimum is the least disturbed step
@@ -355,6 +434,8 @@ def launch(cfg: StepConfig) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    if not _use_cuda(cfg):  # freed tensors leave the resident set at once (peak_mem_bytes)
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_spawned, args=(r, cfg.ranks, port, cfg, out), daemon=True)
@@ -432,6 +513,12 @@ def ratios(rows: list[dict]) -> dict[str, float]:
             out[f"naive_over_dmuon_optimizer_s_min_{tag}"] = n["optimizer_s_min"] / d["optimizer_s_min"]
             out[f"naive_over_dmuon_optimizer_cpu_s_{tag}"] = n["optimizer_cpu_s"] / d["optimizer_cpu_s"]
             out[f"naive_over_dmuon_step_s_{tag}"] = n["step_s"] / d["step_s"]
+            out[f"dmuon_over_naive_comm_bytes_{tag}"] = d["comm_bytes_per_step"] / n["comm_bytes_per_step"]
+            if d["layout"] == "fsdp2-owner":  # Muon-matrix bytes: DMuon's own vs naive's total less the
+                adamw = d["fsdp_comm_bytes_per_step"]  # AdamW part FSDP2 moves in both
+                naive_muon = n["comm_bytes_per_step"] - adamw
+                own = d["opt_comm_bytes_per_step"]
+                out[f"dmuon_over_naive_muon_comm_bytes_{tag}"] = own / naive_muon if naive_muon > 0 else 0.0
         if a:
             out[f"dmuon_over_adamw_step_s_{tag}"] = d["step_s"] / a["step_s"]
     for r in rows:
@@ -468,12 +555,12 @@ def print_table(rows: list[dict]) -> None:
                     f"({r0['backend']}, "
                     f"{r0['threads_per_rank']} threads/rank, {r0['cpu_cores']} cores); medians of "
                     f"{r0['steps']} steps")
-    cols = ["strategy", "overlap", "exchange", "step ms", "fwd ms", "bwd ms", "opt ms", "exposed comm ms",
-            "opt cpu ms", "comm MB/step", "opt state MB", "peak mem MB"]
+    cols = ["strategy", "layout", "memory", "overlap", "exchange", "step ms", "fwd ms", "bwd ms", "opt ms",
+            "exposed comm ms", "opt cpu ms", "comm MB/step", "opt state MB", "peak mem MB"]
     for c in cols:
         t.add_column(c, justify="right")
     for r in rows:
-        t.add_row(r["strategy"], "on" if r["overlap"] else "off", r["exchange"],
+        t.add_row(r["strategy"], r["layout"], r["memory"], "on" if r["overlap"] else "off", r["exchange"],
                   *[f"{r[k] * 1e3:.1f}" for k in ("step_s", "forward_s", "backward_s", "optimizer_s",
                                                    "exposed_comm_s", "optimizer_cpu_s")],
                   f"{r['comm_bytes_per_step'] / 1e6:.2f}", f"{r['opt_state_bytes'] / 1e6:.2f}",
@@ -520,6 +607,9 @@ def register(app, bench) -> None:
         json_out: bool = typer.Option(False, "--json", help="Print JSON (one object, or rows + ratios)."),
         csv: str = typer.Option(None, help="Append the rows to this CSV (atomic rewrite)."),
         profile_trace: str = typer.Option(None, help="Write torch.profiler Chrome traces to this folder."),
+        layout: str = typer.Option("ddp", help="ddp | fsdp2-owner | fsdp2-sharded (see docs/fsdp.md)."),
+        memory: str = typer.Option("keep", help="keep | free: FSDP2 reshard_after_forward False / True "
+                                   "and DMuon's memory mode (fsdp2-owner)."),
     ):
         """Measure training steps of DMuon / NaiveMuon / AdamW on N real processes (see docs/runtime.md)."""
         cfg = StepConfig(ranks=ranks, strategies=_split(strategy),
@@ -528,7 +618,7 @@ def register(app, bench) -> None:
                          micro_batch=micro_batch, steps=steps, warmup=warmup, rounds=rounds,
                          phase_barrier=phase_barrier, balancer=balancer, exchanges=_split(exchange),
                          node_size=node_size, profile=profile, device=device, threads=threads, seed=seed,
-                         timeout_s=timeout_s, profile_trace=profile_trace)
+                         timeout_s=timeout_s, profile_trace=profile_trace, layout=layout, memory=memory)
         if under_torchrun():
             cfg.ranks = int(os.environ["WORLD_SIZE"])
             check_config(cfg)
