@@ -96,6 +96,10 @@ class _ReplicatedMuon(torch.optim.Optimizer):
         if memory == "free" and self.layout != "fsdp2-owner":
             raise InputError(f"memory='free' is for layout 'fsdp2-owner' (this model is {self.layout!r}); "
                              "on 'fsdp2-sharded' FSDP2 decides (fully_shard(reshard_after_forward=True))")
+        if memory == "free" and check_consistency_every:
+            raise InputError("check_consistency_every compares every rank's copy of each matrix, but with "
+                             "memory='free' only the owner keeps one; accepted: memory='keep' or "
+                             "check_consistency_every=0")
         self.memory = memory
         if self.layout == "fsdp2-owner" and node_size is None and process_group is None:
             node_size = mesh_node_size(model)  # HSDP: two-level exchange, replicas as the outer level

@@ -56,6 +56,8 @@ W2 = [
     case("replicated", layout="replicated"),
     *BYTES,
     case("errors", runner="errors"),
+    *[case(f"nonfinite_{c['name']}", runner="nonfinite", **{k: v for k, v in c.items() if k != "name"})
+      for c in LAYOUTS],
 ]
 W4 = [
     *LAYOUTS,
@@ -241,3 +243,17 @@ def test_bad_setups_say_what_is_accepted():
     assert errs["bad_memory"] == "InputError: unknown memory 'spill'; accepted: keep, free"
     assert "only one backward per step may exchange" in errs["two_exchanges"]
     assert "no_sync()" in errs["two_exchanges"]
+    assert "memory='free' only the owner keeps one" in errs["free_checksums"]
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in LAYOUTS])
+def test_nonfinite_gradient_on_one_rank_stops_the_step_everywhere(name):
+    """The NaN is in one rank's gradient (owner layout) or, after FSDP2's reduce-scatter, in one rank's
+    shard (sharded layouts): the flag agreement makes every rank raise, naming the matrix."""
+    per_rank = results(2, f"nonfinite_{name}")
+    for rank, res in enumerate(per_rank):
+        assert "non-finite gradient" in res["error"] and "blocks.0.up.weight" in res["error"], (rank, res)
+        assert res["unchanged"], f"rank {rank}: parameters changed in the skipped step"
+    for res in per_rank[1:]:
+        for k, v in per_rank[0]["params"].items():
+            assert torch.equal(v, res["params"][k]), k

@@ -244,6 +244,35 @@ def run_bad_load(case: dict, rank: int, world: int) -> dict:
     return {"error": err, "keys": sorted(meta)}
 
 
+def run_nonfinite(case: dict, rank: int, world: int) -> dict:
+    """Steps 0, 1; at step 2 rank 1 (only) gets a NaN in one Muon gradient: step() must raise on every
+    rank and change nothing; then steps 3, 4 train normally."""
+    from dmuon.runtime.guards import NonFiniteGradientError
+
+    model, opt = setup(case, world)
+    train(model, opt, case, [0, 1], rank, world)
+    before = full_params(model, opt)
+    # through the module's output gradient: FSDP2 computes with an unsharded copy of the weight
+    def poison(module, args, output):
+        output.register_hook(lambda g: g * float("nan"))
+
+    handle = model.blocks[0].up.register_forward_hook(poison) if rank == 1 else None
+    err = ""
+    try:
+        train(model, opt, case, [2], rank, world)
+    except NonFiniteGradientError as e:
+        err = str(e)
+        opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    after = full_params(model, opt)
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    train(model, opt, case, [3, 4], rank, world)
+    out = {"error": err, "unchanged": unchanged, "params": full_params(model, opt)}
+    opt.close()
+    return out
+
+
 def run_errors(case: dict, rank: int, world: int) -> dict:
     """Bad set-ups: their error messages."""
     import dmuon
@@ -261,6 +290,7 @@ def run_errors(case: dict, rank: int, world: int) -> dict:
     catch("layout_mismatch", lambda: dmuon.DMuon(plain, layout="fsdp2-owner", profile=None))
     catch("free_replicated", lambda: dmuon.DMuon(make_model({}), memory="free", profile=None))
     catch("bad_memory", lambda: dmuon.DMuon(make_model({}), memory="spill", profile=None))
+    catch("free_checksums", lambda: setup({"opts": {"memory": "free", "check_consistency_every": 1}}, world))
     model, opt = setup({"layout": "fsdp2-owner"}, world)
 
     def twice():
@@ -273,7 +303,7 @@ def run_errors(case: dict, rank: int, world: int) -> dict:
 
 
 RUNNERS = {"plain": run_plain, "bytes": run_bytes, "checkpoint": run_checkpoint, "resume": run_resume,
-           "errors": run_errors, "bad_load": run_bad_load}
+           "errors": run_errors, "bad_load": run_bad_load, "nonfinite": run_nonfinite}
 
 
 def run_cases(rank: int, world: int, cases: list[dict]) -> dict:
