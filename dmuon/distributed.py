@@ -325,9 +325,10 @@ class _ReplicatedMuon(torch.optim.Optimizer):
         for i, p in enumerate(self.params):
             if self.local[i] and p.grad is not None:
                 self._has_grad[i] = True
-                if self.nonfinite != "ignore":
+                if self.nonfinite != "ignore":  # one pass; the exact check only if the sum is not finite
                     g = local_tensor(p.grad)
-                    self._nonfinite[i] = bool(g.numel()) and not bool(torch.isfinite(g).all())
+                    if g.numel() and not torch.isfinite(g.sum()):
+                        self._nonfinite[i] = not bool(torch.isfinite(g).all())
 
     # The exchange of each unit is "absorbed" once per step, as soon as it has arrived: sums scaled to
     # means, local has-grad flags recorded, and a one-pass non-finite check of the part this rank holds

@@ -268,9 +268,9 @@ class OwnerUnit(_Unit):
     def launch_publish(self, name: str) -> Handle:
         """Copy this rank's (already updated) pieces into its send chunk and publish; the job copies
         every other rank's pieces into the parameters."""
-        if self.transient:
+        if self.transient:  # every element is written by the collectives: no need to zero
             cap, groups = self.layout.chunk_cap, self.pub_groups
-            buf = self._alloc(self.layout.total)
+            buf = torch.empty(self.layout.total, dtype=self.dtype, device=self.device)
             mine = self._alloc(cap) if self._rs else None
             tmp = self._alloc(cap * groups.n_nodes) if self._rs and groups.two_level else None
         else:
