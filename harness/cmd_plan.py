@@ -253,7 +253,9 @@ def register(app, bench) -> None:
         anti_affinity: bool = typer.Option(
             False, "--anti-affinity", help="A layer's matrices go to different owners where possible."
         ),
-        time_limit: float = typer.Option(10.0, help="MILP time limit, seconds."),
+        time_limit: float = typer.Option(
+            10.0, help="MILP wall-clock safety net, seconds (its phases stop at work limits first)."
+        ),
         scale: float = typer.Option(None, help="Plan the workload scaled by this width factor (CPU models)."),
         blocks: int = typer.Option(None, help="Keep only this many repeated blocks per component."),
         json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),

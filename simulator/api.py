@@ -74,7 +74,8 @@ class SimConfig:
                              "cores)")
     max_batch: int = _f(8, "dmuon: largest NS batch")
     bucket_numel: int = _f(0, "dmuon: elements per communication bucket (0: one bucket per layer)")
-    milp_time_limit_s: float = _f(10.0, "dmuon MILP balancer time limit")
+    milp_time_limit_s: float = _f(10.0, "dmuon MILP balancer: wall-clock safety net (work limits end it "
+                                        "first)")
     plan: object = _f(None, "a dmuon.plan.Plan built elsewhere (e.g. by the runtime); None: build_plan")
     cost: object = _f(None, "a dmuon CostTable (or any object with ns_time / elementwise_time); None: "
                             "CostTable.load(profile.cost_profile)")

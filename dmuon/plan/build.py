@@ -53,9 +53,11 @@ def build_plan(
     method: standard | standard_sym | gram | gram_sym, or auto = per batch the cheapest method the
         device can run (`CostTable.runnable_methods`: the paper's kernel selection; Batch.method says
         which).
-    seed: HiGHS's random seed (MILP); the rest is deterministic (sorted tie-breaks), so the same input
-        gives the same plan whenever no solver phase stops at its time limit.
-    time_limit_s: wall-clock budget of the MILP balancer (all its phases).
+    seed: HiGHS's random seed (MILP). Every balancer is deterministic: the MILP's phases are bounded by
+        work (pricing rounds, bisection steps, branch-and-bound nodes; one HiGHS thread), so the same
+        input gives the same plan.
+    time_limit_s: wall-clock safety net of the MILP balancer (all its phases): sized never to decide on
+        the project's workloads; if it stops a phase, a note says so (that plan may differ between runs).
     """
     if balancer not in BALANCERS:
         raise choice_error("balancer", balancer, BALANCERS)

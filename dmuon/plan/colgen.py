@@ -18,19 +18,27 @@ feasible iff N configurations of cost <= T cover every class. For a trial T:
           at that makespan minimizes the total work (lexicographic: makespan first, then work).
 The size of every model is independent of N (256 ranks cost what 8 do). numpy, highspy and pulp are
 imported inside `configuration_search`.
+
+Determinism: every loop is bounded by work, not by the clock: at most CG_MAX_ROUNDS pricing rounds per
+LP, bisections until BISECTION_REL_TOL (at most PLAN_MAX_TRIALS plan trials), trial MILPs stop after
+TRIAL_MAX_NODES branch-and-bound nodes, the final one after IP_MAX_NODES (HiGHS, one thread, fixed
+seed). The wall clock (`Budget`) is only a safety net; when it stops a phase the result says so.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 from .balance import Loads, WorkModel, rank_load_s
-from .milp import new_highs, new_var
+from .milp import Budget, new_highs, new_var, stopped_by_clock
 
 GRID = 2000  # pricing grid steps per trial makespan
 BISECTION_REL_TOL = 2e-4
+CG_MAX_ROUNDS = 200  # pricing rounds per configuration LP (the project's workloads need <= 40)
+PLAN_MAX_TRIALS = 16  # trial makespans of the plan bisection
+TRIAL_MAX_NODES = 10  # branch-and-bound nodes of a trial's configuration MILP (does T admit a plan?)
+IP_MAX_NODES = 200  # branch-and-bound nodes of the final (least total work) configuration MILP
 
 
 @dataclass
@@ -102,7 +110,7 @@ def _price(
 
 @dataclass
 class _LP:
-    status: str  # "needs_more" | "fits" | "timeout"
+    status: str  # "needs_more" | "fits" | "limit" (CG_MAX_ROUNDS reached) | "timeout" (wall clock)
     value: float = math.inf  # ranks the LP needs
     columns: dict[tuple, float] = field(default_factory=dict)  # configuration -> LP multiplicity
 
@@ -115,7 +123,7 @@ def _column_generation(
     demands: list[int],
     n_ranks: int,
     t_s: float,
-    deadline: float,
+    budget: Budget,
     *,
     rounding: str,
     stop_when_fits: bool,
@@ -123,7 +131,7 @@ def _column_generation(
     """Configuration LP  min sum y  s.t. sum_p k_p y_p >= demands  at makespan T, by column generation.
     status "needs_more": the LP needs more than n_ranks (with floor rounding: a proof that T is
     infeasible); "fits": an LP solution with <= n_ranks (with stop_when_fits, possibly not optimal);
-    "timeout"."""
+    "limit": CG_MAX_ROUNDS pricing rounds did not settle it; "timeout": the wall-clock safety net."""
     unit = t_s / GRID
     classes = range(len(demands))
 
@@ -158,10 +166,11 @@ def _column_generation(
         k = tuple(ks if j == s else 0 for j in classes)
         pool.add(k)
         add_col(k)
+    rounds = 0
     while True:
         h.run()
         if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-            return _LP("timeout")
+            return _LP("limit")
         lp = h.getInfo().objective_function_value
         sol = h.getSolution()
         if stop_when_fits and lp <= n_ranks + 1e-9:
@@ -174,13 +183,16 @@ def _column_generation(
             return _LP("fits", lp, {c: y for c, y in zip(cols, sol.col_value, strict=True) if y > 1e-9})
         if lp / value > n_ranks + 1e-9:  # Farley: LP optimum >= lp / value
             return _LP("needs_more", lp / value)
-        if time.perf_counter() > deadline:
+        rounds += 1
+        if rounds >= CG_MAX_ROUNDS:
+            return _LP("limit")
+        if budget.expired("column generation"):
             return _LP("timeout")
         pool.add(k)
         add_col(k)
 
 
-def _dive(np, highspy, model: WorkModel, pool: _Pool, cover, t_s: float, deadline: float) -> Loads | None:
+def _dive(np, highspy, model: WorkModel, pool: _Pool, cover, t_s: float, budget: Budget) -> Loads | None:
     """Residual rounding: solve the LP, fix the columns it uses at least once (else its largest one),
     subtract what they cover, repeat on what is left; None if the ranks run out."""
     demands = [c.count for c in model.classes]
@@ -195,7 +207,7 @@ def _dive(np, highspy, model: WorkModel, pool: _Pool, cover, t_s: float, deadlin
             demands,
             ranks_left,
             t_s,
-            deadline,
+            budget,
             rounding="ceil",
             stop_when_fits=False,
         )
@@ -232,10 +244,13 @@ def _realize(model: WorkModel, configs: list[tuple]) -> Loads | None:
     return trim_surplus(model, ranks)
 
 
-def _integer_plan(pulp, model: WorkModel, pool: _Pool, t_s: float, time_limit_s: float, solver_cls):
-    """Cheapest (total work) choice of <= N configurations of exact cost <= T covering every class."""
+def _integer_plan(
+    pulp, model: WorkModel, pool: _Pool, t_s: float, budget: Budget, solver_cls, *, max_nodes: int
+):
+    """Cheapest (total work) choice of <= N configurations of exact cost <= T covering every class, as
+    far as `max_nodes` branch-and-bound nodes get; None if there is none (or none was found)."""
     cols = sorted(k for k, c in pool.configs.items() if c <= t_s * (1 + 1e-12))
-    if not cols:
+    if not cols or budget.expired("configuration MILP"):
         return None
     prob = pulp.LpProblem("dmuon_configurations", pulp.LpMinimize)
     y = [new_var(pulp, prob, f"y_{i}", 0, model.world_size, "Integer") for i in range(len(cols))]
@@ -244,21 +259,22 @@ def _integer_plan(pulp, model: WorkModel, pool: _Pool, t_s: float, time_limit_s:
     prob += pulp.lpSum(y) <= model.world_size, "ranks"
     for s, cls in enumerate(model.classes):
         prob += pulp.lpSum(k[s] * v for k, v in zip(cols, y, strict=True) if k[s]) >= cls.count, f"cover_{s}"
-    prob.solve(solver_cls(None, msg=False, timeLimit=max(0.2, time_limit_s), threads=1, gapRel=1e-6))
+    limits = {"timeLimit": budget.left_s(), "mip_max_nodes": max_nodes}
+    prob.solve(solver_cls(None, msg=False, threads=1, gapRel=1e-6, **limits))
+    if stopped_by_clock(prob.solverModel):
+        budget.expired("configuration MILP", force=True)
     if prob.solverModel.getInfo().primal_solution_status == 0:
         return None
     configs = [k for k, v in zip(cols, y, strict=True) for _ in range(round(v.varValue or 0.0))]
     return _realize(model, configs)
 
 
-def configuration_search(model: WorkModel, start: Loads, *, time_limit_s: float, solver_cls) -> ConfigResult:
+def configuration_search(model: WorkModel, start: Loads, *, budget: Budget, solver_cls) -> ConfigResult:
     """Lower bound and plan from the configuration model (see the module docstring)."""
     import highspy
     import numpy as np
     import pulp
 
-    t_begin = time.perf_counter()
-    deadline = t_begin + time_limit_s
     pool = _Pool(model)
     for r in start:
         pool.add(tuple(sum(r.get(s, ())) for s in range(len(model.classes))))
@@ -266,34 +282,24 @@ def configuration_search(model: WorkModel, start: Loads, *, time_limit_s: float,
     start_mk = max(rank_load_s(model, r) for r in start)
     lo, hi = model.lower_bound_s, start_mk  # lo: infeasible or unproven; hi: an LP-feasible makespan
     proven = 0.0
-    # bound: bisection on T for the configuration LP, leaving about half the time for the integer plan
-    lp_deadline = t_begin + 0.5 * time_limit_s
-
     counts = [c.count for c in model.classes]
 
-    def lp_says(t_s, until):
+    def lp_says(t_s):
         return _column_generation(
-            np,
-            highspy,
-            pool,
-            cover,
-            counts,
-            model.world_size,
-            t_s,
-            until,
-            rounding="floor",
+            np, highspy, pool, cover, counts, model.world_size, t_s, budget, rounding="floor",
             stop_when_fits=True,
         ).status
 
-    verdict = lp_says(lo, lp_deadline)
+    # bound: bisection on T for the configuration LP
+    verdict = lp_says(lo)
     if verdict == "fits":
         hi = lo
     elif verdict == "needs_more":
         proven = lo
-    while hi - lo > BISECTION_REL_TOL * hi and time.perf_counter() < lp_deadline:
+    while hi - lo > BISECTION_REL_TOL * hi and verdict != "timeout":
         mid = 0.5 * (lo + hi)
-        verdict = lp_says(mid, lp_deadline)
-        if verdict == "timeout":
+        verdict = lp_says(mid)
+        if verdict in ("timeout", "limit"):
             break
         if verdict == "needs_more":
             lo = proven = mid
@@ -309,10 +315,10 @@ def configuration_search(model: WorkModel, start: Loads, *, time_limit_s: float,
     best: Loads | None = None
     fail, ok = None, start_mk
     trial = min(start_mk, hi * (1 + len(model.classes) / GRID))  # floor rounding hid <= 1 step per class
-    while time.perf_counter() < deadline:
-        plan = _dive(np, highspy, model, pool, cover, trial, deadline)
+    for _ in range(PLAN_MAX_TRIALS):
+        plan = _dive(np, highspy, model, pool, cover, trial, budget)
         if plan is None:
-            plan = _integer_plan(pulp, model, pool, trial, deadline - time.perf_counter(), solver_cls)
+            plan = _integer_plan(pulp, model, pool, trial, budget, solver_cls, max_nodes=TRIAL_MAX_NODES)
         if plan is not None:
             mk = max(rank_load_s(model, r) for r in plan)
             if best is None or mk < max(rank_load_s(model, r) for r in best):
@@ -320,23 +326,22 @@ def configuration_search(model: WorkModel, start: Loads, *, time_limit_s: float,
             ok = min(ok, mk)
         else:
             fail = trial
-        if fail is None or ok - fail <= BISECTION_REL_TOL * ok:
+        if fail is None or ok - fail <= BISECTION_REL_TOL * ok or budget.timed_out:
             break
         trial = 0.5 * (fail + ok)
     if best is not None:
         mk = max(rank_load_s(model, r) for r in best)
         # lexicographic second step: least total work among plans with this makespan
-        if time.perf_counter() < deadline:
-            lean = _integer_plan(pulp, model, pool, mk, deadline - time.perf_counter(), solver_cls)
-            if (
-                lean is not None
-                and max(rank_load_s(model, r) for r in lean) <= mk * (1 + 1e-9)
-                and sum(rank_load_s(model, r) for r in lean) < sum(rank_load_s(model, r) for r in best)
-            ):
-                best = lean
+        lean = _integer_plan(pulp, model, pool, mk, budget, solver_cls, max_nodes=IP_MAX_NODES)
+        if (
+            lean is not None
+            and max(rank_load_s(model, r) for r in lean) <= mk * (1 + 1e-9)
+            and sum(rank_load_s(model, r) for r in lean) < sum(rank_load_s(model, r) for r in best)
+        ):
+            best = lean
         notes.append(
             f"configurations: integer plan makespan {mk * 1e3:.3f} ms from {len(pool.configs)} configurations"
         )
     else:
-        notes.append("configurations: no integer plan in time")
+        notes.append("configurations: no integer plan below the LPT makespan")
     return ConfigResult(best, proven, notes)

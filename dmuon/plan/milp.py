@@ -1,12 +1,13 @@
 """The MILP balancer: batching and owner assignment as integer programs (pulp + HiGHS).
 
-Pipeline (`solve_milp`), all within the time limit, never worse than its LPT start:
+Pipeline (`solve_milp`), never worse than its LPT start:
   1. start = LPT (`balance.lpt`); if it meets the combinatorial lower bound it is optimal: done.
-  2. configuration model (`colgen`, no memory cap): identical ranks aggregated exactly; gives a proven
-     lower bound (configuration LP) and a plan (column generation + diving + MILP over configurations).
-  3. per-rank model (below) when N x (variables per rank) <= MAX_EXACT_VARS, warm-started from the best
-     plan so far; its HiGHS dual bound is a second proven bound. With a memory cap and more ranks, the
-     ranks are aggregated into groups instead (see "Scale").
+  2. without a memory cap: the configuration model (`colgen`): identical ranks aggregated exactly; gives
+     a proven lower bound (configuration LP) and a plan (column generation + diving + MILP over
+     configurations). Its size does not grow with N.
+  3. with a memory cap (the configuration model has no memory dimension): the per-rank model (below),
+     warm-started from LPT; its HiGHS dual bound is a proven bound. With more ranks than
+     MAX_EXACT_VARS allows, the ranks are aggregated into groups instead (see "Scale").
 The reported gap is (makespan - best proven bound) / makespan.
 
 Per-rank model. Variables x[s, b, r] = number of batches of b matrices of shape class s that rank r
@@ -14,22 +15,23 @@ runs (b over the class's usable sizes, see `balance`), and the makespan M:
     sum_{b, r} b x[s, b, r] = count(s)                       every matrix in exactly one batch
     load(r) = sum_{s, b} T(s, b) x[s, b, r] <= M
     load(r) >= load(r + 1)                                   identical ranks: symmetry broken by load order
-    sum_{s, b} b state(s) x[s, b, r] <= memory cap           (optional)
+    sum_{s, b} b state(s) x[s, b, r] <= memory cap
     M >= lower bound                                         (a valid cut: the bound is a theorem)
 Phase 1 minimizes M; phase 2 fixes M <= M* and minimizes the total work sum_r load(r) (lexicographic:
-the makespan is never traded for work). Both phases are warm-started. Times are scaled by the lower
-bound (M ~ 1).
+the makespan is never traded for work). Both phases are warm-started and stop after PER_RANK_MAX_NODES
+branch-and-bound nodes. Times are scaled by the lower bound (M ~ 1).
 
-Scale: with a memory cap (the configuration model has no memory dimension) and N x (variables per rank)
-above MAX_EXACT_VARS, identical ranks are aggregated into G groups of (nearly) equal size; every rank of
-a group runs the same batches, the cover constraint becomes sum_g size(g) sum_b b x[s, b, g] >= count(s)
-and surplus slots are dropped afterwards (dropping only lowers loads). That is a restriction of the exact
-model: its solver bound is not a bound for the real problem, so the gap then uses the other bounds.
+Scale: when N x (variables per rank) exceeds MAX_EXACT_VARS, identical ranks are aggregated into G
+groups of (nearly) equal size; every rank of a group runs the same batches, the cover constraint becomes
+sum_g size(g) sum_b b x[s, b, g] >= count(s) and surplus slots are dropped afterwards (dropping only
+lowers loads). That is a restriction of the exact model: its solver bound is not a bound for the real
+problem, so the gap then uses the combinatorial bound.
 
-The bundled CBC reports "Optimal" when it stops at its time limit; HiGHS reports kTimeLimit, and the
-proven gap is read from its dual bound (exact model only). No solver, no solution or a wrong solution
--> LPT, with a RuntimeWarning (from build_plan) and a note in the Plan. Determinism: same input, same
-plan whenever no solver phase stops at its time limit (the notes say when one did).
+Determinism: every phase is limited by work (pricing rounds, bisection steps, branch-and-bound nodes;
+HiGHS on one thread with a fixed random seed), so the same input gives the same plan. The time limit is
+a wall-clock safety net (`Budget`) sized never to decide on the project's workloads; if it ever stops a
+phase, the plan's notes say so (that plan may then differ between runs). No solver, no solution or a
+wrong solution -> LPT, with a RuntimeWarning (from build_plan) and a note in the Plan.
 """
 
 from __future__ import annotations
@@ -44,11 +46,41 @@ from dataclasses import dataclass, field
 from .balance import Loads, WorkModel, lpt, rank_load_s, rebatch
 
 MAX_EXACT_VARS = 6000  # x variables of the exact (per-rank) model; above: rank groups
-CONFIG_SHARE = 0.7  # of the budget for the configuration model when the per-rank model runs too
-PHASE1_SHARE = 0.7  # of the per-rank model's time for its phase 1
+PER_RANK_MAX_NODES = 300  # branch-and-bound nodes per phase of the per-rank model (memory cap only)
 GAP_TOLERANCE = 1e-3  # a plan this close to a proven bound is not searched further
-MIN_SOLVE_S = 0.2  # a solver phase is not started with less time than this
-TIME_SHARE = 0.93  # of build_plan's time limit that the solvers may use
+TIME_SHARE = 0.93  # of build_plan's time limit that the solvers may use (the rest: model building)
+
+
+class Budget:
+    """The wall-clock safety net of one solve: phases ask `expired(phase)` at their loop heads and give
+    HiGHS `left_s()` as its time limit. Work limits end every phase first on the project's workloads;
+    `stopped` names the phases the clock ended (their results may differ between runs)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.deadline = time.perf_counter() + seconds
+        self.stopped: list[str] = []
+
+    @property
+    def timed_out(self) -> bool:
+        return bool(self.stopped)
+
+    def left_s(self) -> float:
+        return max(0.0, self.deadline - time.perf_counter())
+
+    def expired(self, phase: str, *, force: bool = False) -> bool:
+        if force or time.perf_counter() >= self.deadline:
+            if phase not in self.stopped:
+                self.stopped.append(phase)
+            return True
+        return False
+
+
+def stopped_by_clock(highs) -> bool:
+    """Whether a highspy.Highs run ended at its time limit."""
+    import highspy
+
+    return highs.getModelStatus() == highspy.HighsModelStatus.kTimeLimit
 
 
 @dataclass
@@ -110,9 +142,7 @@ def _makespan(model: WorkModel, loads: Loads) -> float:
 def solve_milp(
     model: WorkModel, *, time_limit_s: float = 10.0, seed: int = 0, max_exact_vars: int = MAX_EXACT_VARS
 ) -> MilpResult:
-    """Best owner/batch assignment found within the time limit; see the module docstring."""
-    t0 = time.perf_counter()
-    budget_s = TIME_SHARE * time_limit_s  # the rest covers model building, checks and the plan around it
+    """Best owner/batch assignment within the work limits (see the module docstring)."""
     notes: list[str] = []
     try:
         import highspy  # noqa: F401
@@ -120,6 +150,7 @@ def solve_milp(
         import pulp
     except ImportError as e:
         return _fallback(model, f"no MILP solver ({e.name} is not installed)", notes)
+    budget = Budget(TIME_SHARE * time_limit_s)  # the rest covers model building and the plan around it
     start = lpt(model)
     start_mk = _makespan(model, start)
     best, best_mk = start, start_mk
@@ -135,19 +166,13 @@ def solve_milp(
     if model.memory_cap_bytes is None:
         from .colgen import configuration_search
 
-        share = CONFIG_SHARE if exact else 1.0
-        cfg = configuration_search(
-            model,
-            start,
-            time_limit_s=share * (budget_s - (time.perf_counter() - t0)),
-            solver_cls=solver_cls,
-        )
+        cfg = configuration_search(model, start, budget=budget, solver_cls=solver_cls)
         notes += cfg.notes
         bound = max(bound, cfg.bound_s)
         if cfg.loads is not None and _makespan(model, cfg.loads) < best_mk:
             best, best_mk = cfg.loads, _makespan(model, cfg.loads)
         how.append("configuration model")
-    if best_mk > bound * (1 + GAP_TOLERANCE) and (exact or model.memory_cap_bytes is not None):
+    elif best_mk > bound * (1 + GAP_TOLERANCE):
         groups = [1] * n_ranks
         if not exact:
             g = max(1, max_exact_vars // per_rank_vars)
@@ -156,25 +181,17 @@ def solve_milp(
                 f"MILP: {n_ranks} identical ranks aggregated into {g} groups of "
                 f"{min(groups)}-{max(groups)} ranks running the same batches (memory cap set)"
             )
-        solver = _Solver(pulp, solver_cls, model, groups, model.lower_bound_s)
-        remaining = budget_s - (time.perf_counter() - t0)
-        sol1 = None
-        if remaining > MIN_SOLVE_S:
-            sol1 = solver.solve(best if exact else None, phase=1, time_limit_s=remaining * PHASE1_SHARE)
+        solver = _Solver(pulp, solver_cls, model, groups, model.lower_bound_s, budget)
+        sol1 = solver.solve(best if exact else None, phase=1)
         if sol1 is not None:
             loads1, bound1 = sol1
             bound = max(bound, bound1)
             if _makespan(model, loads1) <= best_mk * (1 + 1e-12):
                 best, best_mk = loads1, _makespan(model, loads1)
-            remaining = budget_s - (time.perf_counter() - t0)
-            sol2 = (
-                solver.solve(best, phase=2, time_limit_s=remaining, makespan_cap_s=best_mk)
-                if exact and remaining > MIN_SOLVE_S
-                else None
-            )
+            sol2 = solver.solve(best, phase=2, makespan_cap_s=best_mk) if exact else None
             if sol2 is not None and _makespan(model, sol2[0]) <= best_mk * (1 + 1e-9):
                 best = sol2[0]
-        notes.append(solver.last_status or "per-rank model: no time left to start it")
+        notes.append(solver.last_status or "per-rank model: not run (wall-clock limit)")
         how.append("per-rank model" if exact else "grouped per-rank model")
     best = rebatch(model, best)
     mk = _makespan(model, best)
@@ -182,16 +199,21 @@ def solve_milp(
         best, mk = start, start_mk
     gap = max(0.0, (mk - bound) / mk) if mk > 0 else 0.0
     notes.append(
-        f"MILP ({' + '.join(how)}): makespan {mk * 1e3:.3f} ms vs LPT {start_mk * 1e3:.3f} ms; proven "
-        f"lower bound {bound * 1e3:.3f} ms, gap {gap:.2%}; {time.perf_counter() - t0:.2f} s"
+        f"MILP ({' + '.join(how) or 'LPT start kept'}): makespan {mk * 1e3:.3f} ms vs LPT "
+        f"{start_mk * 1e3:.3f} ms; proven lower bound {bound * 1e3:.3f} ms, gap {gap:.2%}"
     )
+    if budget.timed_out:
+        notes.append(
+            f"MILP: the wall-clock limit ({time_limit_s:g} s) stopped {', '.join(budget.stopped)} before "
+            "its work limit, so this plan may differ between runs (a larger time_limit_s avoids it)"
+        )
     return MilpResult(best, gap, bound, notes)
 
 
 class _Solver:
     """Builds and solves one phase of the (exact or grouped) model with pulp's HiGHS interface."""
 
-    def __init__(self, pulp, solver_cls, model: WorkModel, groups: list[int], scale_s: float):
+    def __init__(self, pulp, solver_cls, model: WorkModel, groups: list[int], scale_s: float, budget: Budget):
         self.pulp, self.solver_cls, self.model, self.groups, self.scale = (
             pulp,
             solver_cls,
@@ -199,13 +221,16 @@ class _Solver:
             groups,
             scale_s,
         )
+        self.budget = budget
         self.status_text: dict[int, str] = {}
         self.last_status = ""
 
     def solve(
-        self, start: Loads | None, *, phase: int, time_limit_s: float, makespan_cap_s: float | None = None
+        self, start: Loads | None, *, phase: int, makespan_cap_s: float | None = None
     ) -> tuple[Loads, float] | None:
         pulp, model, groups = self.pulp, self.model, self.groups
+        if self.budget.expired(f"per-rank model phase {phase}"):
+            return None
         exact = all(g == 1 for g in groups)
         prob = pulp.LpProblem(f"dmuon_balance_phase{phase}", pulp.LpMinimize)
         x = {}
@@ -260,14 +285,20 @@ class _Solver:
                         if (s, b, g) in x:
                             warm[x[s, b, g].name] += 1
             warm["M"] = max(rank_load_s(model, r) for r in start) / self.scale
-        solver = self.solver_cls(warm, msg=False, timeLimit=time_limit_s, threads=1, gapRel=1e-6)
+        solver = self.solver_cls(
+            warm, msg=False, timeLimit=self.budget.left_s(), threads=1, gapRel=1e-6,
+            mip_max_nodes=PER_RANK_MAX_NODES,
+        )
         prob.solve(solver)
         highs = prob.solverModel
         status = highs.getModelStatus()
         info = highs.getInfo()
-        self.status_text[phase] = (
-            f"HiGHS phase {phase}: {highs.modelStatusToString(status)}, gap {info.mip_gap:.2%}"
-        )
+        if stopped_by_clock(highs):
+            self.budget.expired(f"per-rank model phase {phase}", force=True)
+        text = highs.modelStatusToString(status)
+        if info.mip_node_count >= PER_RANK_MAX_NODES and status != type(status).kOptimal:
+            text = f"node limit ({PER_RANK_MAX_NODES})"
+        self.status_text[phase] = f"HiGHS phase {phase}: {text}, gap {info.mip_gap:.2%}"
         self.last_status = self.status_text[phase]
         if info.primal_solution_status == 0:
             self.last_status += " (no solution)"
@@ -327,6 +358,20 @@ def _warm_highs(pulp, seed: int):
         def createAndConfigureSolver(self, lp):
             with _quiet_stdout():
                 super().createAndConfigureSolver(lp)
+
+        def findSolutionValues(self, lp):
+            """pulp's status mapping, plus the HiGHS stops it does not know (node / solution limits):
+            the variable values are read either way; the status says whether a solution exists."""
+            from pulp import constants
+
+            try:
+                return super().findSolutionValues(lp)
+            except KeyError:
+                found = lp.solverModel.getInfo().primal_solution_status != 0
+                return (
+                    constants.LpStatusNotSolved,
+                    constants.LpSolutionIntegerFeasible if found else constants.LpSolutionNoSolutionFound,
+                )
 
         def callSolver(self, lp):
             if self.start:
