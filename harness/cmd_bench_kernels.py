@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 
 SHAPE_SETS = ("qwen", "wall-oss", "squares", "all")
@@ -162,23 +160,18 @@ def run_bench(shapes: str | None = None, dtype: str | None = None, repeats: int 
 def write_csv(rows: list[dict], path: str) -> None:
     """All rows (union of columns) to `path`, atomically (temp file + os.replace)."""
     import csv
+    import io
+
+    from dmuon.io import atomic_write_text
 
     cols: list[str] = []
     for r in rows:
         cols.extend(k for k in r if k not in cols)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".bench_kernels.", suffix=".csv", dir=folder)
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=cols)
-            w.writeheader()
-            w.writerows([{k: ("" if r.get(k) is None else r.get(k)) for k in cols} for r in rows])
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols)
+    w.writeheader()
+    w.writerows([{k: ("" if r.get(k) is None else r.get(k)) for k in cols} for r in rows])
+    atomic_write_text(path, buf.getvalue())
 
 
 def _fmt_ms(v) -> str:

@@ -297,9 +297,9 @@ def register(app, bench) -> None:
             n = int(ranks)
         except ValueError:
             raise InputError(f"--ranks must be a positive integer, got {ranks!r}") from None
+        from dmuon.io import atomic_write_text
         from dmuon.plan.build import build_plan
         from dmuon.plan.cost import CostTable
-        from dmuon.plan.profile_io import write_text_atomic
 
         wl = load_matrices(workload, scale, blocks)
         cap = None if memory_cap_gb is None else memory_cap_gb * 1e9
@@ -321,7 +321,7 @@ def register(app, bench) -> None:
             time_limit_s=time_limit,
         )
         if out:
-            write_text_atomic(out, plan.to_json(indent=1))
+            atomic_write_text(out, plan.to_json(indent=1))
         if json_out:
             print(json.dumps(plan_summary(plan, wl.name), indent=1))
         else:

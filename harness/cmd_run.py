@@ -247,8 +247,10 @@ def register(app, bench) -> None:
 
         import pandas as pd
 
+        from dmuon.io import atomic_path, atomic_write_text
+
         from . import validation as v
-        from .sweep import load_experiment, provenance, run_sweep, write_text_atomic
+        from .sweep import load_experiment, provenance, run_sweep
 
         out_dir = Path(out)
         t0 = time.perf_counter()
@@ -266,10 +268,8 @@ def register(app, bench) -> None:
                 tuple(_csv_list(ranks, "--ranks", int)),
                 progress=lambda s: print(s, file=sys.stderr, flush=True),
             )
-            out_dir.mkdir(parents=True, exist_ok=True)
-            tmp = bench_csv.with_suffix(".tmp")
-            pd.DataFrame(bench).to_csv(tmp, index=False)
-            os.replace(tmp, bench_csv)
+            with atomic_path(bench_csv) as tmp:
+                pd.DataFrame(bench).to_csv(tmp, index=False)
             source = "measured now"
         else:
             bench, src = v.read_bench_rows(
@@ -278,10 +278,8 @@ def register(app, bench) -> None:
             source = f"stored rows {src}"
         rows += v.closed_loop_checks(bench, source)
         df = pd.DataFrame(rows)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        tmp = out_dir / ".validation.csv.tmp"
-        df.to_csv(tmp, index=False)
-        os.replace(tmp, out_dir / "validation.csv")
+        with atomic_path(out_dir / "validation.csv") as tmp:
+            df.to_csv(tmp, index=False)
 
         class _Exp:  # provenance() only reads name and path
             name, path = VALIDATION, Path("harness validate")
@@ -289,7 +287,7 @@ def register(app, bench) -> None:
         prov = provenance(
             _Exp, rows, kind="simulated vs published and measured", wall_s=time.perf_counter() - t0, jobs=1
         )
-        write_text_atomic(out_dir / "provenance.json", json.dumps(prov, indent=1) + "\n")
+        atomic_write_text(out_dir / "provenance.json", json.dumps(prov, indent=1) + "\n")
         failed = print_validation(df)
         if figure:
             from .figures import render_experiment

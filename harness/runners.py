@@ -113,9 +113,8 @@ def _traced(s: dict, traces) -> bool:
 
 def _write_trace(built, res, s: dict, out_dir: Path) -> str:
     """The last simulated step (steady state) as a Chrome trace; returns its path relative to out_dir."""
+    from dmuon.io import atomic_write_text as write_text_atomic
     from simulator.trace import trace_events
-
-    from .sweep import write_text_atomic
 
     tag = "_".join(
         str(s[k]) for k in ("workload", "gpus", "gpu", "strategy", "variant") if s.get(k) is not None

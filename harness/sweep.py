@@ -36,7 +36,6 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from pathlib import Path
 import tomllib
 
 from dmuon.errors import InputError, choice_error
+from dmuon.io import atomic_path, atomic_write_text, file_mode  # noqa: F401 - file_mode re-exported
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS_DIR = ROOT / "experiments"
@@ -347,26 +347,9 @@ def expand(exp: Experiment) -> list[dict]:
 
 
 # ---- storage -------------------------------------------------------------------------------------
-def file_mode() -> int:
-    """0o666 minus the umask: what open() would give (mkstemp's temp files are 0o600)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
 def write_text_atomic(path: Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, file_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """`dmuon.io.atomic_write_text`: temp file in the same folder, then os.replace."""
+    atomic_write_text(path, text)
 
 
 class ResultStore:
@@ -422,17 +405,8 @@ class ResultStore:
         for r in rows:
             cols.extend(k for k in r if k not in cols)
         df = pd.DataFrame(rows, columns=cols)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".results.", suffix=".csv", dir=self.dir)
-        os.close(fd)
-        try:
+        with atomic_path(self.csv) as tmp:
             df.to_csv(tmp, index=False)
-            os.chmod(tmp, file_mode())
-            os.replace(tmp, self.csv)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
         if self.journal.exists():
             self.journal.unlink()
         return len(rows)

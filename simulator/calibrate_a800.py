@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import re
-import tempfile
 from pathlib import Path
 
 from .compute import layer_flops
@@ -93,10 +91,9 @@ def _replace_entry(text: str, key: str, value: float, source: str) -> str:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    from dmuon.io import atomic_write_text
+
+    atomic_write_text(path, text)
 
 
 def write(result: dict) -> None:

@@ -257,10 +257,9 @@ def render(comm, base_s: float, alpha_s: float, comp: dict, comp_rows: list[dict
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    from dmuon.io import atomic_write_text
+
+    atomic_write_text(path, text)
 
 
 def main(argv: list[str] | None = None) -> int:

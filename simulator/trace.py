@@ -10,8 +10,6 @@ microseconds. Collectives appear on every participant's comm track with the coll
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 from dmuon.errors import InputError
@@ -61,13 +59,6 @@ def write_trace(built, path: str | Path, *, ranks_per_node: int, metadata: dict 
         raise InputError(f"trace directory {str(path.parent)!r} does not exist")
     doc = {"traceEvents": trace_events(built, ranks_per_node), "displayTimeUnit": "ms",
            "otherData": metadata or {}}
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, separators=(",", ":"), default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    from dmuon.io import atomic_write_text
+
+    return atomic_write_text(path, json.dumps(doc, separators=(",", ":"), default=str))

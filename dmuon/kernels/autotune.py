@@ -18,7 +18,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -104,20 +103,13 @@ def read_cache_file(path: Path) -> dict[str, Entry]:
 
 def write_cache_file(path: Path, entries: dict[str, Entry]) -> None:
     """Write all `entries` to `path` atomically: a temp file in the same folder, then os.replace."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    from ..io import atomic_path
+
     doc = {"format": CACHE_FORMAT, "entries": {k: entries[k].to_dict() for k in sorted(entries)}}
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 class AutotuneCache:

@@ -25,8 +25,6 @@ from __future__ import annotations
 import csv
 import io
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,20 +176,11 @@ def keep_faster(rows: list[ProfileRow], earlier: list[ProfileRow]) -> list[Profi
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to `path` via a temp file in the same folder and os.replace: never half-written."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    """Write `text` to `path` via a temp file in the same folder and os.replace: never half-written
+    (`dmuon.io.atomic_write_text`)."""
+    from ..io import atomic_write_text
+
+    atomic_write_text(path, text)
 
 
 def write_profile(path: str | Path, rows: list[ProfileRow]) -> None:

@@ -179,7 +179,7 @@ def render_experiment(
 
 def write_index(figures_dir: Path, entries: list[dict]) -> Path:
     """Merge `entries` into figures.json and regenerate index.md from it (both atomically)."""
-    from ..sweep import write_text_atomic
+    from dmuon.io import atomic_write_text as write_text_atomic
 
     figures_dir = Path(figures_dir)
     store = figures_dir / "figures.json"

@@ -5,8 +5,6 @@ measured where).
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 STRATEGY_COLORS = {"adamw": "#4c72b0", "naive": "#c44e52", "dmuon": "#55a868"}
@@ -63,24 +61,14 @@ def profile_caption(df) -> str:
 
 
 def save(fig, out_dir: Path, stem: str) -> list[Path]:
-    """PNG and PDF, each written to a temp file and renamed."""
-    from ..sweep import file_mode
+    """PNG and PDF, each written to a temp file and renamed (`dmuon.io.atomic_path`)."""
+    from dmuon.io import atomic_path
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for ext in ("png", "pdf"):
-        path = out_dir / f"{stem}.{ext}"
-        fd, tmp = tempfile.mkstemp(prefix=f".{stem}.", suffix=f".{ext}", dir=out_dir)
-        os.close(fd)
-        try:
+        path = Path(out_dir) / f"{stem}.{ext}"
+        with atomic_path(path) as tmp:
             fig.savefig(tmp, format=ext, bbox_inches="tight")
-            os.chmod(tmp, file_mode())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
         paths.append(path)
     return paths
 

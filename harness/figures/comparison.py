@@ -184,7 +184,7 @@ def _ablation(root: Path) -> list[str]:
 
 
 def write_comparison(path: Path, results_root: Path) -> Path:
-    from ..sweep import write_text_atomic
+    from dmuon.io import atomic_write_text as write_text_atomic
 
     root = Path(results_root)
     lines = [
