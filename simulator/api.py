@@ -19,6 +19,7 @@ Times are maxima over ranks (the step ends when the slowest rank ends).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 
@@ -160,6 +161,21 @@ def _check_int(name: str, v, minimum: int = 1) -> None:
         raise InputError(f"{name} must be an integer >= {minimum}, got {v!r}")
 
 
+def _check_bool(name: str, v, none_ok: bool = False) -> None:
+    if not (isinstance(v, bool) or (none_ok and v is None)):
+        accepted = "true, false" + (" or unset (None)" if none_ok else "")
+        raise InputError(f"{name} must be {accepted}, got {v!r}")
+
+
+def _check_number(name: str, v, *, positive: bool, none_ok: bool = True, what: str = "") -> None:
+    if v is None and none_ok:
+        return
+    ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+          and (v > 0 if positive else v >= 0))
+    if not ok:
+        raise InputError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}{what}, got {v!r}")
+
+
 def validate_config(cfg: SimConfig) -> None:
     """Raise InputError naming the bad field and what is accepted."""
     _check_int("gpus", cfg.gpus)
@@ -184,13 +200,14 @@ def validate_config(cfg: SimConfig) -> None:
     for name in ("ns_dtype", "param_comm_dtype", "grad_comm_dtype"):
         if getattr(cfg, name) is not None and getattr(cfg, name) not in DTYPE_BYTES:
             raise choice_error(name.replace("_", " "), getattr(cfg, name), DTYPE_BYTES)
+    for name in ("gram", "batching", "overlap", "hierarchical"):
+        _check_bool(name, getattr(cfg, name))
+    _check_bool("symmetric_kernels", cfg.symmetric_kernels, none_ok=True)
     nic = cfg.nic_gbps
     if nic is not None and (isinstance(nic, bool) or not isinstance(nic, (int, float)) or not nic > 0):
         raise InputError(f"nic_gbps must be a positive number (Gbit/s per node), got {cfg.nic_gbps!r}")
-    if cfg.overlap_slowdown is not None and not cfg.overlap_slowdown >= 0:
-        raise InputError(f"overlap_slowdown must be >= 0, got {cfg.overlap_slowdown!r}")
-    if not cfg.milp_time_limit_s > 0:
-        raise InputError(f"milp_time_limit_s must be > 0, got {cfg.milp_time_limit_s!r}")
+    _check_number("overlap_slowdown", cfg.overlap_slowdown, positive=False, what=" (0 = no slowdown)")
+    _check_number("milp_time_limit_s", cfg.milp_time_limit_s, positive=True, none_ok=False, what=" seconds")
 
 
 def node_shape(gpus: int, gpus_per_node: int) -> tuple[int, int]:
@@ -198,8 +215,11 @@ def node_shape(gpus: int, gpus_per_node: int) -> tuple[int, int]:
     if gpus <= gpus_per_node:
         return 1, gpus
     if gpus % gpus_per_node:
-        raise InputError(f"gpus ({gpus}) must be <= gpus_per_node ({gpus_per_node}) or a multiple of it; "
-                         f"accepted here: 1..{gpus_per_node} or {gpus_per_node}, {2 * gpus_per_node}, ...")
+        below, above = gpus - gpus % gpus_per_node, gpus - gpus % gpus_per_node + gpus_per_node
+        raise InputError(f"gpus={gpus} is not a whole number of {gpus_per_node}-GPU nodes "
+                         f"({gpus / gpus_per_node:g} nodes); accepted: 1..{gpus_per_node} (one node, "
+                         f"possibly partial) or a multiple of {gpus_per_node} (nearest: {below} or {above}), "
+                         "or set gpus_per_node")
     return gpus // gpus_per_node, gpus_per_node
 
 

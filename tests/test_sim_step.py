@@ -184,7 +184,8 @@ def test_ablation_switches_change_the_plan():
     ({"layout": "zero9"}, "unknown layout 'zero9'; accepted: fsdp-keep, fsdp-free"),
     ({"strategy": "sgd"}, "unknown strategy 'sgd'; accepted: adamw, naive, dmuon"),
     ({"gpus": 0}, "gpus must be an integer >= 1"),
-    ({"gpus": 12}, r"gpus \(12\) must be <= gpus_per_node \(8\) or a multiple of it"),
+    ({"gpus": 12}, r"gpus=12 is not a whole number of 8-GPU nodes \(1.5 nodes\); accepted: 1..8 .* "
+                   r"multiple of 8 \(nearest: 8 or 16\)"),
     ({"nic_gbps": -100.0}, "nic_gbps must be a positive number"),
     ({"balancer": "greedy"}, "unknown balancer 'greedy'; accepted: round_robin, lpt, milp"),
 ])
