@@ -44,6 +44,22 @@ _COMPUTE_KEYS = ("peak_bf16_tflops", "hbm_GBps", "fwd_tflops", "fwd_layer_overhe
                  "bwd_layer_overhead_ms", "optimizer_overhead_ms", "elementwise_scale", "overlap_slowdown")
 _NETWORK_KEYS = ("nvlink_GBps", "base_latency_us", "intra_alpha_us", "inter_alpha_us", "nic_gbps_per_node",
                  "inter_efficiency")
+_TOP_KEYS = ("name", "description", "gpu", "cost_profile", "dtype", "symmetric_kernels", "gpus_per_node",
+             "cpu_cores", "compute", "network")
+_NETWORK_TABLE_KEYS = (*_NETWORK_KEYS, "points", "curve_from", "curve_scale")
+_POINT_KEYS = ("kind", "ranks", "size_bytes", "time_ms", "source")
+
+
+def _check_keys(table: dict, accepted: tuple[str, ...], where: str) -> None:
+    unknown = [k for k in table if k not in accepted]
+    if unknown:
+        raise InputError(f"{where}: unknown key {unknown[0]!r}; accepted: {', '.join(accepted)}")
+
+
+def _as_table(v, where: str) -> dict:
+    if not isinstance(v, dict):
+        raise InputError(f"{where} must be a table ([section] with key = value lines), got {v!r}")
+    return v
 
 
 @dataclass(frozen=True)
@@ -142,17 +158,23 @@ def _curves_from_points(points: list, net_base: dict, where: str, prov: dict,
                         cores: int = 0) -> dict[str, BandwidthCurve]:
     base_s, alpha_s = net_base["base_latency_s"], net_base["intra_alpha_s"]
     per: dict[str, dict[float, list[float]]] = {k: {} for k in _CURVE_KINDS}
+    if not isinstance(points, list):
+        raise InputError(f"{where}: network.points must be an array of tables ([[network.points]])")
     for i, p in enumerate(points):
         w = f"{where}: network.points[{i}]"
+        _check_keys(_as_table(p, w), _POINT_KEYS, w)
         kind = p.get("kind")
         if kind not in _CURVE_KINDS:
             raise choice_error(f"point kind in {w}", kind, _CURVE_KINDS)
         n = p.get("ranks")
         if isinstance(n, bool) or not isinstance(n, int) or n < 2:
             raise InputError(f"{w}: ranks must be an integer >= 2, got {n!r}")
-        size, t_ms = float(p.get("size_bytes", 0)), float(p.get("time_ms", 0))
-        if size <= 0 or t_ms <= 0:
-            raise InputError(f"{w}: size_bytes and time_ms must be positive")
+        size, t_ms = p.get("size_bytes", 0), p.get("time_ms", 0)
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf
+               for v in (size, t_ms)):
+            raise InputError(f"{w}: size_bytes and time_ms must be positive numbers, got {size!r} and "
+                             f"{t_ms!r}")
+        size, t_ms = float(size), float(t_ms)
         if cores > 0:  # CPU host: normalize to an uncontended host (see Profile.network_for)
             t_ms /= max(1.0, n / cores)
         factor = 2 if kind == "all_reduce" else 1  # ring steps and bus bytes, as collectives.py
@@ -178,14 +200,21 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
     path = PROFILE_DIR / f"{text}.toml"
     if not path.is_file():
         path = Path(text)
-        if path.suffix.lower() != ".toml" or not path.is_file():
+        if path.suffix.lower() == ".toml" and not path.is_file():
+            raise InputError(f"gpu profile file {text!r} does not exist; accepted: a profile .toml path or "
+                             f"one of {', '.join(profile_names())}")
+        if path.suffix.lower() != ".toml":
             raise choice_error("gpu profile", text, list(profile_names()) + ["<path>.toml"])
     if str(path) in _seen:
         raise InputError(f"{path}: curve_from cycle through {_seen}")
     data = _read(path)
     where = str(path)
     prov: dict[str, str] = {}
-    comp, net = data.get("compute", {}), data.get("network", {})
+    _check_keys(data, _TOP_KEYS, where)
+    comp = _as_table(data.get("compute", {}), f"{where}: [compute]")
+    net = _as_table(data.get("network", {}), f"{where}: [network]")
+    _check_keys(comp, _COMPUTE_KEYS, f"{where}: [compute]")
+    _check_keys(net, _NETWORK_TABLE_KEYS, f"{where}: [network]")
     c: dict[str, float] = {}
     for key in _COMPUTE_KEYS:
         if key not in comp:
