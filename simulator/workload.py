@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import csv
 import math
-import tomllib
 from collections import Counter
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
+
+import tomllib
 
 from dmuon.errors import InputError, choice_error
 from dmuon.plan.types import MatrixSpec
@@ -80,7 +81,8 @@ class Workload:
     @property
     def muon_matrices(self) -> tuple[MatrixSpec, ...]:
         """The Muon-managed matrices as planner input (name, shape, layer)."""
-        return tuple(MatrixSpec(p.name, p.rows, p.cols, p.layer) for p in self.params if p.optimizer == "muon")
+        return tuple(MatrixSpec(p.name, p.rows, p.cols, p.layer) for p in self.params
+                     if p.optimizer == "muon")
 
     @property
     def adamw_params(self) -> tuple[ParamSpec, ...]:
@@ -143,7 +145,7 @@ def _positive_int(value, what: str, where: str) -> int:
         raise WorkloadError(f"{where}: {what} must be a positive integer, got {value!r}")
     if isinstance(value, str):
         text = value.strip()
-        if not text.isdigit():
+        if not (text.isascii() and text.isdigit()):  # int() rejects some Unicode digits (e.g. '²')
             raise WorkloadError(f"{where}: {what} must be a positive integer, got {value!r}")
         value = int(text)
     if not isinstance(value, int) or value <= 0:
@@ -157,7 +159,8 @@ def _make_row(raw: dict, where: str) -> _Row:
         raise WorkloadError(f"{where}: a matrix needs a non-empty name")
     optimizer = str(raw.get("optimizer") or "muon").strip().lower()
     if optimizer not in OPTIMIZERS:
-        raise WorkloadError(f"{where}: optimizer {optimizer!r} is not accepted; accepted: {', '.join(OPTIMIZERS)}")
+        raise WorkloadError(f"{where}: optimizer {optimizer!r} is not accepted; accepted: "
+                            f"{', '.join(OPTIMIZERS)}")
     count = raw.get("count")
     return _Row(
         component=str(raw.get("component") or "model").strip(),
@@ -279,10 +282,12 @@ def _load_csv(path: Path) -> Workload:
             missing = [k for k in ("matrix", "rows", "cols") if k not in header]
             if missing:
                 raise WorkloadError(f"{path}: missing column {missing[0]!r}; required: matrix, rows, cols; "
-                                    f"optional: {', '.join(k for k in _ROW_KEYS if k not in ('matrix', 'rows', 'cols'))}")
+                                    "optional: "
+                                    + ", ".join(k for k in _ROW_KEYS if k not in ("matrix", "rows", "cols")))
             unknown = [k for k in header if k not in _ROW_KEYS]
             if unknown:
-                raise WorkloadError(f"{path}: unknown column {unknown[0]!r}; accepted: {', '.join(_ROW_KEYS)}")
+                raise WorkloadError(f"{path}: unknown column {unknown[0]!r}; accepted: "
+                                    f"{', '.join(_ROW_KEYS)}")
             rows = []
             for i, raw in enumerate(reader, start=2):
                 if None in raw:
