@@ -19,6 +19,15 @@ from pathlib import Path
 
 from dmuon.errors import choice_error
 
+
+def _number(v, default: float) -> float:
+    """A setting as a float for ordering rows only (bad values are reported when the row runs)."""
+    try:
+        return float(v)
+    except (TypeError, ValueError, OverflowError):
+        return default
+
+
 # ---- simulate ------------------------------------------------------------------------------------
 _SIM_SKIP = ("plan", "cost")
 _SIM_METRICS = (
@@ -72,7 +81,7 @@ class SimulateRunner:
         return json.dumps({k: v for k, v in sorted(s.items()) if k not in _NOT_PLAN}, default=str)
 
     def cost_hint(self, s: dict) -> float:
-        return float(s.get("gpus", 8)) * (4.0 if s.get("strategy") == "naive" else 1.0)
+        return _number(s.get("gpus", 8), 8.0) * (4.0 if s.get("strategy") == "naive" else 1.0)
 
     def label(self, row: dict) -> str:
         return " ".join(
@@ -163,7 +172,7 @@ class PlanRunner:
         return json.dumps({k: v for k, v in sorted(s.items()) if k != "balancer"}, default=str)
 
     def cost_hint(self, s: dict) -> float:
-        return 10.0 if s.get("balancer") == "milp" else float(s.get("gpus", 8)) / 256
+        return 10.0 if s.get("balancer") == "milp" else _number(s.get("gpus", 8), 8.0) / 256
 
     def label(self, row: dict) -> str:
         return f"{row.get('workload')} {row.get('gpus')} {row.get('balancer')}"
@@ -286,13 +295,14 @@ def measure_kernels(s: dict) -> dict:
 
     if s["dtype"] not in ("fp32", "bf16"):
         raise choice_error("dtype (CPU measurement)", s["dtype"], ("fp32", "bf16"))
+    for key in ("threads", "repeats", "steps", "max_batch"):
+        if isinstance(s[key], bool) or not isinstance(s[key], int) or s[key] < 1:
+            raise InputError(f"{key} must be a positive integer, got {s[key]!r}")
     if torch.cuda.is_available():
         device, where = torch.device("cuda"), torch.cuda.get_device_name()
     else:
         device, where = torch.device("cpu"), cpu_name()
         torch.set_num_threads(int(s["threads"]))
-    if not isinstance(s["repeats"], int) or s["repeats"] < 1:
-        raise InputError(f"repeats must be a positive integer, got {s['repeats']!r}")
     n, m, count = kernel_shape(s["workload"], s["matrix"], s["scale"])
     batch = max(1, min(count, int(s["max_batch"])))
     tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[s["dtype"]]

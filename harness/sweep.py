@@ -134,8 +134,8 @@ def load_experiment(name_or_path: str, overrides: list[str] | dict | None = None
 
     path = experiment_path(name_or_path)
     try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"{path}: not valid TOML: {e}") from None
     where = str(path)
     for k in raw:
@@ -276,6 +276,12 @@ def apply_overrides(exp: Experiment, overrides: dict, runner) -> None:
             raise InputError(
                 f"--set {key}: unknown setting for experiment {exp.name!r} ({exp.path}); "
                 f"accepted: {', '.join(accepted)}"
+            )
+        if isinstance(value, dict) or (isinstance(value, list) and any(isinstance(v, (dict, list))
+                                                                       for v in value)):
+            raise InputError(
+                f"--set {key}={value!r}: a table or nested list is not a setting value; give a scalar "
+                f"(--set {key}=8) or a list of scalars (--set {key}=[8,64])"
             )
         if isinstance(value, list):
             _axis_values(key, value, f"--set {key}")
