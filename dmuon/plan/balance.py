@@ -209,8 +209,8 @@ def _check_memory(model: WorkModel) -> None:
     cap = model.memory_cap_bytes
     if cap is None:
         return
-    if not cap > 0:
-        raise InputError(f"memory_cap_bytes must be positive, got {cap!r}")
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+        raise InputError(f"memory_cap_bytes must be a positive number of bytes (or None), got {cap!r}")
     biggest = max(c.state_bytes for c in model.classes)
     if biggest > cap:
         raise InputError(

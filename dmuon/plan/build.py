@@ -65,8 +65,13 @@ def build_plan(
         raise InputError(
             f"bucket_numel must be a non-negative integer (0 = one bucket per layer), got {bucket_numel!r}"
         )
-    if not time_limit_s > 0:
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
         raise InputError(f"time_limit_s must be positive, got {time_limit_s!r}")
+    for name, flag in (("batching", batching), ("anti_affinity", anti_affinity)):
+        if not isinstance(flag, bool):
+            raise InputError(f"{name} must be True or False, got {flag!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
+        raise InputError(f"seed must be an integer in [0, 2**31), got {seed!r}")
     t_start = time.perf_counter()
     model = build_work_model(
         matrices,
