@@ -36,9 +36,12 @@ def atomic_path(path: str | os.PathLike, suffix: str | None = None) -> Iterator[
     such as matplotlib's savefig, see the right one).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix if suffix is not None else path.suffix
-                               or ".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent,
+                                   suffix=suffix if suffix is not None else path.suffix or ".tmp")
+    except OSError as e:  # name the file the caller asked for, not the temp file
+        raise type(e)(e.errno, e.strerror, str(path)) from None
     os.close(fd)
     try:
         yield Path(tmp)

@@ -14,6 +14,8 @@ import typer
 
 from dmuon.errors import InputError
 
+from .errors import RunFailed
+
 COMMAND_MODULES: list[str] = [
     "harness.cmd_plan",
     "harness.cmd_bench_kernels",
@@ -37,12 +39,23 @@ for _name in COMMAND_MODULES:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console-script entry point: bad input -> one clear line on stderr and exit code 2."""
+    """Console-script entry point: bad input -> one clear line on stderr and exit code 2 (a path that
+    cannot be read or written counts as bad input); a run that failed (harness.errors.RunFailed) -> its
+    message and exit code 1. Anything else is a bug and keeps its traceback."""
     try:
         app(args=argv, prog_name="harness")
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.filename is None:
+            raise
+        print(f"error: cannot use {str(e.filename)!r}: {e.strerror or type(e).__name__}; give a path "
+              "that exists and that you may read (inputs) or write (outputs)", file=sys.stderr)
+        return 2
+    except RunFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except SystemExit as e:  # typer/click end every run with SystemExit (usage errors: code 2)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     return 0
