@@ -22,6 +22,8 @@ def _csv_list(text: str | None, what: str, convert=str) -> list:
 
     if text is None:
         return []
+    if not str(text).replace(",", "").strip():
+        raise InputError(f"{what}: {text!r} names nothing; give a comma-separated list (or leave it out)")
     out = []
     for part in str(text).split(","):
         part = part.strip()
@@ -37,11 +39,20 @@ def _csv_list(text: str | None, what: str, convert=str) -> list:
 
 
 def _fraction(text: str) -> float:
-    """'0.0625' or '1/16'."""
-    if "/" in text:
-        num, den = text.split("/", 1)
-        return float(num) / float(den)
-    return float(text)
+    """'0.0625' or '1/16' (a positive finite number)."""
+    from dmuon.errors import InputError
+
+    try:
+        if "/" in text:
+            num, den = text.split("/", 1)
+            value = float(num) / float(den)
+        else:
+            value = float(text)
+    except (ValueError, ZeroDivisionError):
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise InputError(f"--scale {text!r} is not a positive number; accepted: e.g. 0.0625 or 1/16")
+    return value
 
 
 def load_matrices(workload: str, scale: float | None = None, blocks: int | None = None):
@@ -366,8 +377,17 @@ def register(app, bench) -> None:
 
         import torch
 
+        from dmuon.errors import InputError, choice_error
         from dmuon.plan.profile import default_device_name, ns_shapes_of, profile_device
         from dmuon.plan.profile_io import format_rows, keep_faster, read_profile, write_profile
+
+        if device not in ("cpu", "cuda"):
+            raise choice_error("device", device, ("cpu", "cuda"))
+        if device == "cuda" and not torch.cuda.is_available():
+            raise InputError("--device cuda, but torch sees no CUDA GPU here; accepted: cpu")
+        if threads < 1:
+            raise InputError(f"--threads must be a positive integer, got {threads}")
+        earlier = read_profile(keep_faster_than) if keep_faster_than else None  # read before the timing
 
         scales = [_fraction(x) for x in _csv_list(scale, "--scale")] or (
             list(CPU_PROFILE_SCALES) if device == "cpu" else [1.0]
@@ -392,8 +412,8 @@ def register(app, bench) -> None:
             device_name=device_name or default_device_name(device),
             progress=None if json_out else (lambda s: print(s, file=sys.stderr)),
         )
-        if keep_faster_than:
-            rows = keep_faster(rows, read_profile(keep_faster_than))
+        if earlier is not None:
+            rows = keep_faster(rows, earlier)
         if out:
             write_profile(out, rows)
         if json_out:
