@@ -149,6 +149,11 @@ def register(app, bench) -> None:
             return
         exp = load_experiment(experiment, set_ or [])
         out_dir = Path(out) if out else DEFAULT_RESULTS / exp.name
+        if out_dir.exists() and not out_dir.is_dir():
+            from dmuon.errors import InputError
+
+            raise InputError(f"--out {str(out_dir)!r} is a file; give a folder (it holds results.csv, "
+                             "config.json, provenance.json)")
         results_root = out_dir.parent
         fig_dir = (
             Path(figures_dir)
@@ -259,7 +264,16 @@ def register(app, bench) -> None:
         if not paper_csv.is_file():
             print(f"{paper_csv} missing: running the paper experiment first", file=sys.stderr)
             run_sweep(load_experiment("paper"), paper_csv.parent, jobs=os.cpu_count() or 1)
-        rows += v.headline_checks(pd.read_csv(paper_csv), f"from {paper_csv}")
+        from .figures.common import read_results
+
+        try:
+            rows += v.headline_checks(read_results(paper_csv), f"from {paper_csv}")
+        except KeyError as e:
+            from dmuon.errors import InputError
+
+            raise InputError(f"{paper_csv} lacks the column {e.args[0]!r}: it is not the paper experiment's "
+                             "results table; give --paper-results results/paper/results.csv (harness run "
+                             "paper writes it)") from None
         bench_csv = out_dir / "bench_rows.csv"
         if measure:
             from .cmd_plan import _csv_list

@@ -117,7 +117,14 @@ def render(
     df = read_results(data)
     if df.empty:
         raise InputError(f"{data} has no rows")
-    fig = _call(spec, df, Path(results_dir))
+    try:
+        fig = _call(spec, df, Path(results_dir))
+    except KeyError as e:  # a table from another experiment or an older version of it
+        raise InputError(
+            f"{data} lacks the column {e.args[0]!r} that figure {spec.number} ({name}) needs; it holds "
+            f"{', '.join(map(str, df.columns[:12]))}{', ...' if len(df.columns) > 12 else ''}. Re-run "
+            f"`harness run {spec.experiment}` to rewrite it"
+        ) from None
     paths = save(fig, figures_dir, stem or spec.stem)
     entry = {
         "number": spec.number,
@@ -177,13 +184,28 @@ def render_experiment(
     return entries
 
 
+_ENTRY_KEYS = frozenset({"number", "title", "files", "data", "command", "redraw", "caption"})
+
+
 def write_index(figures_dir: Path, entries: list[dict]) -> Path:
     """Merge `entries` into figures.json and regenerate index.md from it (both atomically)."""
     from dmuon.io import atomic_write_text as write_text_atomic
 
     figures_dir = Path(figures_dir)
     store = figures_dir / "figures.json"
-    known = json.loads(store.read_text()) if store.exists() else {}
+    known = {}
+    if store.exists():
+        try:
+            known = json.loads(store.read_text())
+            if not isinstance(known, dict) or not all(isinstance(v, dict) and _ENTRY_KEYS <= set(v)
+                                                      for v in known.values()):
+                raise ValueError("not a map of figure entries")
+        except (ValueError, UnicodeDecodeError) as e:
+            import warnings
+
+            warnings.warn(f"ignoring corrupt {store} ({e}); the index is rebuilt from the figures drawn now",
+                          stacklevel=2)
+            known = {}
     for e in entries:
         known[e["files"][0].rsplit(".", 1)[0]] = e
     write_text_atomic(store, json.dumps(dict(sorted(known.items())), indent=1) + "\n")

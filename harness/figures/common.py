@@ -41,7 +41,11 @@ def read_results(path: Path):
     path = Path(path)
     if not path.is_file():
         raise InputError(f"no results table at {path}; run the experiment first (harness run ...)")
-    return pd.read_csv(path)
+    try:
+        return pd.read_csv(path)
+    except (UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as e:
+        raise InputError(f"{path} is not a readable results table (CSV): {str(e).splitlines()[0]}; "
+                         "re-run the experiment (harness run ...) to rewrite it") from None
 
 
 def profile_caption(df) -> str:
