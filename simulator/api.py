@@ -128,7 +128,14 @@ def load_cost(names: tuple[str, ...] | str):
     """The first of `names` that dmuon's CostTable can load (cached)."""
     from dmuon.plan.cost import CostTable
 
-    names = (names,) if isinstance(names, str) else tuple(names)
+    if isinstance(names, str):
+        names = (names,)
+    elif not (isinstance(names, (list, tuple)) and names and all(isinstance(n, str) for n in names)):
+        from dmuon.plan.cost import available_profiles
+
+        raise InputError(f"profile must be a cost-profile name or a profile CSV path, got {names!r}; "
+                         f"accepted: {', '.join(available_profiles())}, <path>.csv")
+    names = tuple(names)
     errors = []
     for name in names:
         if name not in _COSTS:
@@ -156,9 +163,13 @@ def plan_for(matrices, world_size: int, cost, *, balancer: str, method: str, dty
     return _PLANS[key][1]
 
 
-def _check_int(name: str, v, minimum: int = 1) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise InputError(f"{name} must be an integer >= {minimum}, got {v!r}")
+MAX_GPUS = 1 << 16  # the simulator runs one process per rank: far beyond any published cluster size
+
+
+def _check_int(name: str, v, minimum: int = 1, maximum: int | None = None) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum or (maximum is not None and v > maximum):
+        limit = f" and <= {maximum}" if maximum is not None else ""
+        raise InputError(f"{name} must be an integer >= {minimum}{limit}, got {v!r}")
 
 
 def _check_bool(name: str, v, none_ok: bool = False) -> None:
@@ -178,7 +189,7 @@ def _check_number(name: str, v, *, positive: bool, none_ok: bool = True, what: s
 
 def validate_config(cfg: SimConfig) -> None:
     """Raise InputError naming the bad field and what is accepted."""
-    _check_int("gpus", cfg.gpus)
+    _check_int("gpus", cfg.gpus, maximum=MAX_GPUS)
     if cfg.gpus_per_node is not None:
         _check_int("gpus_per_node", cfg.gpus_per_node)
     _check_int("seq_len", cfg.seq_len)

@@ -34,7 +34,7 @@ def test_default_prints_all_strategies_side_by_side(capsys):
 
 @pytest.mark.parametrize("args,match", [
     (["--gpus", "0"], "gpus must be an integer >= 1"),
-    (["--gpus", "12"], "multiple of it"),
+    (["--gpus", "12"], "not a whole number of 8-GPU nodes .* multiple of 8 \\(nearest: 8 or 16\\)"),
     (["--gpu", "tpu"], "unknown gpu profile 'tpu'; accepted:"),
     (["--layout", "zero4"], "unknown layout 'zero4'; accepted:"),
     (["--workload", "nope"], "unknown workload 'nope'; accepted:"),

@@ -38,6 +38,7 @@ PLAN_METHODS = (*METHODS, AUTO_METHOD)
 # params are not counted (they are the same with or without DMuon).
 STATE_BYTES_PER_ELEMENT = 8
 TOP_K_MAX = 8
+MAX_RANKS = 1 << 20  # plans are lists over ranks; a larger count is a typo, not a cluster
 
 
 @dataclass(frozen=True)
@@ -164,8 +165,8 @@ def build_work_model(
     memory_cap_bytes: float | None = None,
 ) -> WorkModel:
     """Group matrices into shape classes and price every batch size with the cost table."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise InputError(f"world_size must be a positive integer, got {world_size!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_RANKS:
+        raise InputError(f"world_size must be a positive integer (at most {MAX_RANKS}), got {world_size!r}")
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise InputError(f"max_batch must be a positive integer, got {max_batch!r}")
     if method not in PLAN_METHODS:
