@@ -144,6 +144,9 @@ def _check_input(G) -> None:
     if not G.is_floating_point():
         raise TypeError(f"orthogonalize expects a floating-point tensor (fp16, bf16, fp32, fp64), "
                         f"got {G.dtype}")
+    if G.dtype not in ITERATION_DTYPES:
+        raise TypeError(f"orthogonalize expects a floating-point tensor (fp16, bf16, fp32, fp64), got "
+                        f"{G.dtype} (8-bit floats: convert the input to bf16 or fp32 first)")
     if G.dim() < 2:
         raise InputError(f"orthogonalize expects a matrix (rows, cols) or a batch (..., rows, cols); got a "
                          f"{G.dim()}-D tensor of shape {tuple(G.shape)}")
@@ -176,6 +179,16 @@ def iteration_dtype(method: str, device: torch.device, dtype=None) -> torch.dtyp
 
 
 # ---- the iterations ------------------------------------------------------------------------------
+def normalize(x: torch.Tensor) -> torch.Tensor:
+    """X / (||X||_F + NORM_EPS) per matrix, without overflow or underflow in the norm: the norm is taken
+    of X / max|X| (entries at most 1) and scaled back. Equal to the plain formula where that is finite;
+    finite where it is not (fp32 entries ~1e20 square to inf, which made the update zero)."""
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=(-2, -1), keepdim=True)
+    scale = torch.where(amax > 0, amax, torch.ones_like(amax))
+    y = x / scale
+    return y / (torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True) + NORM_EPS / scale)
+
+
 def _mm_add(a_mat: torch.Tensor, x: torch.Tensor, beta: float) -> torch.Tensor:
     """a_mat @ x + beta * x (a general, non-symmetric product)."""
     if x.dim() == 3:
@@ -237,8 +250,7 @@ def orthogonalize(G: torch.Tensor, *, method: str = "auto", coefficients="jordan
     lead = G.shape[:-2]
     x = G.reshape(-1, rows, cols) if G.dim() > 3 else G
     norm_dtype = torch.promote_types(torch.promote_types(G.dtype, torch.float32), it_dtype)
-    xf = x.to(norm_dtype)
-    xf = xf / (torch.linalg.vector_norm(xf, dim=(-2, -1), keepdim=True) + NORM_EPS)
+    xf = normalize(x.to(norm_dtype))
     tall = rows > cols
     if tall:
         xf = xf.mT
