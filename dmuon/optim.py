@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from .errors import InputError
-from .newton_schulz import NSConfig, as_matrix, orthogonalize_many
+from .newton_schulz import ITERATION_DTYPES, NSConfig, as_matrix, orthogonalize_many
 from .params import route
 
 ADJUST_LR = ("match_rms_adamw", "original")
@@ -182,7 +183,14 @@ class Muon(torch.optim.Optimizer):
         self.skipped_steps = 0
         self._hparams = hparams
         self._predicate = muon_predicate
-        super().__init__(self._initial_groups(params, muon_predicate), dict(hparams))
+        groups = self._initial_groups(params, muon_predicate)
+        user_chose = not isinstance(params, torch.nn.Module) and all("use_muon" in g for g in groups)
+        super().__init__(groups, dict(hparams))
+        if not user_chose and not any(g["use_muon"] for g in self.param_groups):
+            n = sum(len(g["params"]) for g in self.param_groups)
+            warnings.warn(f"Muon: no parameter is a hidden matrix routed to Muon; all {n} parameters use "
+                          "AdamW (pass use_muon=True groups or a muon_predicate to choose Muon params)",
+                          UserWarning, stacklevel=2)
 
     @staticmethod
     def _initial_groups(params, predicate) -> list[dict]:
@@ -227,6 +235,12 @@ class Muon(torch.optim.Optimizer):
         h = {**self._hparams, **{k: v for k, v in param_group.items() if k in MUON_KEYS + ADAMW_KEYS}}
         routes = route(param_group["params"], None if use_muon is not None else self._predicate)
         existing = {id(p) for g in self.param_groups for p in g["params"]}
+        devices = {p.device for g in self.param_groups for p in g["params"]}
+        devices |= {r.param.device for r in routes}
+        if len(devices) > 1:
+            raise InputError(f"Muon is a single-device optimizer; its parameters are on "
+                             f"{', '.join(sorted(map(str, devices)))}. Accepted: every parameter on one "
+                             "device (use one Muon per device, or DMuon / FSDP2 for several)")
         for r in routes:
             if not r.param.is_leaf:
                 raise InputError(f"can't optimize a non-leaf tensor ({r.name})")
@@ -244,9 +258,10 @@ class Muon(torch.optim.Optimizer):
         if use_muon:
             _check_muon_hparams(h)
             for r in routes:
-                if r.param.dim() < 2 or r.param.is_complex() or not r.param.is_floating_point():
-                    raise InputError(f"Muon needs real floating-point parameters with at least 2 dims; "
-                                     f"{r.name} has shape {tuple(r.param.shape)} and dtype {r.param.dtype}")
+                if r.param.dim() < 2 or r.param.dtype not in ITERATION_DTYPES or r.param.numel() == 0:
+                    raise InputError(f"Muon needs non-empty real floating-point (fp16, bf16, fp32, fp64) "
+                                     f"parameters with at least 2 dims; {r.name} has shape "
+                                     f"{tuple(r.param.shape)} and dtype {r.param.dtype}")
             group.update({k: h[k] for k in MUON_KEYS})
         else:
             _check_adamw_hparams(h)

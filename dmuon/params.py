@@ -55,6 +55,8 @@ def _default_reason(name: str, p: torch.Tensor) -> tuple[bool, str]:
     """Rules that need only a name and a shape."""
     if p.dim() != 2:
         return False, f"{p.dim()}-D parameter"
+    if p.numel() == 0:
+        return False, "empty matrix (nothing to orthogonalize)"
     if _name_says_head(name):
         return False, "output head (by name)"
     if _name_says_embedding(name):
