@@ -59,7 +59,7 @@ def test_muon_refuses_parameters_on_mixed_devices():
 
 def test_model_without_muon_matrices_falls_back_to_adamw_with_a_warning():
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.LayerNorm(4))
-    with pytest.warns(UserWarning, match="no parameter is a hidden matrix routed to Muon; all 3 parameters use"):
+    with pytest.warns(UserWarning, match="no parameter is a hidden matrix routed to Muon; all 3 parameters"):
         opt = dmuon.Muon(model, adamw_lr=1e-2)
     ref = torch.optim.AdamW(
         [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()], lr=1e-2, weight_decay=0.01
