@@ -18,7 +18,8 @@ Per timed step (after --warmup steps) each rank records, on its compute thread:
 
 Variants run in blocks, alternating over --rounds rounds (naive, dmuon, naive, dmuon, ...) so that a
 drift in machine load hits all of them alike; each block builds a fresh model and optimizer (same seed),
-runs --warmup untimed steps, then its share of the --steps timed steps, and frees everything.
+runs --warmup untimed steps, then its share of the --steps timed steps, and frees everything. An untimed
+one-step block of every variant runs first (first-use costs stay out of the measured blocks).
 With --phase-barrier (default) an untimed barrier starts each iteration and separates backward from
 step() on all ranks, so that skew between ranks (large when ranks time-share CPU cores) is not charged
 to the optimizer phase that follows: the phases are measured as if every rank finished backward
@@ -340,10 +341,9 @@ def rank_main(cfg: StepConfig, rank: int, world: int, local_rank: int) -> list[d
     records: list[list[dict]] = [[] for _ in variants]
     per_block = [cfg.steps // cfg.rounds + (1 if r < cfg.steps % cfg.rounds else 0)
                  for r in range(cfg.rounds)]
-    if cfg.layout != "ddp":  # an untimed block per variant first: libraries and lazily built state
-        for variant in variants:  # (DTensor, FSDP2) load here, not in the first measured block's peak
-            dist.barrier()
-            run_variant(replace(cfg, warmup=0, profile_trace=None), variant, rank, world, device, 1)
+    for variant in variants:  # an untimed one-step block per variant first: libraries and lazily built
+        dist.barrier()  # state (DTensor, FSDP2, NS code) load here, not in the first measured block's peak
+        run_variant(replace(cfg, warmup=0, profile_trace=None), variant, rank, world, device, 1)
     for rnd, timed in enumerate(per_block):
         for k, variant in enumerate(variants):
             if timed:

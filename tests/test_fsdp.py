@@ -143,6 +143,19 @@ def test_memory_free_holds_at_most_two_units_of_non_owned_matrices(world):
         assert sum(units) > 0 and max(res["peaks"]) < sum(units), f"rank {rank}: everything was resident"
 
 
+@pytest.mark.parametrize("world,name,per_rank_all", [(4, "hsdp_sharded", False), (4, "sharded", False),
+                                                     (4, "hsdp_naive", True)])
+def test_each_matrix_is_orthogonalized_once_per_step_in_the_whole_job(world, name, per_rank_all):
+    """Sharded layout, also on HSDP (2 replicas x 2 shards): 15 matrices, 5 steps, block 1 (5 matrices)
+    without gradients at step 1 -> 70 NS in total over all ranks, not once per replica; the naive
+    baseline runs all 70 on every rank."""
+    counts = [res["ns_matrices"] for res in results(world, name)]
+    if per_rank_all:
+        assert counts == [70] * world
+    else:
+        assert sum(counts) == 70 and max(counts) < 70, counts
+
+
 # ---- bytes -----------------------------------------------------------------------------------
 def fsdp_bytes(res: dict, world: int, which=None) -> dict[str, float]:
     """FSDP2's own collectives: an all-gather per group in forward (and in backward if it reshards),

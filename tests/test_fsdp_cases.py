@@ -141,7 +141,7 @@ def run_plain(case: dict, rank: int, world: int) -> dict:
           each=lambda s: after.append(res.resident_bytes if res is not None else -1))
     out = {"params": full_params(model, opt), "peaks": peaks, "after_step": after,
            "owners": list(opt.plan.owners), "names": opt.names[:opt.n_muon], "layout": opt.layout,
-           "cls": type(opt).__name__,
+           "cls": type(opt).__name__, "ns_matrices": getattr(opt, "ns_matrices", -1),
            "momentum": sorted(opt.names[i] for i in range(opt.n_muon)
                               if "momentum_buffer" in opt.state[opt.params[i]]),
            "unit_bytes": ([sum(p.numel() * p.element_size() for p in s.params) for s in res.units]

@@ -235,9 +235,10 @@ def load_checkpoint(path, model, opt, storage_reader=None, **dcp_kwargs) -> None
     dcp.load(request, checkpoint_id=path, **kwargs)
     if meta["format"] != FORMAT:
         raise InputError(f"{path}: checkpoint format {meta['format']!r}; accepted: {FORMAT!r}")
+    params = dict(model.named_parameters())
     with torch.no_grad():
         for k, v in model_sd.items():  # DCP loads in place; copy where state_dict() returned copies
-            target = dict(model.named_parameters()).get(k)
+            target = params.get(k)
             if target is not None and not is_dtensor(target) and target.data_ptr() != v.data_ptr():
                 target.copy_(v)
     _install(opt, optim, todo)

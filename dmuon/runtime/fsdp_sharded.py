@@ -128,6 +128,7 @@ class ShardedDMuon(_ShardedMixin, DMuon):
         super().__init__(model, **kwargs)
         self._bcast: dict[int, object] = {}  # bucket -> handle of its replica broadcast (HSDP)
         self._waits = []
+        self.ns_matrices = 0  # matrices this rank has orthogonalized (all steps)
         if self.geo is not None and self.geo.R > 1:
             self._install_waits(model)
 
@@ -257,6 +258,7 @@ class ShardedDMuon(_ShardedMixin, DMuon):
         flips = [tuple(x.shape) != (bt.rows, bt.cols) for x in fulls]
         stack = torch.stack([x.mT if f else x for x, f in zip(fulls, flips, strict=True)])
         out = orthogonalize(stack, **{**self.ns.kwargs(), "method": batch_method(plan, bt)})
+        self.ns_matrices += len(members)
         for i, u, f in zip(members, out.unbind(0), flips, strict=True):
             updates[i] = u.mT if f else u
 
@@ -325,6 +327,7 @@ class ShardedNaiveMuon(_ShardedMixin, NaiveMuon):
                                        stride=(self.geo.cols[i], 1))
                 fulls.append(d.full_tensor())
         updates = orthogonalize_many(fulls, **self.ns.kwargs())
+        self.ns_matrices = getattr(self, "ns_matrices", 0) + len(fulls)
         s = self.geo.s
         for i, u in zip(idx, updates, strict=True):
             lo = sum(self.geo.rows[i][:s])
