@@ -20,10 +20,11 @@ Variants run in blocks, alternating over --rounds rounds (naive, dmuon, naive, d
 drift in machine load hits all of them alike; each block builds a fresh model and optimizer (same seed),
 runs --warmup untimed steps, then its share of the --steps timed steps, and frees everything. An untimed
 one-step block of every variant runs first (first-use costs stay out of the measured blocks).
-With --phase-barrier (default) an untimed barrier starts each iteration and separates backward from
-step() on all ranks, so that skew between ranks (large when ranks time-share CPU cores) is not charged
-to the optimizer phase that follows: the phases are measured as if every rank finished backward
-together, as a synchronous cluster (and the simulator) does; step_s then excludes the skew too.
+With --phase-barrier (default) an untimed barrier separates backward from step() on all ranks, so that
+skew between ranks (large when ranks time-share CPU cores) is not charged to the optimizer phase: it is
+measured as if every rank finished backward together, as a synchronous cluster (and the simulator)
+does; step_s excludes that wait too. No barrier starts the iteration: a barrier there would give the
+weight publication free time to finish before forward and hide its exposed wait.
 Reported: per step the max over ranks, then the median over all timed steps of the variant.
 peak_mem_bytes: CUDA: max allocated during the block; CPU: the peak resident set of the rank (the
 kernel's high-water mark, reset when the block starts) over the set before the model was built, after
@@ -285,7 +286,6 @@ def run_variant(cfg: StepConfig, variant: tuple[str, bool, str], rank: int, worl
         x, y = synthetic_batch(model.vocab, cfg.seq_len, cfg.micro_batch, seed=cfg.seed, step=it, rank=rank,
                                device=device)
         opt.comm_stats.reset()
-        align()
         t0 = now()
         loss = model(x, y)
         t1 = now()
@@ -591,8 +591,8 @@ def register(app, bench) -> None:
         steps: int = typer.Option(8, help="Timed steps per variant (medians reported)."),
         warmup: int = typer.Option(2, help="Untimed steps at the start of every block."),
         rounds: int = typer.Option(2, help="Alternate the variants' blocks this many times."),
-        phase_barrier: bool = typer.Option(True, help="Align ranks (untimed barrier) before forward and "
-                                           "before step() (see docs)."),
+        phase_barrier: bool = typer.Option(True, help="Align ranks (untimed barrier) between backward and "
+                                           "step() (see docs)."),
         balancer: str = typer.Option("lpt", help="lpt | round_robin | milp (DMuon owners)."),
         exchange: str = typer.Option("auto", help="auto | reduce_scatter | reduce (DMuon exchange), or a "
                                      "comma-separated list (one DMuon variant each)."),
