@@ -491,6 +491,8 @@ class DMuon(_ReplicatedMuon):
     check_consistency_every (K > 0: compare parameter checksums across ranks every K steps),
     timeout_s (every collective and wait), exchange ('reduce_scatter': one padded reduce-scatter /
     all-gather per bucket; 'reduce': one reduce / broadcast per owner), max_batch (matrices per NS call).
+    layout ('auto' detects it: 'replicated' | 'fsdp2-owner' | 'fsdp2-sharded') and memory ('keep' |
+    'free', fsdp2-owner only) select the FSDP2 layouts of docs/fsdp.md.
     Use `no_sync()` for gradient accumulation and `synchronize()` before reading parameters outside
     forward. state_dict() is per rank (see docs/runtime.md).
     """
