@@ -140,7 +140,11 @@ class _Row:
     note: str
 
 
-def _positive_int(value, what: str, where: str) -> int:
+MAX_DIM = 2**31 - 1  # rows / cols: larger than any tensor dimension torch accepts
+MAX_COUNT = 1_000_000  # matrices per row: each becomes a ParamSpec (a typo must not exhaust memory)
+
+
+def _positive_int(value, what: str, where: str, maximum: int = MAX_DIM) -> int:
     if isinstance(value, bool):
         raise WorkloadError(f"{where}: {what} must be a positive integer, got {value!r}")
     if isinstance(value, str):
@@ -150,6 +154,8 @@ def _positive_int(value, what: str, where: str) -> int:
         value = int(text)
     if not isinstance(value, int) or value <= 0:
         raise WorkloadError(f"{where}: {what} must be a positive integer, got {value!r}")
+    if value > maximum:
+        raise WorkloadError(f"{where}: {what} must be a positive integer <= {maximum}, got {value!r}")
     return value
 
 
@@ -167,7 +173,7 @@ def _make_row(raw: dict, where: str) -> _Row:
         matrix=name.strip(),
         rows=_positive_int(raw.get("rows"), "rows", where),
         cols=_positive_int(raw.get("cols"), "cols", where),
-        count=1 if count in (None, "") else _positive_int(count, "count", where),
+        count=1 if count in (None, "") else _positive_int(count, "count", where, MAX_COUNT),
         optimizer=optimizer,
         note=str(raw.get("note") or ""),
     )
