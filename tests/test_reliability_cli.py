@@ -167,6 +167,13 @@ def test_bad_input_is_one_line_and_exit_code_2(files, capsys, argv, match):
     assert re.search(match, err), err
 
 
+def test_a_partial_node_is_accepted(files, capsys):
+    # fewer GPUs than a node holds is one partial node, by design; 12 on 8-GPU nodes is refused (above)
+    rc, out, err = _run(["simulate", "--workload", files / "tiny.toml", "--gpus", "3", "--strategy", "adamw"],
+                        capsys)
+    assert rc == 0 and "1 node(s) of 3" in out, err
+
+
 # ---- fuzzing the options ----------------------------------------------------------------------------
 JUNK = st.one_of(
     st.sampled_from(["", "x", "-1", "0", "1.5", "nan", "inf", "-inf", "1e30", "10" * 15, "[1,x]", "[]",
