@@ -107,8 +107,9 @@ class Workload:
         `multiple`); `blocks` keeps only the first `blocks` repeated blocks of each component (singles such
         as embeddings and heads stay). Layers are renumbered in forward order.
         """
-        if not width_scale > 0:
-            raise WorkloadError(f"width_scale must be > 0, got {width_scale!r}")
+        if isinstance(width_scale, bool) or not isinstance(width_scale, (int, float)) or not (
+                0 < width_scale < math.inf):
+            raise WorkloadError(f"width_scale must be a finite number > 0, got {width_scale!r}")
         if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks <= 0):
             raise WorkloadError(f"blocks must be a positive integer, got {blocks!r}")
 

@@ -122,7 +122,7 @@ def test_scaled_workload_keeps_structure():
     assert (gate.rows, gate.cols) == (1184, 224)
     assert all(p.rows % 8 == 0 and p.cols % 8 == 0 for p in s.params)
     assert [p.layer for p in s.params] == sorted(p.layer for p in s.params)
-    with pytest.raises(InputError, match="width_scale must be > 0"):
+    with pytest.raises(InputError, match="width_scale must be a finite number > 0"):
         w.scaled(0)
     with pytest.raises(InputError, match="blocks must be a positive integer"):
         w.scaled(0.5, blocks=0)
