@@ -131,6 +131,7 @@ BAD = [
     (["plan", "--workload", "pi0", "--ranks", "8", "--memory-cap-gb", "-1"], r"memory_cap_bytes must be"),
     (["plan", "--workload", "pi0", "--ranks", "8", "--time-limit", "0", "--balancer", "milp"],
      r"time_limit_s must be positive"),
+    (["plan", "--workload", "pi0", "--ranks", "8", "--scale", "inf"], r"width_scale must be a finite number > 0"),
     (["plan", "--compare", "--workload", ",", "--ranks", "8"], r"--workload: ',' names nothing"),
     (["plan", "--compare", "--workload", "pi0", "--ranks", "a,b"], r"--ranks: 'a' is not a valid int"),
     (["plan", "--workload", "pi0", "--ranks", "8", "--out", "/proc/p.json"], r"cannot use '/proc/p\.json'"),
