@@ -49,16 +49,21 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import queue
+import signal
 import socket
 import statistics
+import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
 
 from dmuon.errors import InputError, choice_error
+
+from .errors import RunFailed
 
 STRATEGIES = ("dmuon", "naive", "adamw")
 LAYOUTS = ("ddp", "fsdp2-owner", "fsdp2-sharded")
@@ -152,6 +157,21 @@ def check_config(cfg: StepConfig) -> None:
     if cfg.layout != "ddp" and cfg.node_size is not None:
         raise InputError("--node-size is for --layout ddp (FSDP2 layouts use a 1-D mesh here)")
     decoder_spec(load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers))
+    if isinstance(cfg.timeout_s, bool) or not isinstance(cfg.timeout_s, (int, float)) \
+            or not math.isfinite(cfg.timeout_s) or cfg.timeout_s <= 0:
+        raise InputError(f"timeout_s must be a finite number of seconds > 0, got {cfg.timeout_s!r}")
+    if cfg.profile is not None:  # a missing or malformed profile fails here, not inside every rank
+        from dmuon.plan.cost import CostTable
+
+        CostTable.load(cfg.profile)
+    if cfg.profile_trace:
+        try:
+            os.makedirs(cfg.profile_trace, exist_ok=True)
+        except OSError as e:
+            raise InputError(f"--profile-trace {cfg.profile_trace!r}: cannot create this folder "
+                             f"({e.strerror or type(e).__name__}); give a writable folder") from None
+        if not os.access(cfg.profile_trace, os.W_OK):
+            raise InputError(f"--profile-trace {cfg.profile_trace!r} is not writable; give a writable folder")
 
 
 # ---- one rank ------------------------------------------------------------------------------------
@@ -443,7 +463,7 @@ def launch(cfg: StepConfig) -> list[dict]:
     for p in procs:
         p.start()
     deadline = time.monotonic() + cfg.timeout_s
-    rows, errors, reported = None, [], set()
+    rows, errors, reported = None, {}, set()
     try:
         while len(reported) < cfg.ranks and time.monotonic() < deadline:
             try:
@@ -452,28 +472,60 @@ def launch(cfg: StepConfig) -> list[dict]:
                 if any(p.exitcode not in (None, 0) for p in procs) and out.empty():
                     time.sleep(1.0)
                     if out.empty():
-                        errors.append("a rank died without reporting (exit codes "
-                                      f"{[p.exitcode for p in procs]})")
                         break
                 continue
             reported.add(rank)
             if status == "ok" and rank == 0:
                 rows = payload
             elif status == "err":
-                errors.append(f"rank {rank}: {payload}")
+                errors[rank] = payload
                 break
+        failed = bool(errors) or any(p.exitcode not in (None, 0) for p in procs)
+        if failed:  # a peer's death shows up on the others as "connection closed": find who died first
+            settle = time.monotonic() + 3.0
+            while time.monotonic() < settle and any(p.exitcode is None for p in procs):
+                while not out.empty():
+                    status, rank, payload = out.get_nowait()
+                    if status == "err":
+                        errors.setdefault(rank, payload)
+                time.sleep(0.1)
     finally:
         for p in procs:
             p.join(timeout=10.0 if not errors and rows is not None else 0.5)
             if p.is_alive():
                 p.kill()
-    if errors:
-        raise RuntimeError("bench step failed:\n" + "\n".join(errors))
+    died = [f"rank {r} died ({_exit_text(p.exitcode)})" for r, p in enumerate(procs)
+            if p.exitcode not in (None, 0) and r not in errors]
+    if errors or died:
+        raise RunFailed(_failure_message(died, errors))
     if rows is None:
         missing = sorted(set(range(cfg.ranks)) - reported)
-        raise RuntimeError(f"bench step: ranks {missing} did not finish within {cfg.timeout_s:g} s and were "
-                           "killed")
+        raise RunFailed(f"bench step: ranks {missing} did not finish within {cfg.timeout_s:g} s and were "
+                        "killed; raise --timeout-s or shrink the model (--width-scale, --layers)")
     return rows
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _failure_message(died: list[str], errors: dict[int, str]) -> str:
+    """One line for the terminal; the ranks' full tracebacks go to a log file it names."""
+    parts = died + [f"rank {r}: {text.splitlines()[0] if text else '?'}" for r, text in sorted(errors.items())]
+    msg = "bench step failed: " + "; ".join(parts)
+    if errors:
+        from dmuon.io import atomic_path
+
+        log = os.path.join(tempfile.gettempdir(), f"harness-bench-step-{os.getpid()}-{int(time.time())}.log")
+        with atomic_path(log) as tmp:
+            tmp.write_text("".join(f"=== rank {r} ===\n{text}\n" for r, text in sorted(errors.items())))
+        msg += f" (full tracebacks: {log})"
+    return msg
 
 
 def run_torchrun(cfg: StepConfig) -> list[dict] | None:
@@ -536,13 +588,13 @@ def append_csv(path: str, rows: list[dict]) -> None:
     """Append rows to a CSV (columns: union, existing order first), written atomically."""
     import pandas as pd
 
+    from dmuon.io import atomic_path
+
     new = pd.DataFrame(rows)
     if os.path.exists(path):
         new = pd.concat([pd.read_csv(path), new], ignore_index=True)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    new.to_csv(tmp, index=False)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        new.to_csv(tmp, index=False)
 
 
 def print_table(rows: list[dict]) -> None:

@@ -338,8 +338,6 @@ def test_bench_step_exits_nonzero_soon_after_a_worker_dies(tmp_path):
                 and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
 
 
-@pytest.mark.xfail(strict=True, reason="harness/cmd_bench_step.py raises RuntimeError for a failed run (a "
-                   "traceback); raising harness.errors.RunFailed makes it one line and exit code 1")
 def test_bench_step_failure_is_one_line(capsys, monkeypatch):
     class _Proc:
         exitcode = -9

@@ -188,7 +188,6 @@ ALLOWED = {
     "dmuon/kernels/autotune.py": "json.dump into dmuon.io.atomic_path's temp file",
     "dmuon/kernels/compile_check.py": "a PTX file in a TemporaryDirectory for ptxas",
     "harness/sweep.py": "the append-only journal: whole lines, flushed and fsynced; torn last lines ignored",
-    "harness/cmd_bench_step.py": "to_csv into a temp file in the same folder + os.replace (by hand)",
 }
 WRITE = re.compile(r"open\([^)]*['\"][wax]b?['\"]|\.to_csv\(|\.savefig\(|\.write_text\(|\.write_bytes\(|"
                    r"\.to_parquet\(|\.to_json\(\s*['\"/]|json\.dump\(|os\.replace\(")
@@ -203,7 +202,7 @@ def test_every_writer_in_the_project_is_atomic():
             for m in WRITE.finditer(text):
                 line = text[: m.start()].count("\n") + 1
                 src = text.splitlines()[line - 1]
-                if rel in ALLOWED or "os.devnull" in src or "atomic_path" in text[max(0, m.start() - 400):
+                if rel in ALLOWED or "os.devnull" in src or '"/proc/' in src or "atomic_path" in text[max(0, m.start() - 400):
                                                                                      m.start()]:
                     continue
                 offenders.append(f"{rel}:{line}: {src.strip()}")
