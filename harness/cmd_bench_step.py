@@ -516,7 +516,8 @@ def _exit_text(code: int) -> str:
 
 def _failure_message(died: list[str], errors: dict[int, str]) -> str:
     """One line for the terminal; the ranks' full tracebacks go to a log file it names."""
-    parts = died + [f"rank {r}: {text.splitlines()[0] if text else '?'}" for r, text in sorted(errors.items())]
+    parts = died + [f"rank {r}: {text.splitlines()[0] if text else '?'}"
+                    for r, text in sorted(errors.items())]
     msg = "bench step failed: " + "; ".join(parts)
     if errors:
         from dmuon.io import atomic_path

@@ -202,8 +202,8 @@ def test_every_writer_in_the_project_is_atomic():
             for m in WRITE.finditer(text):
                 line = text[: m.start()].count("\n") + 1
                 src = text.splitlines()[line - 1]
-                if rel in ALLOWED or "os.devnull" in src or '"/proc/' in src or "atomic_path" in text[max(0, m.start() - 400):
-                                                                                     m.start()]:
+                near = text[max(0, m.start() - 400): m.start()]
+                if rel in ALLOWED or "os.devnull" in src or '"/proc/' in src or "atomic_path" in near:
                     continue
                 offenders.append(f"{rel}:{line}: {src.strip()}")
     assert not offenders, "non-atomic writes (use dmuon.io):\n" + "\n".join(offenders)
