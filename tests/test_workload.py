@@ -43,7 +43,8 @@ def test_qwen_layout():
     assert w.n_layers == 30  # embedding, 28 blocks, head
     assert w.params[0].matrix == "embed_tokens" and w.params[-1].matrix == "lm_head"
     block = [p for p in w.params if p.layer == 1]
-    assert [p.matrix for p in block] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert [p.matrix for p in block] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                         "down_proj"]
 
 
 def test_blocks_with_several_matrices_per_block():

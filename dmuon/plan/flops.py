@@ -20,7 +20,8 @@ def ns_flops(rows: int, cols: int, method: str = "standard", *, steps: int = 5,
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; accepted: {', '.join(METHODS)}")
     if min(rows, cols) <= 0 or steps < 0 or batch <= 0:
-        raise ValueError(f"rows, cols, batch must be positive and steps >= 0, got {(rows, cols, batch, steps)}")
+        raise ValueError("rows, cols, batch must be positive and steps >= 0, got "
+                         f"{(rows, cols, batch, steps)}")
     n, m = float(min(rows, cols)), float(max(rows, cols))
     sym = method.endswith("_sym")
     gram_xxt = (1.0 if sym else 2.0) * n * n * m  # X X^T, n x n output

@@ -36,7 +36,8 @@ class MatrixSpec:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"MatrixSpec {self.name!r}: {attr} must be a positive integer, got {v!r}")
         if isinstance(self.layer, bool) or not isinstance(self.layer, int) or self.layer < 0:
-            raise ValueError(f"MatrixSpec {self.name!r}: layer must be a non-negative integer, got {self.layer!r}")
+            raise ValueError(f"MatrixSpec {self.name!r}: layer must be a non-negative integer, "
+                             f"got {self.layer!r}")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -130,7 +131,8 @@ class Plan:
         d = dict(d)
         version = d.pop("format_version", PLAN_FORMAT_VERSION)
         if version != PLAN_FORMAT_VERSION:
-            raise ValueError(f"plan format version {version} is not supported (expected {PLAN_FORMAT_VERSION})")
+            raise ValueError(f"plan format version {version} is not supported "
+                             f"(expected {PLAN_FORMAT_VERSION})")
         d["matrices"] = tuple(MatrixSpec(**m) for m in d["matrices"])
         d["owners"] = tuple(d["owners"])
         d["batches"] = tuple(
