@@ -29,8 +29,11 @@ Reported: per step the max over ranks, then the median over all timed steps of t
 peak_mem_bytes: CUDA: max allocated during the block; CPU: the peak resident set of the rank (the
 kernel's high-water mark, reset when the block starts) over the set before the model was built, after
 returning freed heap memory to the OS: what the variant's model, activations, gradients, optimizer
-state and buffers took at their peak. CPU ranks run with MALLOC_MMAP_THRESHOLD_=65536 so that a freed
-tensor leaves the resident set at once (glibc would otherwise keep it in its heap).
+state and buffers took at their peak (glibc keeps some freed memory in its heap for reuse, so the peak
+includes the allocator's slack, as a real CPU job's does). --exact-memory runs the CPU ranks with
+MALLOC_MMAP_THRESHOLD_=65536 so that a freed tensor leaves the resident set at once: a tighter peak, but
+every large allocation then maps fresh pages, which slows allocation-heavy code (the NS, AdamW) about
+2x on the development machine: do not compare its times with other rows (column exact_memory).
 comm_bytes_per_step: bytes a rank sends per step (max over ranks), counted on one extra untimed step at
 the end of the block by `dmuon.runtime.bytecount` (every collective of every thread: the optimizer's
 and FSDP2's): payload (padding included) x (N-1)/N for reduce-scatter, all-gather, per-owner reduce
@@ -97,6 +100,7 @@ class StepConfig:
     profile_trace: str | None = None
     layout: str = "ddp"
     memory: str = "keep"
+    exact_memory: bool = False
     notes: list[str] = field(default_factory=list)
 
     def variants(self) -> list[tuple[str, bool, str]]:
@@ -403,6 +407,7 @@ def aggregate(cfg: StepConfig, variant: tuple[str, bool, str], per_rank: list[li
                layers=cfg.layers, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch, steps=cfg.steps,
                warmup=cfg.warmup, rounds=cfg.rounds, phase_barrier=cfg.phase_barrier, balancer=cfg.balancer,
                node_size=cfg.node_size,
+               exact_memory=device.type == "cpu" and bool(os.environ.get("MALLOC_MMAP_THRESHOLD_")),
                device=str(device.type), backend="nccl" if device.type == "cuda" else "gloo",
                threads_per_rank=torch.get_num_threads(), cpu_cores=os.cpu_count(),
                torch_version=torch.__version__,
@@ -454,8 +459,8 @@ def launch(cfg: StepConfig) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    if not _use_cuda(cfg):  # freed tensors leave the resident set at once (peak_mem_bytes)
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    if cfg.exact_memory and not _use_cuda(cfg):  # freed tensors leave the resident set at once
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_spawned, args=(r, cfg.ranks, port, cfg, out), daemon=True)
@@ -663,6 +668,9 @@ def register(app, bench) -> None:
         layout: str = typer.Option("ddp", help="ddp | fsdp2-owner | fsdp2-sharded (see docs/fsdp.md)."),
         memory: str = typer.Option("keep", help="keep | free: FSDP2 reshard_after_forward False / True "
                                    "and DMuon's memory mode (fsdp2-owner)."),
+        exact_memory: bool = typer.Option(False, "--exact-memory", help="CPU: return freed tensors to the OS "
+                                          "at once (tighter peak_mem_bytes, ~2x slower allocation; see "
+                                          "docs)."),
     ):
         """Measure training steps of DMuon / NaiveMuon / AdamW on N real processes (see docs/runtime.md)."""
         cfg = StepConfig(ranks=ranks, strategies=_split(strategy),
@@ -671,7 +679,8 @@ def register(app, bench) -> None:
                          micro_batch=micro_batch, steps=steps, warmup=warmup, rounds=rounds,
                          phase_barrier=phase_barrier, balancer=balancer, exchanges=_split(exchange),
                          node_size=node_size, profile=profile, device=device, threads=threads, seed=seed,
-                         timeout_s=timeout_s, profile_trace=profile_trace, layout=layout, memory=memory)
+                         timeout_s=timeout_s, profile_trace=profile_trace, layout=layout, memory=memory,
+                         exact_memory=exact_memory)
         if under_torchrun():
             cfg.ranks = int(os.environ["WORLD_SIZE"])
             check_config(cfg)
