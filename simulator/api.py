@@ -63,8 +63,9 @@ class SimConfig:
     ns_method: str | None = _f(None, "override the dmuon NS method (else from gram / symmetric_kernels): "
                                      + " | ".join(NS_METHODS))
     naive_ns_method: str = _f("standard", "naive: the NS method every rank runs (standard = the published "
-                                          "baseline; gram_sym etc. for ablations): "
-                                          + " | ".join(m for m in NS_METHODS if m != "auto"))
+                                          "baseline; gram_sym etc. for ablations; auto = per shape the "
+                                          "cheapest the device runs, as dmuon's method='auto'): "
+                                          + " | ".join(NS_METHODS))
     ns_dtype: str | None = _f(None, "NS iteration dtype the plan is priced in: bf16 | fp16 | fp32 "
                                     "(None: the profile's dtype)")
     param_comm_dtype: str | None = _f(None, "dtype of parameter all-gathers / publications: bf16 | fp16 | "
@@ -205,9 +206,8 @@ def validate_config(cfg: SimConfig) -> None:
         raise choice_error("balancer", cfg.balancer, BALANCERS)
     if cfg.ns_method is not None and cfg.ns_method not in NS_METHODS:
         raise choice_error("NS method", cfg.ns_method, NS_METHODS)
-    naive_methods = tuple(m for m in NS_METHODS if m != "auto")
-    if cfg.naive_ns_method not in naive_methods:
-        raise choice_error("naive NS method", cfg.naive_ns_method, naive_methods)
+    if cfg.naive_ns_method not in NS_METHODS:
+        raise choice_error("naive NS method", cfg.naive_ns_method, NS_METHODS)
     for name in ("ns_dtype", "param_comm_dtype", "grad_comm_dtype"):
         if getattr(cfg, name) is not None and getattr(cfg, name) not in DTYPE_BYTES:
             raise choice_error(name.replace("_", " "), getattr(cfg, name), DTYPE_BYTES)

@@ -9,6 +9,11 @@ one thread each, replicated DDP-like layout, fp32, qwen2.5-7b shapes scaled down
 2. Compute: forward and backward of one transformer-like block (q/k/v/o projections with causal
    attention, RMSNorm, SiLU-gated MLP) of qwen2.5-7b scaled by each of FIT_SCALES, one thread; the
    FLOPs are simulator.compute's; forward = F / R + c fitted on two scales, checked on the third.
+3. Thread scaling: one rank running all `cpu_cores` threads vs one thread, for layer compute (the block
+   above at x1/16, forward + backward), NS (batched orthogonalization of the bench model's largest
+   stacks) and elementwise passes (AdamW over 4M elements): the [threads] speedups, so the simulator
+   prices runs with several threads per rank from what was measured (small matrices and memory-bound
+   passes scale far from linearly).
 NS and elementwise costs are not measured here: they come from dmuon's "cpu" cost table (one cost model
 for the planner and the simulator).
 
@@ -199,12 +204,124 @@ def fit_compute(rows: list[dict]) -> dict:
     return out
 
 
+THREAD_NS = ((8, 224, 224, "standard"), (8, 224, 1184, "gram"))  # bench model stacks (x1/16)
+THREAD_EW_NUMEL = 1 << 22
+
+
+def _thread_work():
+    """(kind, fn) for compute | ns | elementwise: the work the [threads] and [corun] entries time."""
+    import torch
+
+    from dmuon.newton_schulz import orthogonalize
+    from dmuon.optim import adamw_step_
+
+    lin, d_q, d_model, _ = _block(FIT_SCALES[0])
+    x = torch.randn(TOKENS[1], TOKENS[0], d_model, requires_grad=True)
+    params = [p for m in lin.values() for p in m.parameters()]
+
+    def compute():
+        _block_forward(lin, x, d_q).sum().backward()
+        for p in params:
+            p.grad = None
+        x.grad = None
+
+    gen = torch.Generator().manual_seed(0)
+    stacks = [(torch.randn(b, r, c, generator=gen), m) for b, r, c, m in THREAD_NS]
+
+    def ns():
+        for g, m in stacks:
+            orthogonalize(g, method=m, dtype=torch.float32)
+
+    ew = [torch.randn(THREAD_EW_NUMEL, generator=gen) for _ in range(4)]
+    ew[3].abs_()
+
+    def elementwise():
+        adamw_step_([ew[0]], [ew[1]], [ew[2]], [ew[3]], [1], lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                    weight_decay=0.01)
+
+    return (("compute", compute), ("ns", ns), ("elementwise", elementwise))
+
+
+def _median_s(fn, repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def measure_threads(cores: int, repeats: int = 5, rounds: int = 3) -> dict[str, tuple[float, float]]:
+    """kind -> (seconds with one thread, seconds with `cores` threads) for compute | ns | elementwise:
+    medians over `rounds` alternations of the two (a shared VM drifts; alternating cancels most of it)."""
+    import torch
+
+    before = torch.get_num_threads()
+    out = {}
+    try:
+        for kind, fn in _thread_work():
+            times = {1: [], cores: []}
+            for _ in range(rounds):
+                for t in (1, cores):
+                    torch.set_num_threads(t)
+                    times[t].append(_median_s(fn, repeats))
+            out[kind] = (statistics.median(times[1]), statistics.median(times[cores]))
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def _corun_worker(rank: int, cores: int, repeats: int, start, out) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    work = _thread_work()
+    for kind, fn in work:
+        fn()
+        start.wait()  # every process starts each kind together
+        out.put((rank, kind, _median_s(fn, repeats)))
+
+
+def measure_corun(cores: int, repeats: int = 5) -> dict[str, tuple[float, float]]:
+    """kind -> (seconds of one single-threaded process alone, median seconds when `cores` such processes
+    run the same work at once): what ranks sharing the host's memory system and caches cost each other."""
+    import multiprocessing as mp
+
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = {kind: _median_s(fn, repeats) for kind, fn in _thread_work()}
+    finally:
+        torch.set_num_threads(before)
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Barrier(cores), ctx.Queue()
+    procs = [ctx.Process(target=_corun_worker, args=(r, cores, repeats, start, out)) for r in range(cores)]
+    for p in procs:
+        p.start()
+    got: dict[str, list[float]] = {}
+    try:
+        for _ in range(cores * len(alone)):
+            _, kind, t = out.get(timeout=600)
+            got.setdefault(kind, []).append(t)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return {kind: (alone[kind], statistics.median(got[kind])) for kind in alone}
+
+
 # ---- writing ---------------------------------------------------------------------------------------
 def _entry(key: str, value: float, source: str) -> str:
     return f'{key} = {{ value = {value:.6g}, source = "{source}" }}'
 
 
-def render(comm, base_s: float, alpha_s: float, comp: dict, comp_rows: list[dict], host: str) -> str:
+def render(comm, base_s: float, alpha_s: float, comp: dict, comp_rows: list[dict], host: str,
+           threads: dict[str, tuple[float, float]] | None = None,
+           corun: dict[str, tuple[float, float]] | None = None) -> str:
     measured = f"measured here: {host}"
     checks = "; ".join(f"scale {s:g}: {e:+.1%}" for s, e in comp["fwd_check"].items())
     bchecks = "; ".join(f"scale {s:g}: {e:+.1%}" for s, e in comp["bwd_check"].items())
@@ -246,6 +363,20 @@ def render(comm, base_s: float, alpha_s: float, comp: dict, comp_rows: list[dict
         _entry("nic_gbps_per_node", 10.0, "assumption: one host; no inter-node traffic"),
         _entry("inter_efficiency", 1.0, "assumption: one host; no inter-node traffic"),
     ]
+    if threads:
+        cores = os.cpu_count() or 1
+        what = {"compute": f"one qwen2.5-7b block x{FIT_SCALES[0]:g}, seq {TOKENS[0]}, forward + backward",
+                "ns": "orthogonalize " + " + ".join(f"({b}, {r}, {c}) {m}" for b, r, c, m in THREAD_NS)
+                      + ", fp32",
+                "elementwise": f"adamw_step_ over {THREAD_EW_NUMEL:,} elements"}
+        lines += ["", "[threads]"]
+        lines += [_entry(f"{k}_speedup", t1 / tc, f"{measured}: {what[k]}: {t1 * 1e3:.4g} ms on 1 thread, "
+                                                  f"{tc * 1e3:.4g} ms on {cores} (medians)")
+                  for k, (t1, tc) in threads.items()]
+        lines += [_entry(f"{k}_corun_slowdown", tc / t1,
+                         f"{measured}: {what[k]}, one thread: {t1 * 1e3:.4g} ms alone, "
+                         f"{tc * 1e3:.4g} ms with {cores} processes running it at once (medians)")
+                  for k, (t1, tc) in (corun or {}).items()]
     for kind, n, size, t in comm:
         lines += ["", "[[network.points]]", f'kind = "{kind}"', f"ranks = {n}", f"size_bytes = {size}",
                   f"time_ms = {t * 1e3:.6g}",
@@ -279,6 +410,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"forward {comp['fwd_flops'] / 1e9:.2f} GFLOP/s + {comp['fwd_overhead_s'] * 1e3:.3f} ms, check "
           f"{comp['fwd_check']}; backward {comp['bwd_flops'] / 1e9:.2f} GFLOP/s + "
           f"{comp['bwd_overhead_s'] * 1e3:.3f} ms, check {comp['bwd_check']}")
+    threads = measure_threads(os.cpu_count() or 1, repeats=reps) if (os.cpu_count() or 1) > 1 else None
+    for k, (t1, tc) in (threads or {}).items():
+        print(f"threads {k}: {t1 * 1e3:.2f} ms on 1, {tc * 1e3:.2f} ms on {os.cpu_count()}: x{t1 / tc:.2f}")
+    corun = measure_corun(os.cpu_count() or 1, repeats=reps) if threads else None
+    for k, (t1, tc) in (corun or {}).items():
+        print(f"co-run {k}: {t1 * 1e3:.2f} ms alone, {tc * 1e3:.2f} ms with {os.cpu_count()} processes: "
+              f"x{tc / t1:.2f}")
     comm = measure_comm(repeats=reps)
     for kind, n, size, t in comm:
         print(f"gloo {kind:10s} n={n} {size:>9d} B: {t * 1e3:.3f} ms")
@@ -286,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"latency: base {base_s * 1e6:.1f} us + {alpha_s * 1e6:.1f} us per step")
     if args.dry_run:
         return 0
-    _write_atomic(PROFILE_DIR / "cpu.toml", render(comm, base_s, alpha_s, comp, comp_rows, host))
+    text = render(comm, base_s, alpha_s, comp, comp_rows, host, threads, corun)
+    _write_atomic(PROFILE_DIR / "cpu.toml", text)
     print(f"written: {PROFILE_DIR / 'cpu.toml'}")
     return 0
 

@@ -13,6 +13,12 @@ Layout of a profile file:
     simulator/profiles/), dtype (bf16 | fp16 | fp32: what runs on it compute and communicate in),
     symmetric_kernels (default true; false where only torch kernels run, e.g. the CPU),
     gpus_per_node, cpu_cores (0 = not a CPU profile: no core contention)
+    [threads]  CPU profiles only, optional: compute_speedup, ns_speedup, elementwise_speedup = the measured
+               speedup of one rank running `cpu_cores` torch threads over one thread, for layer compute,
+               NS and elementwise (AdamW / momentum) passes (+ source); absent: linear (an ASSUMPTION);
+               compute_corun_slowdown, ns_corun_slowdown, elementwise_corun_slowdown = how much slower
+               one single-threaded process runs that work while `cpu_cores` processes run it at once
+               (shared memory bandwidth and caches); absent: 1 (an ASSUMPTION)
     [compute]  peak_bf16_tflops, hbm_GBps, fwd_tflops, fwd_layer_overhead_ms, bwd_tflops,
                bwd_layer_overhead_ms, optimizer_overhead_ms, elementwise_scale, overlap_slowdown
     [network]  nvlink_GBps, base_latency_us, intra_alpha_us, inter_alpha_us, nic_gbps_per_node,
@@ -45,7 +51,8 @@ _COMPUTE_KEYS = ("peak_bf16_tflops", "hbm_GBps", "fwd_tflops", "fwd_layer_overhe
 _NETWORK_KEYS = ("nvlink_GBps", "base_latency_us", "intra_alpha_us", "inter_alpha_us", "nic_gbps_per_node",
                  "inter_efficiency")
 _TOP_KEYS = ("name", "description", "gpu", "cost_profile", "dtype", "symmetric_kernels", "gpus_per_node",
-             "cpu_cores", "compute", "network")
+             "cpu_cores", "compute", "network", "threads")
+THREAD_KINDS = ("compute", "ns", "elementwise")
 _NETWORK_TABLE_KEYS = (*_NETWORK_KEYS, "points", "curve_from", "curve_scale")
 _POINT_KEYS = ("kind", "ranks", "size_bytes", "time_ms", "source")
 
@@ -85,6 +92,8 @@ class Profile:
     overlap_slowdown: float  # compute runs (1 + this) slower while communication overlaps it
     nvlink_Bps: float
     network: Network
+    thread_speedup: dict[str, float] = field(default_factory=dict)  # kind -> speedup at cpu_cores threads
+    corun_slowdown: dict[str, float] = field(default_factory=dict)  # kind -> x with all cores busy
     provenance: dict[str, str] = field(default_factory=dict, compare=False)
 
     def with_nic_gbps(self, gbps: float) -> Profile:
@@ -103,13 +112,25 @@ class Profile:
         prov["overlap_slowdown"] = f"given in the config: {slowdown:g}"
         return replace(self, overlap_slowdown=slowdown, provenance=prov)
 
-    def contention(self, ranks_per_node: int, threads: int = 1) -> float:
-        """CPU profiles (rates measured on one thread): compute time multiplier for `ranks_per_node` ranks
-        of `threads` threads each sharing `cpu_cores` cores: ranks x threads / cores when oversubscribed,
-        and 1 / threads for threads that find free cores (ASSUMPTION: linear thread scaling). GPUs: 1."""
+    def contention(self, ranks_per_node: int, threads: int = 1, kind: str = "compute") -> float:
+        """CPU profiles (rates measured on one thread): time multiplier of work of `kind` (compute | ns |
+        elementwise) for `ranks_per_node` ranks of `threads` threads each sharing `cpu_cores` cores:
+        ranks x threads / cores when oversubscribed, divided by the speedup of `threads` threads, which is
+        interpolated linearly between 1 (one thread) and the measured [threads] speedup at cpu_cores
+        threads (not measured: linear scaling, an ASSUMPTION), times the co-run slowdown of `ranks` busy
+        processes, interpolated likewise between 1 (one process) and the measured slowdown with every
+        core busy (not measured: 1). GPUs: 1."""
         if self.cpu_cores <= 0:
             return 1.0
-        return max(1.0, ranks_per_node * threads / self.cpu_cores) / threads
+        if self.cpu_cores == 1:
+            return float(ranks_per_node * threads)
+
+        def between(full: float, k: int) -> float:  # 1 at k = 1, `full` at k = cpu_cores
+            return 1.0 + (full - 1.0) * (min(k, self.cpu_cores) - 1) / (self.cpu_cores - 1)
+
+        speedup = between(self.thread_speedup.get(kind, float(self.cpu_cores)), threads)
+        corun = between(self.corun_slowdown.get(kind, 1.0), ranks_per_node)
+        return max(1.0, ranks_per_node * threads / self.cpu_cores) * corun / speedup
 
     def network_for(self, ranks_per_node: int) -> Network:
         """The fabric as `ranks_per_node` ranks see it: on a CPU host, collectives (CPU-bound copies and
@@ -240,6 +261,20 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
         prov["curve_from"] = f"busbw curve of profile {other.name!r} x {scale:g}"
     else:
         raise InputError(f"{where}: [network] needs [[network.points]] or curve_from")
+    thr = _as_table(data.get("threads", {}), f"{where}: [threads]")
+    _check_keys(thr, tuple(f"{k}_{what}" for what in ("speedup", "corun_slowdown") for k in THREAD_KINDS),
+                f"{where}: [threads]")
+    speedups, coruns = {}, {}
+    for kind in THREAD_KINDS:
+        for what, into in (("speedup", speedups), ("corun_slowdown", coruns)):
+            key = f"{kind}_{what}"
+            if key in thr:
+                v, prov[key] = _value(thr[key], key, where)
+                if not (math.isfinite(v) and v > 0):
+                    raise InputError(f"{where}: [threads] {key} must be a finite number > 0, got {v!r}")
+                into[kind] = v
+    if (speedups or coruns) and cores <= 0:
+        raise InputError(f"{where}: [threads] is for CPU profiles (cpu_cores > 0)")
     for key in ("fwd_tflops", "bwd_tflops", "peak_bf16_tflops", "hbm_GBps", "elementwise_scale"):
         if not c[key] > 0:
             raise InputError(f"{where}: {key} must be > 0")
@@ -278,5 +313,7 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
         overlap_slowdown=c["overlap_slowdown"],
         nvlink_Bps=nv["nvlink_GBps"] * 1e9,
         network=network,
+        thread_speedup=speedups,
+        corun_slowdown=coruns,
         provenance=prov,
     )

@@ -33,7 +33,9 @@ def make_spec(cfg, workload, profile, cost, per_node: int):
     returning the provenance dict once the step programs have been built."""
     from .api import ns_method_of, plan_for
 
-    stretch = profile.contention(per_node, cfg.cpu_threads)
+    stretch = profile.contention(per_node, cfg.cpu_threads)  # layer compute, fixed overheads
+    ns_stretch = profile.contention(per_node, cfg.cpu_threads, "ns")
+    ew_stretch = profile.contention(per_node, cfg.cpu_threads, "elementwise")
     ns_dtype = cfg.ns_dtype or profile.dtype
     muon = workload.muon_matrices
     index = {m.name: i for i, m in enumerate(muon)}
@@ -48,14 +50,19 @@ def make_spec(cfg, workload, profile, cost, per_node: int):
     times = layer_times(workload, profile, cfg.seq_len, cfg.micro_batch, per_node, cfg.cpu_threads)
 
     ns_answers = {}
+    naive_methods = [cfg.naive_ns_method]
+    if cfg.naive_ns_method == "auto":  # per shape the cheapest method this device runs
+        sym = profile.symmetric_kernels if cfg.symmetric_kernels is None else cfg.symmetric_kernels
+        naive_methods = ["standard", "gram"] + (["standard_sym", "gram_sym"] if sym else [])
     for m in muon:
         key = (m.rows, m.cols)
         if key not in ns_answers:
-            ns_answers[key] = cost.ns_time(m.rows, m.cols, 1, cfg.naive_ns_method, ns_dtype)
-    ns_naive = [ns_answers[(m.rows, m.cols)].time_s * stretch for m in muon]
+            ns_answers[key] = min((cost.ns_time(m.rows, m.cols, 1, meth, ns_dtype) for meth in naive_methods),
+                                  key=lambda a: a.time_s)
+    ns_naive = [ns_answers[(m.rows, m.cols)].time_s * ns_stretch for m in muon]
 
     ew_answers: dict = {}
-    scale = profile.elementwise_scale * stretch
+    scale = profile.elementwise_scale * ew_stretch
 
     def elementwise_s(numel: float, op: str) -> float:
         n = int(round(numel))
@@ -77,7 +84,7 @@ def make_spec(cfg, workload, profile, cost, per_node: int):
             plan = plan_for(muon, world, cost, balancer=cfg.balancer, method=ns_method_of(cfg, profile),
                             dtype=ns_dtype, batching=cfg.batching, max_batch=cfg.max_batch,
                             bucket_numel=cfg.bucket_numel, time_limit_s=cfg.milp_time_limit_s)
-        info.update(ns_makespan_s=plan.makespan_s * stretch, balancer=plan.balancer, method=plan.method)
+        info.update(ns_makespan_s=plan.makespan_s * ns_stretch, balancer=plan.balancer, method=plan.method)
         info["notes"] += list(plan.notes)
     elif cfg.strategy == "naive":
         info.update(ns_makespan_s=sum(ns_naive), method=f"{cfg.naive_ns_method} ({ns_dtype}, every rank)")
@@ -90,11 +97,11 @@ def make_spec(cfg, workload, profile, cost, per_node: int):
         optimizer_overhead_s=profile.optimizer_overhead_s * stretch, network=profile.network_for(per_node),
         hierarchical=cfg.hierarchical, overlap=cfg.overlap,
         param_bytes=DTYPE_BYTES[cfg.param_comm_dtype or profile.dtype],
-        grad_bytes=DTYPE_BYTES[cfg.grad_comm_dtype or profile.dtype], plan=plan, ns_stretch=stretch,
+        grad_bytes=DTYPE_BYTES[cfg.grad_comm_dtype or profile.dtype], plan=plan, ns_stretch=ns_stretch,
     )
     # called after the step programs are built: they price the elementwise passes provenance names
     info["provenance"] = lambda: _provenance(profile, cost, ns_answers, ew_answers, plan, cfg.strategy,
-                                             stretch)
+                                             (stretch, ns_stretch, ew_stretch))
     if len({p.component for p in workload.params}) > 1:
         info["notes"].append("ASSUMPTION: every token passes through every component (per-component token "
                              "counts are not public)")
@@ -134,6 +141,12 @@ def _provenance(profile, cost, ns_answers, ew_answers, plan, strategy, stretch) 
         prov["ns_plan"] = (f"plan from cost table {plan.cost_source}: {plan.balancer}, {plan.method}, "
                            f"makespan {plan.makespan_s * 1e3:.3f} ms "
                            f"(lower bound {plan.lower_bound_s * 1e3:.3f} ms)")
-    if stretch != 1.0:
-        prov["cpu_contention"] = f"compute x{stretch:g}: more single-threaded ranks than the profile's cores"
+    if any(s != 1.0 for s in stretch):
+        src = {k: "; ".join((p.get(f"{k}_speedup", "not measured: linear thread scaling (ASSUMPTION)"),
+                             p.get(f"{k}_corun_slowdown", "co-running ranks: not measured, x1 (ASSUMPTION)")))
+               for k in ("compute", "ns", "elementwise")}
+        prov["cpu_contention"] = ("one-thread times x " + ", ".join(
+            f"{k} {s:.3g}" for k, s in zip(src, stretch, strict=True))
+            + " (ranks x threads over the profile's cores x co-run slowdown / thread speedup; "
+            + "; ".join(f"{k}: {v}" for k, v in src.items()) + ")")
     return prov

@@ -137,9 +137,10 @@ def closed_loop(row: BenchRow) -> dict:
     from .workload import load_workload
 
     w = load_workload(row.workload).scaled(row.width_scale, row.blocks)
+    # the runtime's NSConfig(method="auto") picks the cheaper method per shape, for DMuon and NaiveMuon alike
     sim = simulate(SimConfig(workload=w, gpus=row.ranks, gpu=row.gpu, strategy=row.strategy,
                              layout=row.layout, seq_len=row.seq_len, micro_batch=row.micro_batch,
-                             cpu_threads=row.threads))
+                             cpu_threads=row.threads, ns_method="auto", naive_ns_method="auto"))
 
     out = {"workload": w.name, "ranks": row.ranks, "strategy": row.strategy, "layout": row.layout,
            "profile": sim.profile, "measured_step_s": row.step_s, "simulated_step_s": sim.step_s,
