@@ -418,3 +418,33 @@ def test_bad_params():
         dmuon.Muon({p})
     with pytest.raises(TypeError, match="all param-group dicts or no dicts"):
         dmuon.Muon([{"params": [p]}, nn.Parameter(torch.randn(2, 2))])
+
+
+def test_fused_adamw_equals_torch_fused_and_matches_the_op_sequence():
+    g = torch.Generator().manual_seed(11)
+    shapes = [(300,), (17, 9), (2, 3, 5)]
+    base = [torch.randn(*s, generator=g) for s in shapes]
+    runs = {}
+    for name, fused in (("fused", True), ("ops", False)):
+        ps = [b.clone() for b in base]
+        m, v = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+        gg = torch.Generator().manual_seed(3)
+        for t in range(1, 6):
+            grads = [torch.randn(p.shape, generator=gg) for p in ps]
+            dmuon.adamw_step_(ps, grads, m, v, [t] * len(ps), lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
+                              weight_decay=0.1, fused=fused)
+        runs[name] = ps
+    theirs = [nn.Parameter(b.clone()) for b in base]
+    ref = torch.optim.AdamW(theirs, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, fused=True)
+    gg = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        for p in theirs:
+            p.grad = torch.randn(p.shape, generator=gg)
+        ref.step()
+    for a, b, c in zip(runs["fused"], theirs, runs["ops"], strict=True):
+        assert torch.equal(a, b.detach())  # torch's fused kernel, same inputs
+        torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-7)  # the op sequence, to rounding
+    noncontig = torch.randn(4, 6, generator=g).t()  # not contiguous: the op sequence takes it
+    dmuon.adamw_step_([noncontig], [torch.ones(6, 4)], [torch.zeros(6, 4)], [torch.zeros(6, 4)], [1],
+                      lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+    assert torch.isfinite(noncontig).all()
