@@ -350,6 +350,8 @@ def render(comm, base_s: float, alpha_s: float, comp: dict, comp_rows: list[dict
         _entry("bwd_layer_overhead_ms", comp["bwd_overhead_s"] * 1e3, f"{fit_src}; check {bchecks}"),
         _entry("optimizer_overhead_ms", 0.0, "none added: the cost table's elementwise rows are per call"),
         _entry("elementwise_scale", 1.0, "none: elementwise passes priced by the cost table as is"),
+        _entry("grad_prep_passes", 1.0, "the runtime measured here scales each received gradient sum to a "
+                                        "mean and checks it for NaN / inf (cost table op grad_prep)"),
         _entry("overlap_slowdown", 0.0, "assumption: not modelled (ranks sharing cores: see cpu_cores)"),
         "",
         "[network]",

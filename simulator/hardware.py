@@ -20,7 +20,11 @@ Layout of a profile file:
                one single-threaded process runs that work while `cpu_cores` processes run it at once
                (shared memory bandwidth and caches); absent: 1 (an ASSUMPTION)
     [compute]  peak_bf16_tflops, hbm_GBps, fwd_tflops, fwd_layer_overhead_ms, bwd_tflops,
-               bwd_layer_overhead_ms, optimizer_overhead_ms, elementwise_scale, overlap_slowdown
+               bwd_layer_overhead_ms, optimizer_overhead_ms, elementwise_scale, overlap_slowdown,
+               optional grad_prep_passes (default 0): passes of the cost table's grad_prep (sum -> mean,
+               non-finite check) charged with every gradient pass, 1 where the profile times this
+               project's runtime (the cpu profile); 0 where the AdamW times were fitted to a published
+               system whose own gradient handling they already contain
     [network]  nvlink_GBps, base_latency_us, intra_alpha_us, inter_alpha_us, nic_gbps_per_node,
                inter_efficiency, and either
                [[network.points]] kind (all_gather | broadcast | all_reduce), ranks, size_bytes, time_ms
@@ -89,6 +93,7 @@ class Profile:
     bwd_layer_overhead_s: float
     optimizer_overhead_s: float  # fixed seconds per optimizer step
     elementwise_scale: float  # multiplies the cost table's elementwise (AdamW / momentum) pass times
+    grad_prep_passes: float  # grad_prep passes charged per gradient pass (see the module docstring)
     overlap_slowdown: float  # compute runs (1 + this) slower while communication overlaps it
     nvlink_Bps: float
     network: Network
@@ -234,7 +239,7 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
     _check_keys(data, _TOP_KEYS, where)
     comp = _as_table(data.get("compute", {}), f"{where}: [compute]")
     net = _as_table(data.get("network", {}), f"{where}: [network]")
-    _check_keys(comp, _COMPUTE_KEYS, f"{where}: [compute]")
+    _check_keys(comp, (*_COMPUTE_KEYS, "grad_prep_passes"), f"{where}: [compute]")
     _check_keys(net, _NETWORK_TABLE_KEYS, f"{where}: [network]")
     c: dict[str, float] = {}
     for key in _COMPUTE_KEYS:
@@ -261,6 +266,9 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
         prov["curve_from"] = f"busbw curve of profile {other.name!r} x {scale:g}"
     else:
         raise InputError(f"{where}: [network] needs [[network.points]] or curve_from")
+    grad_prep = 0.0
+    if "grad_prep_passes" in comp:
+        grad_prep, prov["grad_prep_passes"] = _value(comp["grad_prep_passes"], "grad_prep_passes", where)
     thr = _as_table(data.get("threads", {}), f"{where}: [threads]")
     _check_keys(thr, tuple(f"{k}_{what}" for what in ("speedup", "corun_slowdown") for k in THREAD_KINDS),
                 f"{where}: [threads]")
@@ -310,6 +318,7 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
         bwd_layer_overhead_s=c["bwd_layer_overhead_ms"] * 1e-3,
         optimizer_overhead_s=c["optimizer_overhead_ms"] * 1e-3,
         elementwise_scale=c["elementwise_scale"],
+        grad_prep_passes=grad_prep,
         overlap_slowdown=c["overlap_slowdown"],
         nvlink_Bps=nv["nvlink_GBps"] * 1e9,
         network=network,

@@ -68,10 +68,12 @@ def make_spec(cfg, workload, profile, cost, per_node: int):
         n = int(round(numel))
         if n <= 0:
             return 0.0
+        if op == "grad_prep" and not profile.grad_prep_passes:
+            return 0.0
         a = cost.elementwise_time(n, op, "fp32")
         if n >= ew_answers.get(op, (0, None))[0]:
             ew_answers[op] = (n, a)  # provenance names the largest pass
-        return a.time_s * scale
+        return a.time_s * scale * (profile.grad_prep_passes if op == "grad_prep" else 1.0)
 
     plan = None
     info = {"ns_makespan_s": 0.0, "balancer": "", "method": "", "notes": list(workload.notes)}

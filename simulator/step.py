@@ -269,17 +269,20 @@ class _Programs:
         last = cm(r, "opt_overhead", s.optimizer_overhead_s, phase="opt", step=step)
         local = self._local_fraction()
         adam_numel = sum(s.layer_adamw_numel) * local
+        # every pass over gradients a rank reads is preceded by the runtime's gradient preparation (sum ->
+        # mean in place, one-pass non-finite check: the cost table's grad_prep), priced with the pass
         if s.strategy == "adamw":
             adam_numel += sum(s.muon_numel) * local
-            last = prev["adam"] = cm(r, "adamw", s.elementwise_s(adam_numel, "adamw"), phase="opt", step=step,
+            last = prev["adam"] = cm(r, "adamw", self._adamw_s(adam_numel), phase="opt", step=step,
                                      deps=(red["last"],))
         elif s.strategy == "naive":
             if adam_numel:
-                last = cm(r, "adamw", s.elementwise_s(adam_numel, "adamw"), phase="opt", step=step,
+                last = cm(r, "adamw", self._adamw_s(adam_numel), phase="opt", step=step,
                           deps=(red["last"],))
             prev["adam"] = last
-            last = cm(r, "momentum", s.elementwise_s(sum(s.muon_numel) * local, "muon_momentum"),
-                      phase="opt", step=step, deps=(red["last"],))
+            muon_local = sum(s.muon_numel) * local
+            last = cm(r, "momentum", s.elementwise_s(muon_local, "muon_momentum")
+                      + s.elementwise_s(muon_local, "grad_prep"), phase="opt", step=step, deps=(red["last"],))
             for i, numel in enumerate(s.muon_numel):
                 deps = (last,)
                 if self.shard is not None:
@@ -295,7 +298,8 @@ class _Programs:
             by_bucket: dict[int, list[Op]] = {}
             mine = self.batches_of.get(self.plan_rank(r), ())
             owned = sum(t[3] for t in mine)
-            momentum_s = s.elementwise_s(owned, "muon_momentum")  # one pass per step, shared pro rata
+            momentum_s = (s.elementwise_s(owned, "muon_momentum")  # one pass per step, shared pro rata
+                          + s.elementwise_s(owned, "grad_prep"))
             for k, bt, bks, numel in mine:
                 dur = bt.time_s * s.ns_stretch + momentum_s * numel / owned
                 last = cm(r, f"batch{k}", dur, phase="opt", step=step,
@@ -304,7 +308,7 @@ class _Programs:
                     by_bucket.setdefault(b, []).append(last)
             prev["pub_deps"] = {b: tuple(v) for b, v in by_bucket.items()}
             if adam_numel:
-                last = cm(r, "adamw", s.elementwise_s(adam_numel, "adamw"), phase="opt", step=step,
+                last = cm(r, "adamw", self._adamw_s(adam_numel), phase="opt", step=step,
                           deps=(red["adamw_last"],))
             prev["adam"] = last
             if not s.overlap:
@@ -313,6 +317,10 @@ class _Programs:
         prev["opt_last"] = last
 
     # ---- pieces ---------------------------------------------------------------------------------
+    def _adamw_s(self, numel: float) -> float:
+        """The AdamW pass over `numel` elements with its gradient preparation."""
+        return self.s.elementwise_s(numel, "adamw") + self.s.elementwise_s(numel, "grad_prep")
+
     def _layer_numel(self, l: int) -> int:
         return self.s.layer_adamw_numel[l] + self._layer_muon(l)
 
@@ -368,7 +376,7 @@ class _Programs:
         n = s.n_ranks
         last = None
         if adam_numel:
-            last = cm(r, "adamw", s.elementwise_s(adam_numel, "adamw"), phase="opt", step=step,
+            last = cm(r, "adamw", self._adamw_s(adam_numel), phase="opt", step=step,
                       deps=(red["adamw_last"],))
         to_owner: dict[int, Op] = {}
         momentum_s = s.elementwise_s(sum(self.bucket_numel) / n, "muon_momentum")  # one pass, pro rata

@@ -31,7 +31,7 @@ def test_profile_device_rows_feed_a_cost_table(tmp_path):
     ns = [r for r in rows if r.op == "ns"]
     assert {(r.rows, r.cols) for r in ns} == {(24, 40), (16, 64), (32, 32), (8, 48)}  # (40, 24) is (24, 40)
     assert {r.batch for r in ns} == {1, 2} and {r.method for r in ns} == {"standard", "gram"}
-    assert {r.op for r in rows} == {"ns", "matmul", "copy", "muon_momentum", "adamw"}
+    assert {r.op for r in rows} == {"ns", "matmul", "copy", "muon_momentum", "adamw", "grad_prep"}
     assert all(r.time_s > 0 and r.source.startswith("measured here") for r in rows)
     path = tmp_path / "mini.csv"
     write_profile(path, rows)

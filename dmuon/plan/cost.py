@@ -39,7 +39,7 @@ from .profile_io import DTYPE_BYTES, DTYPES, ELEMENTWISE_OPS, NS_OP, ProfileRow,
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 HARDWARE_CSV = PROFILES_DIR / "hardware.csv"
 KERNEL_FAMILY = {"standard": "dense", "gram": "dense", "standard_sym": "sym", "gram_sym": "sym"}
-ELEMENTWISE_ACCESSES = {"muon_momentum": 7, "adamw": 7}
+ELEMENTWISE_ACCESSES = {"muon_momentum": 7, "adamw": 7, "grad_prep": 3}  # reads + writes per element
 ROOFLINE_SUFFIX = "-roofline"
 
 
@@ -364,7 +364,7 @@ class CostTable:
         return CostAnswer(t, False, detail)
 
     def elementwise_time(self, numel: int, op: str, dtype: str = "fp32") -> CostAnswer:
-        """One pass of `op` (muon_momentum | adamw) over `numel` elements of `dtype`."""
+        """One pass of `op` (muon_momentum | adamw | grad_prep) over `numel` elements of `dtype`."""
         key = ("mem", numel, op, dtype)
         if key not in self._cache:
             self._cache[key] = self._elementwise_time(numel, op, dtype)

@@ -12,7 +12,9 @@ What is timed: `dmuon.orthogonalize` on a (batch, n, m) stack of random matrices
 coefficients, restart at step 2 for Gram NS); methods map to (method, kernels): standard -> (standard,
 torch), standard_sym -> (standard, triton), gram -> (gram, torch), gram_sym -> (gram, triton). The
 elementwise ops are the optimizer's own functions: `muon_momentum` = dmuon.optim.muon_momentum_ +
-muon_apply_ on one tensor, `adamw` = dmuon.optim.adamw_step_ on one tensor. `matmul` (n^3 product) and
+muon_apply_ on one tensor, `adamw` = dmuon.optim.adamw_step_ on one tensor, `grad_prep` = what the
+distributed optimizers do to each received gradient before using it (scale the sum to a mean in place,
+then a one-pass non-finite check: `DMuon._absorb`). `matmul` (n^3 product) and
 `copy` rows give the device's achieved peak FLOP/s and bandwidth (the CPU has no datasheet here).
 Each number is the median of `repeats` timed calls after `warmup` untimed ones (CUDA: CUDA events
 around each call after a synchronize; CPU: perf_counter).
@@ -189,7 +191,8 @@ def profile_elementwise(
     device_name: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[ProfileRow]:
-    """`muon_momentum` and `adamw` rows: one pass of the optimizer's own functions over numel elements."""
+    """`muon_momentum`, `adamw` and `grad_prep` rows: one pass of the optimizer's own functions over numel
+    elements."""
     import torch
 
     from ..optim import adamw_step_, muon_apply_, muon_momentum_
@@ -208,7 +211,10 @@ def profile_elementwise(
         def adamw(p=p, g=g, a=a, b=b):
             adamw_step_([p], [g], [a], [b], [1], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
-        for op, fn in zip(ELEMENTWISE_OPS, (momentum, adamw), strict=True):
+        def grad_prep(g=g):
+            return bool(torch.isfinite(g.mul_(1.0).sum()))
+
+        for op, fn in zip(ELEMENTWISE_OPS, (momentum, adamw, grad_prep), strict=True):
             t = median_time_s(fn, device=device, repeats=repeats, warmup=warmup)
             rows.append(ProfileRow(device_name or device, op, numel, 1, 1, "", dtype, t, source))
             if progress:

@@ -33,7 +33,7 @@ from .flops import METHODS
 
 COLUMNS = ("device", "op", "rows", "cols", "batch", "method", "dtype", "time_s", "source")
 NS_OP = "ns"
-ELEMENTWISE_OPS = ("muon_momentum", "adamw")
+ELEMENTWISE_OPS = ("muon_momentum", "adamw", "grad_prep")
 OPS = (NS_OP, *ELEMENTWISE_OPS, "matmul", "copy", "model_scale")
 DTYPES = ("bf16", "fp16", "fp32")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
