@@ -9,11 +9,13 @@ one thread each, replicated DDP-like layout, fp32, qwen2.5-7b shapes scaled down
 2. Compute: forward and backward of one transformer-like block (q/k/v/o projections with causal
    attention, RMSNorm, SiLU-gated MLP) of qwen2.5-7b scaled by each of FIT_SCALES, one thread; the
    FLOPs are simulator.compute's; forward = F / R + c fitted on two scales, checked on the third.
-3. Thread scaling: one rank running all `cpu_cores` threads vs one thread, for layer compute (the block
-   above at x1/16, forward + backward), NS (batched orthogonalization of the bench model's largest
-   stacks) and elementwise passes (AdamW over 4M elements): the [threads] speedups, so the simulator
-   prices runs with several threads per rank from what was measured (small matrices and memory-bound
-   passes scale far from linearly).
+3. Thread scaling: one rank running all `cpu_cores` threads vs one thread, for layer compute (forward +
+   backward of `harness bench step`'s default model: qwen2.5-7b x1/16, 4 blocks with embedding and
+   head, seq 128 x 2: the small matrices of a whole model scale worse than one large block), NS
+   (batched orthogonalization of the bench model's largest stacks) and elementwise passes (AdamW over
+   4M elements): the [threads] speedups, so the simulator prices runs with several threads per rank
+   from what was measured (small matrices and memory-bound passes scale far from linearly); and the
+   same work in `cpu_cores` single-threaded processes at once: the co-run slowdowns.
 NS and elementwise costs are not measured here: they come from dmuon's "cpu" cost table (one cost model
 for the planner and the simulator).
 
@@ -205,6 +207,7 @@ def fit_compute(rows: list[dict]) -> dict:
 
 
 THREAD_NS = ((8, 224, 224, "standard"), (8, 224, 1184, "gram"))  # bench model stacks (x1/16)
+THREAD_MODEL = (1 / 16, 4, 128, 2)  # harness bench step's default model: width scale, blocks, seq, batch
 THREAD_EW_NUMEL = 1 << 22
 
 
@@ -214,16 +217,16 @@ def _thread_work():
 
     from dmuon.newton_schulz import orthogonalize
     from dmuon.optim import adamw_step_
+    from harness.benchmodel import build_bench_model, synthetic_batch
 
-    lin, d_q, d_model, _ = _block(FIT_SCALES[0])
-    x = torch.randn(TOKENS[1], TOKENS[0], d_model, requires_grad=True)
-    params = [p for m in lin.values() for p in m.parameters()]
+    from .workload import load_workload
+
+    model = build_bench_model(load_workload("qwen2.5-7b").scaled(THREAD_MODEL[0], blocks=THREAD_MODEL[1]))
+    x, y = synthetic_batch(model.vocab, THREAD_MODEL[2], THREAD_MODEL[3], seed=0, step=0, rank=0)
 
     def compute():
-        _block_forward(lin, x, d_q).sum().backward()
-        for p in params:
-            p.grad = None
-        x.grad = None
+        model(x, y).backward()
+        model.zero_grad(set_to_none=True)
 
     gen = torch.Generator().manual_seed(0)
     stacks = [(torch.randn(b, r, c, generator=gen), m) for b, r, c, m in THREAD_NS]
@@ -367,7 +370,8 @@ def render(comm, base_s: float, alpha_s: float, comp: dict, comp_rows: list[dict
     ]
     if threads:
         cores = os.cpu_count() or 1
-        what = {"compute": f"one qwen2.5-7b block x{FIT_SCALES[0]:g}, seq {TOKENS[0]}, forward + backward",
+        what = {"compute": f"forward + backward of the bench model (qwen2.5-7b x{THREAD_MODEL[0]:g}, "
+                           f"{THREAD_MODEL[1]} blocks, seq {THREAD_MODEL[2]} x {THREAD_MODEL[3]})",
                 "ns": "orthogonalize " + " + ".join(f"({b}, {r}, {c}) {m}" for b, r, c, m in THREAD_NS)
                       + ", fp32",
                 "elementwise": f"adamw_step_ over {THREAD_EW_NUMEL:,} elements"}
