@@ -238,6 +238,8 @@ def register(app, bench) -> None:
             "bench_rows.csv, else results/bench/*.csv).",
         ),
         ranks: str = typer.Option("1,2", help="Rank counts of the closed-loop CPU runs (comma list)."),
+        repeats: int = typer.Option(3, help="Launches per closed-loop configuration (the median is "
+                                    "compared)."),
         out: str = typer.Option(str(DEFAULT_RESULTS / VALIDATION), help="Where validation.csv goes."),
         paper_results: str = typer.Option(
             str(DEFAULT_RESULTS / "paper" / "results.csv"),
@@ -249,6 +251,11 @@ def register(app, bench) -> None:
         bound breaks."""
         import json
         import time
+
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            from dmuon.errors import InputError
+
+            raise InputError(f"--repeats must be an integer >= 1, got {repeats!r}")
 
         import pandas as pd
 
@@ -281,6 +288,7 @@ def register(app, bench) -> None:
             bench = v.measure_bench(
                 tuple(_csv_list(ranks, "--ranks", int)),
                 progress=lambda s: print(s, file=sys.stderr, flush=True),
+                repeats=repeats,
             )
             with atomic_path(bench_csv) as tmp:
                 pd.DataFrame(bench).to_csv(tmp, index=False)

@@ -16,6 +16,9 @@ checks (column `check`):
                     within 2 percentage points. Endpoint errors are shown.
   closed_loop       real CPU runs of `harness bench step` vs the same runs simulated with the cpu profile
                     (simulator.validate.closed_loop): step and optimizer time within 15% per strategy.
+                    Each configuration is launched BENCH_REPEATS times, interleaved with the others, and
+                    the median over those launches is compared (a shared VM drifts by tens of percent
+                    within minutes; the note gives the min-max and the CPU steal during the runs).
 Rows: check, label, workload, strategy, metric, unit, reference, reference_kind, simulated, error (relative),
 bound, bounded, within_bound, note, profile. Times in seconds.
 """
@@ -36,6 +39,8 @@ NS_REPLAY = {  # published method -> (strategy, SimConfig settings)
 }
 NS_CALIBRATION_POINT = ("pi0", "naive, standard NS")  # the a800 profile's standard-NS scale was fitted here
 BENCH_DEFAULT_RANKS = (1, 2)
+BENCH_REPEATS = 3
+_KEY = ("ranks", "strategy", "threads_per_rank", "layout", "overlap")
 
 
 def _row(
@@ -219,18 +224,63 @@ def headline_checks(paper_df, src: str) -> list[dict]:
     return out
 
 
-def measure_bench(ranks=BENCH_DEFAULT_RANKS, progress=None) -> list[dict]:
-    """Real CPU runs of `harness bench step` (adamw, naive, dmuon side by side), one launch per rank count."""
+def _cpu_steal() -> tuple[float, float] | None:
+    """(steal jiffies, all jiffies) from /proc/stat, or None where there is none."""
+    try:
+        fields = [float(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0.0), sum(fields)
+
+
+def measure_bench(ranks=BENCH_DEFAULT_RANKS, progress=None, repeats: int = BENCH_REPEATS) -> list[dict]:
+    """Real CPU runs of `harness bench step` (adamw, naive, dmuon side by side): `repeats` rounds of one
+    launch per rank count (rounds interleave the rank counts). Rows carry `repeat` and `steal_pct` (the
+    share of CPU time the hypervisor took during that launch)."""
     from .cmd_bench_step import StepConfig, check_config, launch
 
     rows = []
-    for n in ranks:
-        cfg = StepConfig(ranks=n, strategies=("adamw", "naive", "dmuon"), device="cpu")
-        check_config(cfg)
-        if progress:
-            progress(f"bench step: {n} rank(s), adamw / naive / dmuon (real CPU run)")
-        rows += [dict(r, load_1m_start=os.getloadavg()[0]) for r in launch(cfg)]
+    for k in range(repeats):
+        for n in ranks:
+            cfg = StepConfig(ranks=n, strategies=("adamw", "naive", "dmuon"), device="cpu")
+            check_config(cfg)
+            if progress:
+                progress(f"bench step: {n} rank(s), adamw / naive / dmuon (real CPU run {k + 1} of "
+                         f"{repeats})")
+            before, load = _cpu_steal(), os.getloadavg()[0]
+            got = launch(cfg)
+            after = _cpu_steal()
+            steal = (100 * (after[0] - before[0]) / max(after[1] - before[1], 1.0)
+                     if before and after else float("nan"))
+            rows += [dict(r, load_1m_start=load, repeat=k, steal_pct=steal) for r in got]
     return rows
+
+
+def median_rows(bench_rows: list[dict]) -> list[dict]:
+    """One row per configuration: the median step and optimizer time over its launches, with their
+    min-max and the launches' steal in `spread`."""
+    import statistics
+
+    groups: dict[tuple, list[dict]] = {}
+    for b in bench_rows:
+        groups.setdefault(tuple(b.get(k) for k in _KEY), []).append(b)
+    out = []
+    for rows in groups.values():
+        med = dict(rows[0])
+        parts = []
+        for m in ("step_s", "optimizer_s"):
+            vals = [r[m] for r in rows if r.get(m) is not None]
+            if vals:
+                med[m] = statistics.median(vals)
+                parts.append(f"{m[:-2]} {min(vals) * 1e3:.4g}-{max(vals) * 1e3:.4g} ms")
+        steal = [r["steal_pct"] for r in rows if r.get("steal_pct") is not None
+                 and r["steal_pct"] == r["steal_pct"]]
+        med["spread"] = (f"median of {len(rows)} launch(es): " + ", ".join(parts)
+                         + (f"; CPU steal {min(steal):.0f}-{max(steal):.0f}%" if steal else ""))
+        med["load_1m"] = statistics.median([r["load_1m"] for r in rows if r.get("load_1m") is not None]
+                                           or [float("nan")])
+        out.append(med)
+    return out
 
 
 def closed_loop_checks(bench_rows: list[dict], source: str) -> list[dict]:
@@ -239,13 +289,14 @@ def closed_loop_checks(bench_rows: list[dict], source: str) -> list[dict]:
     from .sweep import cpu_name
 
     out = []
-    for b in bench_rows:
+    for b in median_rows(bench_rows):
         if b.get("device", "cpu") != "cpu" or not b.get("overlap", True):
             continue
         c = closed_loop(BenchRow.from_bench(b))
         label = f"{b['strategy']} {b['ranks']} rank(s) x {b.get('threads_per_rank', 1)} thread(s)"
         load = b.get("load_1m")
         note = f"{source}; load average {load:.1f} during the run" if load not in (None, "") else source
+        note += f"; {b['spread']}"
         for metric in ("step", "optimizer"):
             if f"measured_{metric}_s" not in c:
                 continue
@@ -290,6 +341,7 @@ __all__ = [
     "closed_loop_checks",
     "headline_checks",
     "measure_bench",
+    "median_rows",
     "ns_replay_checks",
     "published_checks",
     "read_bench_rows",

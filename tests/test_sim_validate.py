@@ -69,3 +69,17 @@ def test_closed_loop_reads_a_bench_step_row():
     one_thread = out["simulated_step_s"]
     two = closed_loop(BenchRow.from_bench({**row, "ranks": 1, "threads_per_rank": 2}))
     assert two["simulated_step_s"] < one_thread  # one rank with both cores computes faster
+
+
+def test_closed_loop_compares_the_median_of_repeated_launches():
+    from harness.validation import median_rows
+
+    base = {"ranks": 2, "strategy": "dmuon", "threads_per_rank": 1, "layout": "ddp", "overlap": True}
+    rows = [dict(base, step_s=s, optimizer_s=o, load_1m=1.0, steal_pct=st)
+            for s, o, st in ((0.30, 0.10, 0.0), (0.50, 0.30, 20.0), (0.32, 0.12, 1.0))]
+    rows.append(dict(base, strategy="naive", step_s=0.4, optimizer_s=0.2, load_1m=1.0))
+    med = {r["strategy"]: r for r in median_rows(rows)}
+    assert med["dmuon"]["step_s"] == 0.32 and med["dmuon"]["optimizer_s"] == 0.12
+    assert "median of 3 launch(es)" in med["dmuon"]["spread"] and "300-500 ms" in med["dmuon"]["spread"]
+    assert "steal 0-20%" in med["dmuon"]["spread"]
+    assert med["naive"]["step_s"] == 0.4 and "median of 1" in med["naive"]["spread"]
