@@ -275,7 +275,7 @@ def measure_threads(cores: int, repeats: int = 5, rounds: int = 3) -> dict[str, 
     return out
 
 
-def _corun_worker(rank: int, cores: int, repeats: int, start, out) -> None:
+def _corun_worker(rank: int, repeats: int, start, out) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -301,7 +301,7 @@ def measure_corun(cores: int, repeats: int = 5) -> dict[str, tuple[float, float]
         torch.set_num_threads(before)
     ctx = mp.get_context("spawn")
     start, out = ctx.Barrier(cores), ctx.Queue()
-    procs = [ctx.Process(target=_corun_worker, args=(r, cores, repeats, start, out)) for r in range(cores)]
+    procs = [ctx.Process(target=_corun_worker, args=(r, repeats, start, out)) for r in range(cores)]
     for p in procs:
         p.start()
     got: dict[str, list[float]] = {}

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from workloads import TINY
 
 from dmuon.errors import InputError
 from harness.cli import main
@@ -22,23 +23,6 @@ from harness.runners import RUNNERS
 from simulator.workload import load_workload
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = """name = "tiny"
-[[matrices]]
-name = "embed"
-rows = 256
-cols = 32
-optimizer = "adamw"
-[[matrices]]
-name = "wq"
-rows = 32
-cols = 32
-count = 2
-[[matrices]]
-name = "w_up"
-rows = 32
-cols = 96
-count = 2
-"""
 
 
 @pytest.fixture(scope="module")

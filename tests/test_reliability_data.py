@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from workloads import TINY
 
 import simulator.api
 from dmuon.io import atomic_path, atomic_write_bytes, atomic_write_text
@@ -23,24 +24,7 @@ from harness.sweep import JOURNAL, ResultStore, load_experiment, run_sweep
 ROOT = Path(__file__).resolve().parent.parent
 KEY = ["gpus", "strategy"]
 METRICS = ["step_s", "optimizer_s", "forward_s", "ns_makespan_s", "comm_bytes_per_rank"]
-TINY = """name = "tiny"
-[[matrices]]
-name = "embed"
-rows = 256
-cols = 32
-optimizer = "adamw"
-[[matrices]]
-name = "wq"
-rows = 32
-cols = 32
-count = 2
-[[matrices]]
-name = "w_up"
-rows = 32
-cols = 96
-count = 2
-"""
-# a child `harness run` whose rows take 0.4 s each, so it can be stopped mid-sweep
+# a child `harness run` whose rows take 1 s each, so it can be stopped mid-sweep
 CHILD = """
 import sys, time
 import simulator.api as api

@@ -7,7 +7,7 @@ import pytest
 
 from dmuon.errors import InputError
 from simulator.api import SimConfig, simulate
-from simulator.hardware import load_profile
+from simulator.hardware import PROFILE_DIR, load_profile
 
 
 def test_contention_interpolates_measured_speedups_and_coruns():
@@ -24,7 +24,7 @@ def test_contention_interpolates_measured_speedups_and_coruns():
 
 
 def test_threads_section_is_validated(tmp_path):
-    text = (load_profile.__globals__["PROFILE_DIR"] / "cpu.toml").read_text()
+    text = (PROFILE_DIR / "cpu.toml").read_text()
     bad = text.replace("[threads]\n", "[threads]\nbogus_speedup = { value = 2, source = \"x\" }\n", 1)
     path = tmp_path / "bad.toml"
     path.write_text(bad)
