@@ -24,7 +24,17 @@ import torch
 
 from .errors import InputError, choice_error
 from .newton_schulz import NSConfig, as_matrix, orthogonalize, orthogonalize_many
-from .optim import NONFINITE, Muon, adamw_step_, lr_scale, muon_apply_, muon_momentum_, nonfinite_names
+from .optim import (
+    NONFINITE,
+    Muon,
+    adamw_step_,
+    lr_scale,
+    momentum_update,
+    muon_apply_,
+    muon_momentum_,
+    muon_ns_input,
+    nonfinite_names,
+)
 from .params import route
 from .plan.types import MatrixSpec, Plan
 from .runtime.comm import CommStats, CommWorker
@@ -511,16 +521,25 @@ class DMuon(_ReplicatedMuon):
         for batch in self.plan.batches_of(self.rank):
             for i in batch.members:
                 self._absorb(self._where[i][0])
-            inputs, buffers = [], []
-            for i in batch.members:
-                p = self.params[i]
+            members = [self.params[i] for i in batch.members]
+            dtype = members[0].dtype
+            for p in members[1:]:
+                dtype = torch.promote_types(dtype, p.dtype)
+            # the NS input of each member is written straight into its slot of the batch's stack (tall
+            # members through a transposed view): no separate copy of the buffer or of the inputs
+            stack = torch.empty((len(members), batch.rows, batch.cols), dtype=dtype, device=members[0].device)
+            buffers, flips = [], []
+            for k, (i, p) in enumerate(zip(batch.members, members, strict=True)):
                 old = self.state[p].get("momentum_buffer")
-                buf = torch.zeros_like(p, memory_format=torch.preserve_format) if old is None else old.clone()
+                if old is None:
+                    old = torch.zeros_like(p, memory_format=torch.preserve_format)
                 g = self._grad(i).to(p.dtype)
-                inputs.append(as_matrix(muon_momentum_(g, buf, group["momentum"], group["nesterov"])))
+                buf = momentum_update(g, old, group["momentum"])
+                flip = tuple(as_matrix(p).shape) != (batch.rows, batch.cols)
+                slot = stack[k].mT if flip else stack[k]
+                muon_ns_input(as_matrix(g), as_matrix(buf), group["momentum"], group["nesterov"], out=slot)
                 buffers.append(buf)
-            flips = [tuple(x.shape) != (batch.rows, batch.cols) for x in inputs]
-            stack = torch.stack([x.mT if f else x for x, f in zip(inputs, flips, strict=True)])
+                flips.append(flip)
             out = orthogonalize(stack, **{**self.ns.kwargs(), "method": batch_method(self.plan, batch)})
             updates = [u.mT if f else u for u, f in zip(out.unbind(0), flips, strict=True)]
             pending += list(zip(batch.members, buffers, updates, strict=True))

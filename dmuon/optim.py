@@ -56,7 +56,24 @@ def muon_momentum_(grad: torch.Tensor, buf: torch.Tensor, momentum: float, neste
     """Update the momentum buffer in place (buf = momentum * buf + grad) and return the NS input:
     grad + momentum * buf (Nesterov) or buf itself (do not modify the returned tensor)."""
     buf.mul_(momentum).add_(grad)
-    return grad.add(buf, alpha=momentum) if nesterov else buf
+    return muon_ns_input(grad, buf, momentum, nesterov)
+
+
+def momentum_update(grad: torch.Tensor, buf: torch.Tensor, momentum: float) -> torch.Tensor:
+    """The updated momentum buffer as a new tensor (`buf` untouched): bitwise what `muon_momentum_`
+    leaves in `buf`."""
+    return torch.mul(buf, momentum).add_(grad)
+
+
+def muon_ns_input(grad: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """The NS input from the updated buffer: grad + momentum * buf (Nesterov) or buf; written into `out`
+    (any strides, e.g. a transposed slot of a batch) when given."""
+    if out is None:
+        return grad.add(buf, alpha=momentum) if nesterov else buf
+    if nesterov:
+        return torch.add(grad, buf, alpha=momentum, out=out)
+    return out.copy_(buf)
 
 
 def muon_apply_(param: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float,

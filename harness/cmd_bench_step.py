@@ -34,6 +34,10 @@ includes the allocator's slack, as a real CPU job's does). --exact-memory runs t
 MALLOC_MMAP_THRESHOLD_=65536 so that a freed tensor leaves the resident set at once: a tighter peak, but
 every large allocation then maps fresh pages, which slows allocation-heavy code (the NS, AdamW) about
 2x on the development machine: do not compare its times with other rows (column exact_memory).
+probe_s (--speed-probe): before each block builds its optimizer, every rank times PROBE_REPEATS forward +
+backward passes of the fresh model at once (median; max over ranks, then the median over blocks): the
+machine's speed during the run, which `harness validate` compares with the same probe when the cpu
+profile was calibrated (a shared VM's speed drifts by tens of percent within minutes).
 comm_bytes_per_step: bytes a rank sends per step (max over ranks), counted on one extra untimed step at
 the end of the block by `dmuon.runtime.bytecount` (every collective of every thread: the optimizer's
 and FSDP2's): payload (padding included) x (N-1)/N for reduce-scatter, all-gather, per-owner reduce
@@ -101,6 +105,7 @@ class StepConfig:
     layout: str = "ddp"
     memory: str = "keep"
     exact_memory: bool = False
+    speed_probe: bool = False
     notes: list[str] = field(default_factory=list)
 
     def variants(self) -> list[tuple[str, bool, str]]:
@@ -252,6 +257,36 @@ def _count_step(cfg: StepConfig, model, opt, rank: int, device, it: int) -> dict
                 fsdp_comm_bytes_per_step=counter.bytes(label="main"))
 
 
+PROBE_REPEATS = 3
+
+
+def _speed_probe(model, cfg: StepConfig, device) -> float:
+    """--speed-probe: the machine's speed right now, on every rank at once: median seconds of
+    PROBE_REPEATS forward + backward passes of the freshly built model (after one untimed), before the
+    optimizer exists (no hooks, no communication). The work of simulator.calibrate_cpu.measure_probe
+    (the same model and batch for the default configuration), so the two can be compared."""
+    import torch
+    import torch.distributed as dist
+
+    from .benchmodel import synthetic_batch
+
+    x, y = synthetic_batch(model.vocab, cfg.seq_len, cfg.micro_batch, seed=0, step=0, rank=0, device=device)
+    dist.barrier()
+    times = []
+    for i in range(PROBE_REPEATS + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        model(x, y).backward()
+        model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    dist.barrier()
+    return statistics.median(times)
+
+
 def _trim_heap() -> None:
     """Give freed heap memory back to the OS (glibc), so RSS growth measures the next variant alone."""
     import ctypes
@@ -282,6 +317,7 @@ def run_variant(cfg: StepConfig, variant: tuple[str, bool, str], rank: int, worl
     _reset_peak_rss()
     model = build_bench_model(load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers),
                               seed=cfg.seed, device=device, dtype=dtype)
+    probe_s = _speed_probe(model, cfg, device) if cfg.speed_probe else float("nan")
     opt = _make_optimizer(strategy, model, cfg, overlap, exchange)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -329,7 +365,7 @@ def run_variant(cfg: StepConfig, variant: tuple[str, bool, str], rank: int, worl
                                 exposed_comm_s=opt.comm_stats.wait_s, optimizer_cpu_s=c3 - c2,
                                 peak_mem_bytes=(torch.cuda.max_memory_allocated(device) if cuda
                                                 else _peak_rss() - base_rss),
-                                loss=float(loss.detach()), load_1m=os.getloadavg()[0]))
+                                loss=float(loss.detach()), load_1m=os.getloadavg()[0], probe_s=probe_s))
     counted = _count_step(cfg, model, opt, rank, device, cfg.warmup + timed)
     for r in records:
         r.update(counted)
@@ -367,7 +403,8 @@ def rank_main(cfg: StepConfig, rank: int, world: int, local_rank: int) -> list[d
                  for r in range(cfg.rounds)]
     for variant in variants:  # an untimed one-step block per variant first: libraries and lazily built
         dist.barrier()  # state (DTensor, FSDP2, NS code) load here, not in the first measured block's peak
-        run_variant(replace(cfg, warmup=0, profile_trace=None), variant, rank, world, device, 1)
+        untimed = replace(cfg, warmup=0, profile_trace=None, speed_probe=False)
+        run_variant(untimed, variant, rank, world, device, 1)
     for rnd, timed in enumerate(per_block):
         for k, variant in enumerate(variants):
             if timed:
@@ -394,6 +431,8 @@ def aggregate(cfg: StepConfig, variant: tuple[str, bool, str], per_rank: list[li
                           "peak_mem_bytes"):
         per_step = [max(r[i][key] for r in per_rank) for i in range(steps)]
         row[key] = statistics.median(per_step)
+    per_step = [max(r[i].get("probe_s", math.nan) for r in per_rank) for i in range(steps)]
+    row["probe_s"] = statistics.median(per_step) if cfg.speed_probe else None  # the blocks' probes
     for key in ("step_s", "optimizer_s"):  # spread; the minimum is the least disturbed step
         row[f"{key}_min"] = min(max(r[i][key] for r in per_rank) for i in range(steps))
         row[f"{key}_max"] = max(max(r[i][key] for r in per_rank) for i in range(steps))
@@ -671,6 +710,8 @@ def register(app, bench) -> None:
         exact_memory: bool = typer.Option(False, "--exact-memory", help="CPU: return freed tensors to the OS "
                                           "at once (tighter peak_mem_bytes, ~2x slower allocation; see "
                                           "docs)."),
+        speed_probe: bool = typer.Option(False, "--speed-probe", help="Time the model's forward + backward "
+                                         "before each block (column probe_s: the machine's speed then)."),
     ):
         """Measure training steps of DMuon / NaiveMuon / AdamW on N real processes (see docs/runtime.md)."""
         cfg = StepConfig(ranks=ranks, strategies=_split(strategy),
@@ -680,7 +721,7 @@ def register(app, bench) -> None:
                          phase_barrier=phase_barrier, balancer=balancer, exchanges=_split(exchange),
                          node_size=node_size, profile=profile, device=device, threads=threads, seed=seed,
                          timeout_s=timeout_s, profile_trace=profile_trace, layout=layout, memory=memory,
-                         exact_memory=exact_memory)
+                         exact_memory=exact_memory, speed_probe=speed_probe)
         if under_torchrun():
             cfg.ranks = int(os.environ["WORLD_SIZE"])
             check_config(cfg)

@@ -129,6 +129,10 @@ def register(app, bench) -> None:
         overlap_slowdown: float = typer.Option(None, help="Compute slowdown while communication overlaps it "
                                                           "(e.g. 0.1; default: profile)."),
         bucket_numel: int = typer.Option(0, help="dmuon: elements per bucket (0: one bucket per layer)."),
+        naive_batching: bool = typer.Option(False, "--naive-batching/--no-naive-batching",
+                                            help="naive: one batched NS call per shape (as dmuon.NaiveMuon) "
+                                                 "instead of one per matrix."),
+        cpu_threads: int = typer.Option(1, help="cpu profile: torch threads per rank."),
         trace: str = typer.Option(None, help="Write a Chrome-trace JSON (open in Perfetto) to this file."),
         json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     ):
@@ -143,8 +147,8 @@ def register(app, bench) -> None:
                       layout=layout, seq_len=seq_len, micro_batch=micro_batch, gram=gram,
                       symmetric_kernels=symmetric_kernels, batching=batching, balancer=balancer,
                       overlap=overlap, hierarchical=hierarchical, nic_gbps=nic_gbps,
-                      overlap_slowdown=overlap_slowdown,
-                      bucket_numel=bucket_numel)
+                      overlap_slowdown=overlap_slowdown, naive_batching=naive_batching,
+                      cpu_threads=cpu_threads, bucket_numel=bucket_numel)
             for s in strategies_of(strategy)
         ]
         results = run_simulations(configs, trace)

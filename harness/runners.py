@@ -61,6 +61,8 @@ _NOT_PLAN = (
     "param_comm_dtype",
     "grad_comm_dtype",
     "naive_ns_method",
+    "naive_batching",
+    "speed_scale",
     "cpu_threads",
 )
 

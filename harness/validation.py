@@ -18,7 +18,11 @@ checks (column `check`):
                     (simulator.validate.closed_loop): step and optimizer time within 15% per strategy.
                     Each configuration is launched BENCH_REPEATS times, interleaved with the others, and
                     the median over those launches is compared (a shared VM drifts by tens of percent
-                    within minutes; the note gives the min-max and the CPU steal during the runs).
+                    within minutes; the note gives the min-max and the CPU steal during the runs). A
+                    speed probe (the bench model's forward + backward on every rank, `harness bench step
+                    --speed-probe`) runs before each block; the simulation runs at the probe's speed
+                    relative to the same probe when the profile was calibrated (SimConfig.speed_scale).
+                    The note gives that factor and the error at the profile's own speed.
 Rows: check, label, workload, strategy, metric, unit, reference, reference_kind, simulated, error (relative),
 bound, bounded, within_bound, note, profile. Times in seconds.
 """
@@ -235,14 +239,15 @@ def _cpu_steal() -> tuple[float, float] | None:
 
 def measure_bench(ranks=BENCH_DEFAULT_RANKS, progress=None, repeats: int = BENCH_REPEATS) -> list[dict]:
     """Real CPU runs of `harness bench step` (adamw, naive, dmuon side by side): `repeats` rounds of one
-    launch per rank count (rounds interleave the rank counts). Rows carry `repeat` and `steal_pct` (the
-    share of CPU time the hypervisor took during that launch)."""
+    launch per rank count (rounds interleave the rank counts). Rows carry `repeat`, `steal_pct` (the
+    share of CPU time the hypervisor took during that launch) and `probe_s`: the bench's speed probe
+    (--speed-probe: the model's forward + backward on every rank before each block)."""
     from .cmd_bench_step import StepConfig, check_config, launch
 
     rows = []
     for k in range(repeats):
         for n in ranks:
-            cfg = StepConfig(ranks=n, strategies=("adamw", "naive", "dmuon"), device="cpu")
+            cfg = StepConfig(ranks=n, strategies=("adamw", "naive", "dmuon"), device="cpu", speed_probe=True)
             check_config(cfg)
             if progress:
                 progress(f"bench step: {n} rank(s), adamw / naive / dmuon (real CPU run {k + 1} of "
@@ -268,7 +273,7 @@ def median_rows(bench_rows: list[dict]) -> list[dict]:
     for rows in groups.values():
         med = dict(rows[0])
         parts = []
-        for m in ("step_s", "optimizer_s"):
+        for m in ("step_s", "optimizer_s", "probe_s"):
             vals = [r[m] for r in rows if r.get(m) is not None]
             if vals:
                 med[m] = statistics.median(vals)
@@ -300,6 +305,8 @@ def closed_loop_checks(bench_rows: list[dict], source: str) -> list[dict]:
         for metric in ("step", "optimizer"):
             if f"measured_{metric}_s" not in c:
                 continue
+            why = (f"{note}; simulated at the machine's speed during the run ({c['speed']}); at the "
+                   f"profile's speed the error is {c[f'raw_{metric}_error']:+.1%}")
             out.append(
                 _row(
                     "closed_loop",
@@ -313,7 +320,7 @@ def closed_loop_checks(bench_rows: list[dict], source: str) -> list[dict]:
                     c[f"simulated_{metric}_s"],
                     CLOSED_LOOP_BOUND,
                     True,
-                    note,
+                    why,
                     c["profile"],
                     error=c[f"{metric}_error"],
                 )

@@ -73,7 +73,13 @@ class SimConfig:
     grad_comm_dtype: str | None = _f(None, "dtype of gradient reductions and exchanges: bf16 | fp16 | fp32 "
                                            "(None: the profile's dtype)")
     cpu_threads: int = _f(1, "CPU profiles: torch threads per rank (ranks x threads share the profile's "
-                             "cores)")
+                             "cores); NS and elementwise passes are priced from the cost table measured at "
+                             "that many threads (<name>-t<threads>) where one exists")
+    speed_scale: float = _f(1.0, "every compute, NS and elementwise time (and, on CPU profiles, every "
+                                 "collective: CPU work there) x this: a device slower (> 1) or faster than "
+                                 "when its profile was measured (harness validate: the speed probe's drift)")
+    naive_batching: bool = _f(False, "naive: one batched NS call per matrix shape, as dmuon.NaiveMuon runs "
+                                     "it (False: one call per matrix, the published FSDP2+Muon baseline)")
     max_batch: int = _f(8, "dmuon: largest NS batch")
     bucket_numel: int = _f(0, "dmuon: elements per communication bucket (0: one bucket per layer)")
     milp_time_limit_s: float = _f(10.0, "dmuon MILP balancer: wall-clock safety net (work limits end it "
@@ -164,6 +170,20 @@ def plan_for(matrices, world_size: int, cost, *, balancer: str, method: str, dty
     return _PLANS[key][1]
 
 
+def thread_cost_for(profile, cfg: SimConfig):
+    """CPU profiles with cfg.cpu_threads > 1: the cost table measured at that many threads per call
+    (`harness profile --threads T` saved as <cost profile>-t<T>), or None where there is none (then
+    one-thread times are divided by the profile's measured [threads] speedup)."""
+    if not profile.cpu_cores or cfg.cpu_threads <= 1:
+        return None
+    from dmuon.plan.cost import available_profiles
+
+    names = [f"{n}-t{cfg.cpu_threads}" for n in profile.cost_profiles]
+    have = set(available_profiles())
+    found = [n for n in names if n in have]
+    return load_cost(found[0]) if found else None
+
+
 MAX_GPUS = 1 << 16  # the simulator runs one process per rank: far beyond any published cluster size
 
 
@@ -211,9 +231,12 @@ def validate_config(cfg: SimConfig) -> None:
     for name in ("ns_dtype", "param_comm_dtype", "grad_comm_dtype"):
         if getattr(cfg, name) is not None and getattr(cfg, name) not in DTYPE_BYTES:
             raise choice_error(name.replace("_", " "), getattr(cfg, name), DTYPE_BYTES)
-    for name in ("gram", "batching", "overlap", "hierarchical"):
+    for name in ("gram", "batching", "overlap", "hierarchical", "naive_batching"):
         _check_bool(name, getattr(cfg, name))
     _check_bool("symmetric_kernels", cfg.symmetric_kernels, none_ok=True)
+    sc = cfg.speed_scale
+    if isinstance(sc, bool) or not isinstance(sc, (int, float)) or not (math.isfinite(sc) and sc > 0):
+        raise InputError(f"speed_scale must be a finite number > 0 (1 = as profiled), got {sc!r}")
     nic = cfg.nic_gbps
     if nic is not None and (isinstance(nic, bool) or not isinstance(nic, (int, float)) or not nic > 0):
         raise InputError(f"nic_gbps must be a positive number (Gbit/s per node), got {cfg.nic_gbps!r}")
@@ -267,8 +290,10 @@ def run(cfg: SimConfig):
     per_node_cap = cfg.gpus_per_node or profile.gpus_per_node
     nodes, per_node = node_shape(cfg.gpus, per_node_cap)
     cost = cfg.cost if cfg.cost is not None else load_cost(profile.cost_profiles)
-    spec, info = make_spec(cfg, workload, profile, cost, per_node)
-    built = build(spec, overlap_slowdown=profile.overlap_slowdown)
+    thread_cost = thread_cost_for(profile, cfg) if cfg.cost is None else None
+    spec, info = make_spec(cfg, workload, profile, cost, per_node, thread_cost)
+    built = build(spec, overlap_slowdown=profile.overlap_slowdown,
+                  comm_overlap_slowdown=profile.comm_overlap_slowdown)
     built.cluster.run()
     m = measure(built, step=spec.steps - 1)
     p_muon = sum(spec.muon_numel)

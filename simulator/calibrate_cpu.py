@@ -6,9 +6,10 @@ one thread each, replicated DDP-like layout, fp32, qwen2.5-7b shapes scaled down
 1. gloo collectives with 2..4 processes (one thread each): all_gather, all_reduce, and one broadcast
    from every rank at once (the owners' publication), over several buffer sizes. Latency = the fit of
    base + (n-1) alpha to the smallest buffer; the points go into the profile (busbw derived at load).
-2. Compute: forward and backward of one transformer-like block (q/k/v/o projections with causal
-   attention, RMSNorm, SiLU-gated MLP) of qwen2.5-7b scaled by each of FIT_SCALES, one thread; the
-   FLOPs are simulator.compute's; forward = F / R + c fitted on two scales, checked on the third.
+2. Compute: forward and backward of `harness bench step`'s model (qwen2.5-7b with THREAD_MODEL's
+   blocks, embedding, head and tokens) at each of FIT_SCALES widths, one thread, alternating the widths;
+   the FLOPs are simulator.compute's; time = F / R + layers x c fitted on two widths, checked on the
+   third.
 3. Thread scaling: one rank running all `cpu_cores` threads vs one thread, for layer compute (forward +
    backward of `harness bench step`'s default model: qwen2.5-7b x1/16, 4 blocks with embedding and
    head, seq 128 x 2: the small matrices of a whole model scale worse than one large block), NS
@@ -27,7 +28,6 @@ Takes ~1-3 minutes; measurements are noisy where other work shares the cores (it
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import platform
 import statistics
@@ -38,7 +38,6 @@ from pathlib import Path
 from .hardware import PROFILE_DIR
 
 FIT_SCALES = (1 / 16, 1 / 8, 3 / 16)  # fit on the first and last, check the middle
-TOKENS = (256, 1)  # (seq_len, micro_batch) of the compute measurement
 COMM_SIZES = (1 << 14, 1 << 18, 1 << 21, 1 << 23)  # bytes (fp32 buffers)
 COMM_RANKS = (2, 3, 4)
 
@@ -131,78 +130,67 @@ def fit_latency(points, cores: int) -> tuple[float, float]:
 
 
 # ---- 2. compute ------------------------------------------------------------------------------------
-def _block(scale: float):
-    """A qwen2.5-7b block scaled by `scale`: (modules, query width), parameters from the workload's shapes."""
-    from torch import nn
-
-    from .workload import load_workload
-
-    w = load_workload("qwen2.5-7b").scaled(scale, blocks=1)
-    shapes = {p.matrix: (p.rows, p.cols) for p in w.params if p.block == 0}
-    lin = {k: nn.Linear(c, r, bias=False) for k, (r, c) in shapes.items()}
-    return lin, shapes["q_proj"][0], shapes["q_proj"][1], w
-
-
-def _block_forward(lin, x, d_q: int):
-    import torch.nn.functional as F
-
-    h = F.rms_norm(x, (x.shape[-1],))
-    q, k, v = lin["q_proj"](h), lin["k_proj"](h), lin["v_proj"](h)
-    hd = math.gcd(d_q, k.shape[-1], 64)  # head dim; grouped k/v heads are repeated (GQA)
-    heads, kv_heads = d_q // hd, k.shape[-1] // hd
-    b, t = x.shape[0], x.shape[1]
-    q = q.view(b, t, heads, hd).transpose(1, 2)
-    k = k.view(b, t, kv_heads, hd).transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
-    v = v.view(b, t, kv_heads, hd).transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
-    a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d_q)
-    x = x + lin["o_proj"](a)
-    h = F.rms_norm(x, (x.shape[-1],))
-    return x + lin["down_proj"](F.silu(lin["gate_proj"](h)) * lin["up_proj"](h))
-
-
-def measure_compute(scales=FIT_SCALES, repeats: int = 5) -> list[dict]:
+def measure_compute(scales=FIT_SCALES, repeats: int = 5, rounds: int = 3) -> list[dict]:
+    """Forward and backward seconds of `harness bench step`'s model (qwen2.5-7b, THREAD_MODEL's blocks
+    and tokens) at each width scale, one thread: medians of `rounds` alternations over the scales (a
+    shared VM drifts), each the median of `repeats` passes. The FLOPs are simulator.compute's, summed
+    over the model's layers (embedding, blocks, head)."""
     import torch
 
-    from .compute import layer_flops
+    from harness.benchmodel import build_bench_model, synthetic_batch
 
+    from .compute import layer_flops
+    from .workload import load_workload
+
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
-    seq, mb = TOKENS
-    rows = []
+    _, blocks, seq, mb = THREAD_MODEL
+    setups = []
     for scale in scales:
-        lin, d_q, d_model, w = _block(scale)
-        x = torch.randn(mb, seq, d_model, requires_grad=True)
-        params = [p for m in lin.values() for p in m.parameters()]
-        fwd_t, bwd_t = [], []
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            y = _block_forward(lin, x, d_q)
-            t1 = time.perf_counter()
-            y.sum().backward()
-            t2 = time.perf_counter()
-            for p in params:
-                p.grad = None
-            x.grad = None
-            if i:
-                fwd_t.append(t1 - t0)
-                bwd_t.append(t2 - t1)
-        block_layer = next(lf for lf in layer_flops(w, seq, mb) if lf.layer == 1)
-        rows.append({"scale": scale, "fwd_flops": block_layer.fwd_flops, "bwd_flops": block_layer.bwd_flops,
-                     "fwd_s": statistics.median(fwd_t), "bwd_s": statistics.median(bwd_t)})
-    return rows
+        w = load_workload("qwen2.5-7b").scaled(scale, blocks=blocks)
+        model = build_bench_model(w)
+        x, y = synthetic_batch(model.vocab, seq, mb, seed=0, step=0, rank=0)
+        lf = layer_flops(w, seq, mb)
+        fwd, bwd = sum(c.fwd_flops for c in lf), sum(c.bwd_flops for c in lf)
+        setups.append((scale, model, x, y, fwd, bwd, len(lf)))
+    times: dict[float, tuple[list[float], list[float]]] = {sc[0]: ([], []) for sc in setups}
+    try:
+        for _ in range(rounds):
+            for scale, model, x, y, *_ in setups:
+                fwd_t, bwd_t = [], []
+                for i in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    loss = model(x, y)
+                    t1 = time.perf_counter()
+                    loss.backward()
+                    t2 = time.perf_counter()
+                    model.zero_grad(set_to_none=True)
+                    if i:
+                        fwd_t.append(t1 - t0)
+                        bwd_t.append(t2 - t1)
+                times[scale][0].append(statistics.median(fwd_t))
+                times[scale][1].append(statistics.median(bwd_t))
+    finally:
+        torch.set_num_threads(before)
+    return [{"scale": scale, "fwd_flops": ff, "bwd_flops": bf, "layers": n,
+             "fwd_s": statistics.median(times[scale][0]), "bwd_s": statistics.median(times[scale][1])}
+            for scale, _m, _x, _y, ff, bf, n in setups]
 
 
 def fit_compute(rows: list[dict]) -> dict:
-    """R and c for forward and backward from the first and last rows; relative error on the others."""
+    """Rate R and per-layer overhead c (t = F / R + layers x c) for forward and backward from the first
+    and last rows; the relative error of the fit on the others."""
     a, b = rows[0], rows[-1]
     out = {}
     for k in ("fwd", "bwd"):
         x = (b[f"{k}_s"] - a[f"{k}_s"]) / (b[f"{k}_flops"] - a[f"{k}_flops"])
         if x <= 0:
             x = b[f"{k}_s"] / b[f"{k}_flops"]
-        c = max(0.0, a[f"{k}_s"] - a[f"{k}_flops"] * x)
+        c = max(0.0, (a[f"{k}_s"] - a[f"{k}_flops"] * x) / a.get("layers", 1))
         out[f"{k}_flops"] = 1 / x
         out[f"{k}_overhead_s"] = c
-        out[f"{k}_check"] = {r["scale"]: (r[f"{k}_flops"] * x + c) / r[f"{k}_s"] - 1 for r in rows[1:-1]}
+        out[f"{k}_check"] = {r["scale"]: (r[f"{k}_flops"] * x + r.get("layers", 1) * c) / r[f"{k}_s"] - 1
+                             for r in rows[1:-1]}
     return out
 
 
@@ -211,8 +199,11 @@ THREAD_MODEL = (1 / 16, 4, 128, 2)  # harness bench step's default model: width 
 THREAD_EW_NUMEL = 1 << 22
 
 
-def _thread_work():
-    """(kind, fn) for compute | ns | elementwise: the work the [threads] and [corun] entries time."""
+THREAD_WORK_KINDS = ("compute", "ns", "elementwise")
+
+
+def _thread_work(kinds=THREAD_WORK_KINDS):
+    """(kind, fn) for compute | ns | elementwise (those in `kinds`): the work the [threads] entries time."""
     import torch
 
     from dmuon.newton_schulz import orthogonalize
@@ -242,7 +233,8 @@ def _thread_work():
         adamw_step_([ew[0]], [ew[1]], [ew[2]], [ew[3]], [1], lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                     weight_decay=0.01)
 
-    return (("compute", compute), ("ns", ns), ("elementwise", elementwise))
+    return tuple((k, f) for k, f in (("compute", compute), ("ns", ns), ("elementwise", elementwise))
+                 if k in kinds)
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -275,46 +267,130 @@ def measure_threads(cores: int, repeats: int = 5, rounds: int = 3) -> dict[str, 
     return out
 
 
-def _corun_worker(rank: int, repeats: int, start, out) -> None:
+def _corun_worker(rank: int, repeats: int, rounds: int, start, out) -> None:
     import torch
 
     torch.set_num_threads(1)
     work = _thread_work()
     for kind, fn in work:
         fn()
-        start.wait()  # every process starts each kind together
-        out.put((rank, kind, _median_s(fn, repeats)))
+        for _ in range(rounds):  # alternate: rank 0 alone (the others wait), then every process at once
+            start.wait()
+            if rank == 0:
+                out.put((kind, "alone", _median_s(fn, repeats)))
+            start.wait()
+            t = _median_s(fn, repeats)
+            out.put((kind, "corun", t))
 
 
-def measure_corun(cores: int, repeats: int = 5) -> dict[str, tuple[float, float]]:
-    """kind -> (seconds of one single-threaded process alone, median seconds when `cores` such processes
-    run the same work at once): what ranks sharing the host's memory system and caches cost each other."""
+def measure_corun(cores: int, repeats: int = 5, rounds: int = 3) -> dict[str, tuple[float, float]]:
+    """kind -> (seconds of one single-threaded process alone, seconds when `cores` such processes run the
+    same work at once): what ranks sharing the host's memory system and caches cost each other. The two
+    alternate `rounds` times in the same processes (a shared VM drifts); medians."""
     import multiprocessing as mp
 
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        alone = {kind: _median_s(fn, repeats) for kind, fn in _thread_work()}
-    finally:
-        torch.set_num_threads(before)
     ctx = mp.get_context("spawn")
     start, out = ctx.Barrier(cores), ctx.Queue()
-    procs = [ctx.Process(target=_corun_worker, args=(r, repeats, start, out)) for r in range(cores)]
+    procs = [ctx.Process(target=_corun_worker, args=(r, repeats, rounds, start, out)) for r in range(cores)]
     for p in procs:
         p.start()
-    got: dict[str, list[float]] = {}
+    got: dict[tuple[str, str], list[float]] = {}
+    kinds = THREAD_WORK_KINDS
     try:
-        for _ in range(cores * len(alone)):
-            _, kind, t = out.get(timeout=600)
-            got.setdefault(kind, []).append(t)
+        for _ in range(len(kinds) * rounds * (1 + cores)):
+            kind, what, t = out.get(timeout=600)
+            got.setdefault((kind, what), []).append(t)
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    return {kind: (alone[kind], statistics.median(got[kind])) for kind in alone}
+    return {k: (statistics.median(got[(k, "alone")]), statistics.median(got[(k, "corun")])) for k in kinds}
+
+
+OVERLAP_BYTES = 1 << 23  # the comm loop's all_reduce buffer (a bench-model bucket is ~1-8 MB)
+
+
+def _overlap_worker(rank: int, n: int, init: str, repeats: int, out) -> None:
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=n)
+    side = dist.new_group(list(range(n)))  # the comm thread's own group (as the runtime's CommWorker)
+    compute = _thread_work()[0][1]
+    buf = torch.ones(OVERLAP_BYTES // 4)
+    stop = threading.Event()
+    comm_t: list[float] = []
+
+    def comm_loop() -> None:
+        while True:
+            t0 = time.perf_counter()
+            dist.all_reduce(buf, group=side)
+            comm_t.append(time.perf_counter() - t0)
+            flag = torch.tensor([1.0 if stop.is_set() else 0.0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=side)  # every rank stops after the same round
+            if flag.item() > 0:
+                return
+
+    compute()
+    rounds = []
+    for _ in range(2):  # alternate: without, with (a shared VM drifts)
+        dist.barrier()
+        alone = _median_s(compute, repeats)
+        dist.barrier()
+        for _ in range(3):
+            dist.all_reduce(buf, group=side)
+        comm_alone = statistics.median(_timed(lambda: dist.all_reduce(buf, group=side), repeats))
+        dist.barrier()
+        stop.clear()
+        comm_t.clear()
+        th = threading.Thread(target=comm_loop, daemon=True)
+        th.start()
+        time.sleep(0.05)  # the loop is running before compute starts
+        with_comm = _median_s(compute, repeats)
+        stop.set()
+        th.join(timeout=120)
+        rounds.append((alone, with_comm, comm_alone, statistics.median(comm_t) if comm_t else float("nan")))
+    if rank == 0:
+        out.put([statistics.median(x) for x in zip(*rounds, strict=True)])
+    dist.destroy_process_group()
+
+
+def _timed(fn, repeats: int) -> list[float]:
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return samples
+
+
+def measure_overlap(cores: int, repeats: int = 5) -> tuple[float, float, float, float]:
+    """On a CPU host, communication is CPU work: gloo's copies and reductions run on the same cores as
+    the compute they overlap. `cores` single-threaded gloo processes run the bench model's forward +
+    backward without, then with, a thread that all-reduces an OVERLAP_BYTES buffer back to back (the
+    runtime's communication thread). Returns (compute alone, compute with the loop, one all_reduce
+    alone, one all_reduce during compute), seconds, medians of two alternations."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as d:
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_overlap_worker, args=(r, cores, f"file://{d}/rendezvous", repeats, q))
+                 for r in range(cores)]
+        for p in procs:
+            p.start()
+        try:
+            got = q.get(timeout=900)
+        finally:
+            for p in procs:
+                p.join(timeout=60)
+                if p.is_alive():
+                    p.kill()
+    return tuple(got)
 
 
 # ---- writing ---------------------------------------------------------------------------------------
@@ -324,12 +400,14 @@ def _entry(key: str, value: float, source: str) -> str:
 
 def render(comm, base_s: float, alpha_s: float, comp: dict, comp_rows: list[dict], host: str,
            threads: dict[str, tuple[float, float]] | None = None,
-           corun: dict[str, tuple[float, float]] | None = None) -> str:
+           corun: dict[str, tuple[float, float]] | None = None,
+           overlap: tuple[float, float, float, float] | None = None) -> str:
     measured = f"measured here: {host}"
     checks = "; ".join(f"scale {s:g}: {e:+.1%}" for s, e in comp["fwd_check"].items())
     bchecks = "; ".join(f"scale {s:g}: {e:+.1%}" for s, e in comp["bwd_check"].items())
-    fit_src = (f"{measured}: one qwen2.5-7b block scaled x{FIT_SCALES[0]:g} and x{FIT_SCALES[-1]:g}, seq "
-               f"{TOKENS[0]} x {TOKENS[1]}, 1 thread, F / R + c fit (python -m simulator.calibrate_cpu)")
+    fit_src = (f"{measured}: forward / backward of the bench model (qwen2.5-7b, {THREAD_MODEL[1]} blocks, "
+               f"seq {THREAD_MODEL[2]} x {THREAD_MODEL[3]}) at widths x{FIT_SCALES[0]:g} and "
+               f"x{FIT_SCALES[-1]:g}, 1 thread, t = F / R + layers x c (python -m simulator.calibrate_cpu)")
     lines = [
         "# This machine's CPU as a simulated device: N single-threaded gloo processes on one host.",
         "# Written by `python -m simulator.calibrate_cpu`; every number measured here unless it says",
@@ -355,7 +433,7 @@ def render(comm, base_s: float, alpha_s: float, comp: dict, comp_rows: list[dict
         _entry("elementwise_scale", 1.0, "none: elementwise passes priced by the cost table as is"),
         _entry("grad_prep_passes", 1.0, "the runtime measured here scales each received gradient sum to a "
                                         "mean and checks it for NaN / inf (cost table op grad_prep)"),
-        _entry("overlap_slowdown", 0.0, "assumption: not modelled (ranks sharing cores: see cpu_cores)"),
+        _overlap_entry(overlap, measured),
         "",
         "[network]",
         _entry("nvlink_GBps", max(p[2] / p[3] for p in comm) / 1e9,
@@ -387,10 +465,25 @@ def render(comm, base_s: float, alpha_s: float, comp: dict, comp_rows: list[dict
         lines += ["", "[[network.points]]", f'kind = "{kind}"', f"ranks = {n}", f"size_bytes = {size}",
                   f"time_ms = {t * 1e3:.6g}",
                   f'source = "{measured}: gloo {kind}, {n} processes, fp32 buffer, median"']
-    lines += ["", "# compute measurements (seconds per block):"]
+    lines += ["", "# compute measurements (seconds per pass of the bench model):"]
     lines += [f"# scale {r['scale']:g}: forward {r['fwd_s']:.6g} ({r['fwd_flops']:.4g} FLOPs), "
-              f"backward {r['bwd_s']:.6g} ({r['bwd_flops']:.4g} FLOPs)" for r in comp_rows]
+              f"backward {r['bwd_s']:.6g} ({r['bwd_flops']:.4g} FLOPs), {r['layers']} layers"
+              for r in comp_rows]
     return "\n".join(lines) + "\n"
+
+
+def _overlap_entry(overlap, measured: str) -> str:
+    if not overlap:
+        return "\n".join(_entry(k, 0.0, "not measured (one core): no slowdown assumed")
+                         for k in ("overlap_slowdown", "comm_overlap_slowdown"))
+    alone, with_comm, comm_alone, comm_during = overlap
+    cores = os.cpu_count() or 1
+    what = (f"{measured}: forward + backward of the bench model in {cores} single-threaded gloo processes, "
+            f"beside a thread of each that all-reduces {OVERLAP_BYTES >> 20} MB back to back: compute "
+            f"{alone * 1e3:.4g} ms alone, {with_comm * 1e3:.4g} ms beside the loop; one all_reduce "
+            f"{comm_alone * 1e3:.3g} ms alone, {comm_during * 1e3:.3g} ms beside compute (medians)")
+    return "\n".join((_entry("overlap_slowdown", max(0.0, with_comm / alone - 1), what),
+                      _entry("comm_overlap_slowdown", max(0.0, comm_during / comm_alone - 1), what)))
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -423,6 +516,12 @@ def main(argv: list[str] | None = None) -> int:
     for k, (t1, tc) in (corun or {}).items():
         print(f"co-run {k}: {t1 * 1e3:.2f} ms alone, {tc * 1e3:.2f} ms with {os.cpu_count()} processes: "
               f"x{tc / t1:.2f}")
+    overlap = measure_overlap(os.cpu_count() or 1, repeats=reps) if threads else None
+    if overlap:
+        print(f"overlap: compute {overlap[0] * 1e3:.2f} ms alone, {overlap[1] * 1e3:.2f} ms beside an "
+              "all_reduce "
+              f"loop (x{overlap[1] / overlap[0]:.2f}); all_reduce {overlap[2] * 1e3:.2f} ms alone, "
+              f"{overlap[3] * 1e3:.2f} ms beside compute")
     comm = measure_comm(repeats=reps)
     for kind, n, size, t in comm:
         print(f"gloo {kind:10s} n={n} {size:>9d} B: {t * 1e3:.3f} ms")
@@ -430,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"latency: base {base_s * 1e6:.1f} us + {alpha_s * 1e6:.1f} us per step")
     if args.dry_run:
         return 0
-    text = render(comm, base_s, alpha_s, comp, comp_rows, host, threads, corun)
+    text = render(comm, base_s, alpha_s, comp, comp_rows, host, threads, corun, overlap)
     _write_atomic(PROFILE_DIR / "cpu.toml", text)
     print(f"written: {PROFILE_DIR / 'cpu.toml'}")
     return 0

@@ -9,10 +9,15 @@ Model (what the step programs in `simulator.step` build on):
   it in its own program order; when the last one arrives it runs for its closed-form time (one SimPy
   timeout for the whole group, not one per message hop) and every participant's op ends together.
   Programs that order collectives differently on different ranks deadlock; `Cluster.run` reports it.
-- Compute that overlaps communication on the same rank may run slower: an op that starts while the
-  rank's comm stream is busy is stretched by `overlap_slowdown` x (the overlapped part of its
-  duration, judged from the collectives in flight at its start; one that starts later during the
-  compute op is not seen: an approximation that keeps one event per op).
+- Compute that overlaps communication on the same rank may run slower (`overlap_slowdown` s): while
+  at least one collective of the rank is running, its compute progresses at rate 1 / (1 + s), else at
+  rate 1. A compute op's duration is its work at rate 1; the op is re-timed whenever a collective of its
+  rank starts or ends (one extra event per change, and only when s > 0). On a GPU this is SM / memory
+  contention with NCCL kernels; on a CPU host the collectives' copies and reductions run on the same
+  cores as the compute.
+- The other way round (`comm_overlap_slowdown` c, CPU hosts): a running collective progresses at rate
+  1 / (1 + c) while any of its participants computes, else at rate 1 (re-timed whenever a participant's
+  compute starts or ends; only when c > 0).
 
 Ops record their start and end; the step programs and the trace read them afterwards. simpy is imported
 when a cluster is built, not when the package is imported.
@@ -35,7 +40,7 @@ class Collective:
     """One collective over `n` participants, taking `cost_s` once all have arrived."""
 
     __slots__ = ("name", "kind", "n", "cost_s", "arrived", "start", "end", "done", "bytes_per_rank",
-                 "muon_fraction", "group", "step")
+                 "muon_fraction", "group", "step", "ranks")
 
     def __init__(self, name: str, kind: str, n: int, cost_s: float, *, bytes_per_rank: float = 0.0,
                  muon_fraction: float = 0.0, group: str = "", step: int = 0):
@@ -50,6 +55,7 @@ class Collective:
         self.muon_fraction = muon_fraction  # share of the bytes that are Muon-matrix data
         self.group = group
         self.step = step
+        self.ranks: list[int] = []  # participants, in arrival order (kept when overlap slowdown is on)
 
 
 class Op:
@@ -78,16 +84,19 @@ class Cluster:
     """Holds every rank's streams and runs them in one SimPy environment."""
 
     def __init__(self, n_ranks: int, streams: tuple[str, ...] = ("compute", "comm"),
-                 overlap_slowdown: float = 0.0, compute_stream: str = "compute"):
+                 overlap_slowdown: float = 0.0, compute_stream: str = "compute",
+                 comm_overlap_slowdown: float = 0.0):
         if n_ranks <= 0:
             raise InputError(f"a cluster needs at least one rank, got {n_ranks}")
         self.n_ranks = n_ranks
         self.stream_names = streams
         self.compute_stream = compute_stream
         self.overlap_slowdown = overlap_slowdown
+        self.comm_overlap_slowdown = comm_overlap_slowdown
         self.queues: dict[tuple[int, str], list[Op]] = {(r, s): [] for r in range(n_ranks) for s in streams}
         self.collectives: list[Collective] = []
-        self._in_flight: dict[int, list] = {r: [] for r in range(n_ranks)}  # comm ops running per rank
+        self._busy = [0] * n_ranks  # collectives running per rank (overlap slowdown only)
+        self._changed: list = []  # per rank: event fired when its number of running collectives changes
 
     # ---- building ------------------------------------------------------------------------------
     def compute(self, rank: int, name: str, dur: float, *, phase: str, step: int, deps=(),
@@ -121,6 +130,11 @@ class Cluster:
         import simpy
 
         env = simpy.Environment()
+        self._busy = [0] * self.n_ranks
+        self._changed = [env.event() for _ in range(self.n_ranks)] if self.overlap_slowdown > 0 else []
+        self._computing = [False] * self.n_ranks
+        self._compute_changed = ([env.event() for _ in range(self.n_ranks)] if self.comm_overlap_slowdown > 0
+                                 else [])
         for c in self.collectives:
             c.done = env.event()
         for ops in self.queues.values():
@@ -141,10 +155,51 @@ class Cluster:
                                "orders collectives differently on different ranks")
         return RunStats(end_s=env.now)
 
+    def _busy_changed(self, env, ranks, delta: int) -> None:
+        for r in ranks:
+            self._busy[r] += delta
+            ev, self._changed[r] = self._changed[r], env.event()
+            ev.succeed()
+
+    def _set_computing(self, env, rank: int, on: bool) -> None:
+        self._computing[rank] = on
+        ev, self._compute_changed[rank] = self._compute_changed[rank], env.event()
+        ev.succeed()
+
+    def _slowed_collective(self, env, c: Collective):
+        """Run collective c's cost at rate 1 / (1 + comm_overlap_slowdown) while a participant computes."""
+        import simpy
+
+        slow_rate = 1.0 / (1.0 + self.comm_overlap_slowdown)
+        remaining = c.cost_s
+        while remaining > 1e-15 * max(1.0, c.cost_s):
+            rate = slow_rate if any(self._computing[r] for r in c.ranks) else 1.0
+            t0 = env.now
+            timer = env.timeout(remaining / rate)
+            yield simpy.AnyOf(env, [timer, *(self._compute_changed[r] for r in set(c.ranks))])
+            if timer.processed or env.now - t0 >= remaining / rate:
+                return
+            remaining -= (env.now - t0) * rate
+
+    def _slowed_compute(self, env, rank: int, work: float):
+        """Run `work` seconds of compute at rate 1 / (1 + overlap_slowdown) while the rank has a collective
+        running, 1 otherwise."""
+        slow_rate = 1.0 / (1.0 + self.overlap_slowdown)
+        remaining = work
+        while remaining > 1e-15 * max(1.0, work):
+            rate = slow_rate if self._busy[rank] else 1.0
+            t0 = env.now
+            timer = env.timeout(remaining / rate)
+            yield timer | self._changed[rank]
+            if timer.processed or env.now - t0 >= remaining / rate:
+                return
+            remaining -= (env.now - t0) * rate
+
     def _stream(self, env, rank: int, stream: str, ops: list[Op]):
         is_compute = stream == self.compute_stream
-        slow = self.overlap_slowdown
-        in_flight = self._in_flight[rank]
+        slow = self.overlap_slowdown > 0
+        comm_slow = self.comm_overlap_slowdown > 0
+        track = slow or comm_slow  # participants are recorded
         for op in ops:
             for d in op.deps:
                 ev = d.coll.done if d.coll is not None else d.done
@@ -152,34 +207,39 @@ class Cluster:
                     yield ev
             c = op.coll
             if c is None:
-                dur = op.dur
-                if is_compute and slow > 0 and dur > 0:
-                    now = env.now
-                    busy_until = max((x.start + x.cost_s for x in in_flight
-                                      if x.start is not None and x.end is None), default=now)
-                    overlap = min(dur, max(0.0, busy_until - now))
-                    op.slowed_s = slow * overlap
-                    dur += op.slowed_s
                 op.start = env.now
-                if dur > 0:
-                    yield env.timeout(dur)
+                if op.dur > 0:
+                    if is_compute and comm_slow:
+                        self._set_computing(env, rank, True)
+                    if is_compute and slow:
+                        yield from self._slowed_compute(env, rank, op.dur)
+                        op.slowed_s = env.now - op.start - op.dur
+                    else:
+                        yield env.timeout(op.dur)
+                    if is_compute and comm_slow:
+                        self._set_computing(env, rank, False)
                 op.end = env.now
                 if op.done is not None:
                     op.done.succeed()
                 continue
             c.arrived += 1
-            if slow > 0:
-                in_flight.append(c)
+            if track:
+                c.ranks.append(rank)
             if c.arrived == c.n:
                 c.start = env.now
                 if c.cost_s > 0:
-                    yield env.timeout(c.cost_s)
+                    if slow:
+                        self._busy_changed(env, c.ranks, +1)
+                    if comm_slow:
+                        yield from self._slowed_collective(env, c)
+                    else:
+                        yield env.timeout(c.cost_s)
+                    if slow:
+                        self._busy_changed(env, c.ranks, -1)
                 c.end = env.now
                 c.done.succeed()
             else:
                 yield c.done
-            if slow > 0:
-                in_flight.remove(c)
             op.start, op.end = c.start, c.end
 
     # ---- reading -------------------------------------------------------------------------------

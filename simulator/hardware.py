@@ -21,7 +21,9 @@ Layout of a profile file:
                (shared memory bandwidth and caches); absent: 1 (an ASSUMPTION)
     [compute]  peak_bf16_tflops, hbm_GBps, fwd_tflops, fwd_layer_overhead_ms, bwd_tflops,
                bwd_layer_overhead_ms, optimizer_overhead_ms, elementwise_scale, overlap_slowdown,
-               optional grad_prep_passes (default 0): passes of the cost table's grad_prep (sum -> mean,
+               optional comm_overlap_slowdown (default 0; CPU hosts: collectives run 1 + this slower
+               while a participant computes, their copies sharing its cores), optional
+               grad_prep_passes (default 0): passes of the cost table's grad_prep (sum -> mean,
                non-finite check) charged with every gradient pass, 1 where the profile times this
                project's runtime (the cpu profile); 0 where the AdamW times were fitted to a published
                system whose own gradient handling they already contain
@@ -97,6 +99,7 @@ class Profile:
     overlap_slowdown: float  # compute runs (1 + this) slower while communication overlaps it
     nvlink_Bps: float
     network: Network
+    comm_overlap_slowdown: float = 0.0  # CPU hosts: a collective runs (1 + this) slower beside compute
     thread_speedup: dict[str, float] = field(default_factory=dict)  # kind -> speedup at cpu_cores threads
     corun_slowdown: dict[str, float] = field(default_factory=dict)  # kind -> x with all cores busy
     provenance: dict[str, str] = field(default_factory=dict, compare=False)
@@ -117,14 +120,16 @@ class Profile:
         prov["overlap_slowdown"] = f"given in the config: {slowdown:g}"
         return replace(self, overlap_slowdown=slowdown, provenance=prov)
 
-    def contention(self, ranks_per_node: int, threads: int = 1, kind: str = "compute") -> float:
+    def contention(self, ranks_per_node: int, threads: int = 1, kind: str = "compute",
+                   threads_measured: bool = False) -> float:
         """CPU profiles (rates measured on one thread): time multiplier of work of `kind` (compute | ns |
         elementwise) for `ranks_per_node` ranks of `threads` threads each sharing `cpu_cores` cores:
         ranks x threads / cores when oversubscribed, divided by the speedup of `threads` threads, which is
         interpolated linearly between 1 (one thread) and the measured [threads] speedup at cpu_cores
         threads (not measured: linear scaling, an ASSUMPTION), times the co-run slowdown of `ranks` busy
         processes, interpolated likewise between 1 (one process) and the measured slowdown with every
-        core busy (not measured: 1). GPUs: 1."""
+        core busy (not measured: 1). threads_measured: the times were measured at `threads` threads
+        already (a cost table profiled so): no speedup is applied. GPUs: 1."""
         if self.cpu_cores <= 0:
             return 1.0
         if self.cpu_cores == 1:
@@ -133,14 +138,16 @@ class Profile:
         def between(full: float, k: int) -> float:  # 1 at k = 1, `full` at k = cpu_cores
             return 1.0 + (full - 1.0) * (min(k, self.cpu_cores) - 1) / (self.cpu_cores - 1)
 
-        speedup = between(self.thread_speedup.get(kind, float(self.cpu_cores)), threads)
+        speedup = 1.0 if threads_measured else between(self.thread_speedup.get(kind, float(self.cpu_cores)),
+                                                       threads)
         corun = between(self.corun_slowdown.get(kind, 1.0), ranks_per_node)
         return max(1.0, ranks_per_node * threads / self.cpu_cores) * corun / speedup
 
-    def network_for(self, ranks_per_node: int) -> Network:
+    def network_for(self, ranks_per_node: int, speed_scale: float = 1.0) -> Network:
         """The fabric as `ranks_per_node` ranks see it: on a CPU host, collectives (CPU-bound copies and
-        loopback transfers) stretch by the core contention of the ranks; GPUs: unchanged."""
-        f = self.contention(ranks_per_node)
+        loopback transfers) stretch by the core contention of the ranks (and by `speed_scale`, the
+        host's speed now vs when profiled); GPUs: unchanged."""
+        f = self.contention(ranks_per_node) * speed_scale
         if f == 1.0:
             return self.network
         n = self.network
@@ -239,7 +246,7 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
     _check_keys(data, _TOP_KEYS, where)
     comp = _as_table(data.get("compute", {}), f"{where}: [compute]")
     net = _as_table(data.get("network", {}), f"{where}: [network]")
-    _check_keys(comp, (*_COMPUTE_KEYS, "grad_prep_passes"), f"{where}: [compute]")
+    _check_keys(comp, (*_COMPUTE_KEYS, "grad_prep_passes", "comm_overlap_slowdown"), f"{where}: [compute]")
     _check_keys(net, _NETWORK_TABLE_KEYS, f"{where}: [network]")
     c: dict[str, float] = {}
     for key in _COMPUTE_KEYS:
@@ -269,6 +276,13 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
     grad_prep = 0.0
     if "grad_prep_passes" in comp:
         grad_prep, prov["grad_prep_passes"] = _value(comp["grad_prep_passes"], "grad_prep_passes", where)
+    comm_slow = 0.0
+    if "comm_overlap_slowdown" in comp:
+        key = "comm_overlap_slowdown"
+        comm_slow, prov[key] = _value(comp[key], key, where)
+    for key, v in (("overlap_slowdown", c["overlap_slowdown"]), ("comm_overlap_slowdown", comm_slow)):
+        if math.isinf(v):
+            raise InputError(f"{where}: [compute] {key} must be finite, got {v!r}")
     thr = _as_table(data.get("threads", {}), f"{where}: [threads]")
     _check_keys(thr, tuple(f"{k}_{what}" for what in ("speedup", "corun_slowdown") for k in THREAD_KINDS),
                 f"{where}: [threads]")
@@ -320,6 +334,7 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
         elementwise_scale=c["elementwise_scale"],
         grad_prep_passes=grad_prep,
         overlap_slowdown=c["overlap_slowdown"],
+        comm_overlap_slowdown=comm_slow,
         nvlink_Bps=nv["nvlink_GBps"] * 1e9,
         network=network,
         thread_speedup=speedups,

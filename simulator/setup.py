@@ -28,14 +28,19 @@ def _check_plan(plan, matrices, world: int) -> None:
                          f"unexpected {extra})")
 
 
-def make_spec(cfg, workload, profile, cost, per_node: int):
+def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
     """(StepSpec, info) where info has ns_makespan_s, balancer, method, notes, and provenance: a callable
-    returning the provenance dict once the step programs have been built."""
+    returning the provenance dict once the step programs have been built. thread_cost: a cost table
+    measured at cfg.cpu_threads threads (CPU profiles): it replaces `cost` (the plan is built from it, as
+    the runtime plans with the table of its thread count, and it prices the elementwise passes)."""
     from .api import ns_method_of, plan_for
 
-    stretch = profile.contention(per_node, cfg.cpu_threads)  # layer compute, fixed overheads
-    ns_stretch = profile.contention(per_node, cfg.cpu_threads, "ns")
-    ew_stretch = profile.contention(per_node, cfg.cpu_threads, "elementwise")
+    priced = thread_cost or cost  # what NS calls and elementwise passes cost at this thread count
+    measured = thread_cost is not None
+    k = cfg.speed_scale  # the device's speed now vs when profiled
+    stretch = profile.contention(per_node, cfg.cpu_threads) * k  # layer compute, fixed overheads
+    ns_stretch = profile.contention(per_node, cfg.cpu_threads, "ns", threads_measured=measured) * k
+    ew_stretch = profile.contention(per_node, cfg.cpu_threads, "elementwise", threads_measured=measured) * k
     ns_dtype = cfg.ns_dtype or profile.dtype
     muon = workload.muon_matrices
     index = {m.name: i for i, m in enumerate(muon)}
@@ -47,19 +52,27 @@ def make_spec(cfg, workload, profile, cost, per_node: int):
             layer_muon[p.layer].append(index[p.name])
         else:
             layer_adamw[p.layer] += p.numel
-    times = layer_times(workload, profile, cfg.seq_len, cfg.micro_batch, per_node, cfg.cpu_threads)
+    times = [(f * k, b * k) for f, b in layer_times(workload, profile, cfg.seq_len, cfg.micro_batch, per_node,
+                                                     cfg.cpu_threads)]
 
     ns_answers = {}
     naive_methods = [cfg.naive_ns_method]
     if cfg.naive_ns_method == "auto":  # per shape the cheapest method this device runs
         sym = profile.symmetric_kernels if cfg.symmetric_kernels is None else cfg.symmetric_kernels
         naive_methods = ["standard", "gram"] + (["standard_sym", "gram_sym"] if sym else [])
+    # one call per matrix, or (naive_batching) one batched call per shape as dmuon.NaiveMuon's
+    # orthogonalize_many makes, its time shared evenly by its members
+    same_shape: dict[tuple[int, int], int] = {}
+    for m in muon:
+        same_shape[(m.rows, m.cols)] = same_shape.get((m.rows, m.cols), 0) + 1
     for m in muon:
         key = (m.rows, m.cols)
         if key not in ns_answers:
-            ns_answers[key] = min((cost.ns_time(m.rows, m.cols, 1, meth, ns_dtype) for meth in naive_methods),
-                                  key=lambda a: a.time_s)
-    ns_naive = [ns_answers[(m.rows, m.cols)].time_s * ns_stretch for m in muon]
+            b = same_shape[key] if cfg.naive_batching else 1
+            ns_answers[key] = min((priced.ns_time(m.rows, m.cols, b, meth, ns_dtype)
+                                   for meth in naive_methods), key=lambda a: a.time_s)
+    per_member = {k: (same_shape[k] if cfg.naive_batching else 1) for k in ns_answers}
+    ns_naive = [ns_answers[(m.rows, m.cols)].time_s / per_member[(m.rows, m.cols)] * ns_stretch for m in muon]
 
     ew_answers: dict = {}
     scale = profile.elementwise_scale * ew_stretch
@@ -70,7 +83,7 @@ def make_spec(cfg, workload, profile, cost, per_node: int):
             return 0.0
         if op == "grad_prep" and not profile.grad_prep_passes:
             return 0.0
-        a = cost.elementwise_time(n, op, "fp32")
+        a = priced.elementwise_time(n, op, "fp32")
         if n >= ew_answers.get(op, (0, None))[0]:
             ew_answers[op] = (n, a)  # provenance names the largest pass
         return a.time_s * scale * (profile.grad_prep_passes if op == "grad_prep" else 1.0)
@@ -82,8 +95,8 @@ def make_spec(cfg, workload, profile, cost, per_node: int):
         if cfg.plan is not None:
             _check_plan(cfg.plan, muon, world)
             plan = cfg.plan
-        else:
-            plan = plan_for(muon, world, cost, balancer=cfg.balancer, method=ns_method_of(cfg, profile),
+        else:  # planned from the table of this thread count, as the runtime plans (runtime.planning)
+            plan = plan_for(muon, world, priced, balancer=cfg.balancer, method=ns_method_of(cfg, profile),
                             dtype=ns_dtype, batching=cfg.batching, max_batch=cfg.max_batch,
                             bucket_numel=cfg.bucket_numel, time_limit_s=cfg.milp_time_limit_s)
         info.update(ns_makespan_s=plan.makespan_s * ns_stretch, balancer=plan.balancer, method=plan.method)
@@ -96,21 +109,31 @@ def make_spec(cfg, workload, profile, cost, per_node: int):
         layer_fwd_s=[t[0] for t in times], layer_bwd_s=[t[1] for t in times], layer_muon=layer_muon,
         muon_numel=[m.numel for m in muon], muon_shape=[m.shape for m in muon], layer_adamw_numel=layer_adamw,
         ns_naive_s=ns_naive, elementwise_s=elementwise_s,
-        optimizer_overhead_s=profile.optimizer_overhead_s * stretch, network=profile.network_for(per_node),
+        optimizer_overhead_s=profile.optimizer_overhead_s * stretch,
+        network=profile.network_for(per_node, k if profile.cpu_cores else 1.0),
         hierarchical=cfg.hierarchical, overlap=cfg.overlap,
         param_bytes=DTYPE_BYTES[cfg.param_comm_dtype or profile.dtype],
         grad_bytes=DTYPE_BYTES[cfg.grad_comm_dtype or profile.dtype], plan=plan, ns_stretch=ns_stretch,
     )
     # called after the step programs are built: they price the elementwise passes provenance names
-    info["provenance"] = lambda: _provenance(profile, cost, ns_answers, ew_answers, plan, cfg.strategy,
-                                             (stretch, ns_stretch, ew_stretch))
+    def provenance() -> dict:
+        prov = _provenance(profile, priced, ns_answers, ew_answers, plan, cfg.strategy,
+                           (stretch, ns_stretch, ew_stretch), measured)
+        if k != 1.0:
+            what = ("compute, NS, elementwise and collective" if profile.cpu_cores
+                    else "compute, NS and elementwise")
+            prov["speed_scale"] = (f"every {what} time x {k:.4g} (SimConfig.speed_scale: the device's "
+                                   "speed vs its profile's)")
+        return prov
+
+    info["provenance"] = provenance
     if len({p.component for p in workload.params}) > 1:
         info["notes"].append("ASSUMPTION: every token passes through every component (per-component token "
                              "counts are not public)")
     return spec, info
 
 
-def _provenance(profile, cost, ns_answers, ew_answers, plan, strategy, stretch) -> dict:
+def _provenance(profile, cost, ns_answers, ew_answers, plan, strategy, stretch, threads_measured) -> dict:
     p = profile.provenance
     cost_name = getattr(cost, "name", type(cost).__name__)
     prov = {
@@ -142,9 +165,12 @@ def _provenance(profile, cost, ns_answers, ew_answers, plan, strategy, stretch) 
     if plan is not None:
         prov["ns_plan"] = (f"plan from cost table {plan.cost_source}: {plan.balancer}, {plan.method}, "
                            f"makespan {plan.makespan_s * 1e3:.3f} ms "
-                           f"(lower bound {plan.lower_bound_s * 1e3:.3f} ms)")
+                           f"(lower bound {plan.lower_bound_s * 1e3:.3f} ms)"
+                           + ("; the table was measured at this thread count" if threads_measured else ""))
     if any(s != 1.0 for s in stretch):
-        src = {k: "; ".join((p.get(f"{k}_speedup", "not measured: linear thread scaling (ASSUMPTION)"),
+        src = {k: "; ".join(((f"thread speedup in cost table {cost_name}"
+                              if threads_measured and k != "compute"
+                              else p.get(f"{k}_speedup", "not measured: linear thread scaling (ASSUMPTION)")),
                              p.get(f"{k}_corun_slowdown", "co-running ranks: not measured, x1 (ASSUMPTION)")))
                for k in ("compute", "ns", "elementwise")}
         prov["cpu_contention"] = ("one-thread times x " + ", ".join(

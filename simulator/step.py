@@ -26,7 +26,8 @@ beside the node's gathers and reduce-scatters):
              naive: the AdamW pass over local AdamW parameters, momentum over local shards, then per
                     matrix: all-gather of the full gradient (not overlapped with the previous NS,
                     as in the published FSDP2+Muon) and standard NS (bf16, Jordan) on every rank,
-                    keeping its own shard
+                    keeping its own shard (naive_batching: each matrix carries an equal share of its
+                    shape's one batched NS call, as dmuon.NaiveMuon runs them)
              dmuon: each owner runs its plan batches in the plan's order (the batch's share of one
                     momentum pass over the owner's elements + the batch's cost-table NS time), each
                     once the buckets holding its members have arrived, then the AdamW pass;
@@ -317,6 +318,7 @@ class _Programs:
         prev["opt_last"] = last
 
     # ---- pieces ---------------------------------------------------------------------------------
+
     def _adamw_s(self, numel: float) -> float:
         """The AdamW pass over `numel` elements with its gradient preparation."""
         return self.s.elementwise_s(numel, "adamw") + self.s.elementwise_s(numel, "grad_prep")
@@ -406,7 +408,7 @@ class _Programs:
         return last_comm if self.n_buckets else last
 
 
-def build(spec: StepSpec, overlap_slowdown: float = 0.0) -> Built:
+def build(spec: StepSpec, overlap_slowdown: float = 0.0, comm_overlap_slowdown: float = 0.0) -> Built:
     """Every rank's program for `spec.steps` steps, ready to run."""
     if spec.strategy not in STRATEGIES:
         raise InputError(f"unknown strategy {spec.strategy!r}; accepted: {', '.join(STRATEGIES)}")
@@ -415,7 +417,8 @@ def build(spec: StepSpec, overlap_slowdown: float = 0.0) -> Built:
     if spec.strategy == "dmuon" and spec.plan is None:
         raise InputError("the dmuon strategy needs a plan")
     streams = ("compute", "comm", "inter") if spec.layout.startswith("hsdp") else ("compute", "comm")
-    cluster = Cluster(spec.n_ranks, streams=streams, overlap_slowdown=overlap_slowdown)
+    cluster = Cluster(spec.n_ranks, streams=streams, overlap_slowdown=overlap_slowdown,
+                      comm_overlap_slowdown=comm_overlap_slowdown)
     progs = _Programs(spec, cluster)
     for r in range(spec.n_ranks):
         progs.program(r)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .reference import LLM_GPUS, LLM_MICRO_BATCH, LLM_SEQ_LEN, claims, llm_rows
 
@@ -121,6 +121,7 @@ class BenchRow:
     layout: str = "ddp"
     gpu: str = "cpu"
     threads: int = 1  # torch threads per rank
+    probe_s: float | None = None  # the speed probe around the run (calibrate_cpu.measure_probe)
 
     @classmethod
     def from_bench(cls, row: dict) -> BenchRow:
@@ -128,27 +129,55 @@ class BenchRow:
         return cls(ranks=row["ranks"], strategy=row["strategy"], width_scale=row["width_scale"],
                    blocks=row.get("layers"), seq_len=row["seq_len"], micro_batch=row["micro_batch"],
                    step_s=row["step_s"], optimizer_s=row.get("optimizer_s"),
-                   workload=row.get("workload", "qwen2.5-7b"), threads=row.get("threads_per_rank", 1))
+                   workload=row.get("workload", "qwen2.5-7b"), threads=row.get("threads_per_rank", 1),
+                   probe_s=row.get("probe_s"))
+
+
+def speed_scale_of(row: BenchRow, profile) -> tuple[float, str]:
+    """(the machine's speed during the run relative to the profile's compute model, how it was found): the
+    run's speed probe (`harness bench step --speed-probe`: forward + backward of the run's model on every
+    rank at once, before each block, no optimizer and no communication) over what the profile predicts
+    for that same work (simulator.compute.layer_times at the run's ranks x threads); 1 without a probe."""
+    from .compute import layer_times
+    from .workload import load_workload
+
+    if row.probe_s is None or row.probe_s != row.probe_s or not row.probe_s > 0:
+        return 1.0, "no speed probe in the run: the profile's speed"
+    w = load_workload(row.workload).scaled(row.width_scale, row.blocks)
+    times = layer_times(w, profile, row.seq_len, row.micro_batch, row.ranks, row.threads)
+    model = sum(f + b for f, b in times)
+    k = row.probe_s / model
+    return k, (f"speed probe {row.probe_s * 1e3:.4g} ms vs {model * 1e3:.4g} ms in the profile's compute "
+               f"model: x{k:.3f}")
 
 
 def closed_loop(row: BenchRow) -> dict:
-    """Simulate the measured run with the CPU profile; return both and the relative errors."""
+    """Simulate the measured run with the CPU profile; return both and the relative errors. The
+    simulation runs at the machine's speed during the run (`speed_scale_of`: its speed probe against
+    the profile's); `raw_*` are the same run simulated at the profile's speed."""
     from .api import SimConfig, simulate
+    from .hardware import load_profile
     from .workload import load_workload
 
     w = load_workload(row.workload).scaled(row.width_scale, row.blocks)
-    # the runtime's NSConfig(method="auto") picks the cheaper method per shape, for DMuon and NaiveMuon alike
-    sim = simulate(SimConfig(workload=w, gpus=row.ranks, gpu=row.gpu, strategy=row.strategy,
-                             layout=row.layout, seq_len=row.seq_len, micro_batch=row.micro_batch,
-                             cpu_threads=row.threads, ns_method="auto", naive_ns_method="auto"))
-
+    k, how = speed_scale_of(row, load_profile(row.gpu))
+    # the runtime's NSConfig(method="auto") picks the cheaper method per shape, for DMuon and NaiveMuon alike;
+    # NaiveMuon orthogonalizes with one batched call per shape
+    cfg = SimConfig(workload=w, gpus=row.ranks, gpu=row.gpu, strategy=row.strategy, layout=row.layout,
+                    seq_len=row.seq_len, micro_batch=row.micro_batch, cpu_threads=row.threads,
+                    ns_method="auto", naive_ns_method="auto", naive_batching=True)
+    raw = simulate(cfg)
+    sim = simulate(replace(cfg, speed_scale=k)) if k != 1.0 else raw
     out = {"workload": w.name, "ranks": row.ranks, "strategy": row.strategy, "layout": row.layout,
-           "profile": sim.profile, "measured_step_s": row.step_s, "simulated_step_s": sim.step_s,
-           "step_error": sim.step_s / row.step_s - 1}
-    if row.optimizer_s is not None:
-        sim_opt = sim.optimizer_s  # same definition as the bench: end of backward compute -> step() done
-        out.update(measured_optimizer_s=row.optimizer_s, simulated_optimizer_s=sim_opt,
-                   optimizer_error=sim_opt / row.optimizer_s - 1)
+           "profile": sim.profile, "speed_scale": k, "speed": how}
+    for metric, measured in (("step", row.step_s), ("optimizer", row.optimizer_s)):
+        if measured is None:
+            continue
+        # optimizer: same definition as the bench, end of backward compute -> step() done
+        s, r = getattr(sim, f"{metric}_s"), getattr(raw, f"{metric}_s")
+        out.update({f"measured_{metric}_s": measured, f"simulated_{metric}_s": s,
+                    f"{metric}_error": s / measured - 1, f"raw_simulated_{metric}_s": r,
+                    f"raw_{metric}_error": r / measured - 1})
     return out
 
 

@@ -22,7 +22,8 @@ def test_bench_step_json_on_two_ranks(tmp_path):
     csv_path = tmp_path / "rows.csv"
     cmd = [sys.executable, "-m", "harness.cli", "bench", "step", "--ranks", "2", "--strategy", "dmuon,naive",
            "--width-scale", "1/32", "--layers", "1", "--seq-len", "16", "--micro-batch", "1", "--steps", "2",
-           "--warmup", "1", "--rounds", "1", "--device", "cpu", "--json", "--csv", str(csv_path)]
+           "--warmup", "1", "--rounds", "1", "--device", "cpu", "--json", "--csv", str(csv_path),
+           "--speed-probe"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout)
@@ -33,6 +34,7 @@ def test_bench_step_json_on_two_ranks(tmp_path):
         assert r["step_s"] > 0 and r["optimizer_s"] > 0 and r["forward_s"] > 0 and r["backward_s"] > 0
         assert r["step_s"] >= r["forward_s"] + r["backward_s"]
         assert r["comm_bytes_per_step"] > 0 and r["peak_mem_bytes"] > 0
+        assert 0 < r["probe_s"] < r["step_s"] * 10  # the model's forward + backward before the block
     dmuon, naive = rows
     assert dmuon["opt_state_bytes"] < naive["opt_state_bytes"]  # momentum and AdamW state split over 2 ranks
     assert "naive_over_dmuon_optimizer_s_overlap_on" in out["ratios"]

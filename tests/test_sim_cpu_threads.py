@@ -1,6 +1,7 @@
 """CPU profiles: measured thread speedups and co-run slowdowns price multi-threaded and co-running ranks;
 naive_ns_method='auto' prices each shape with its cheapest method."""
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -45,3 +46,102 @@ def test_more_threads_never_slow_a_cpu_run_down_and_auto_naive_is_the_cheapest()
     times = {m: simulate(SimConfig(**base, naive_ns_method=m)).ns_makespan_s
              for m in ("standard", "gram", "auto")}
     assert times["auto"] <= min(times["standard"], times["gram"]) + 1e-12
+
+
+BENCH = dict(gpu="cpu", layout="ddp", seq_len=128, micro_batch=2, ns_method="auto", naive_ns_method="auto")
+
+
+def _bench_workload():
+    from simulator.workload import load_workload
+
+    return load_workload("qwen2.5-7b").scaled(1 / 16, 4)
+
+
+def test_several_threads_are_priced_from_the_cost_table_measured_at_that_thread_count():
+    import torch
+
+    from dmuon.runtime.planning import default_profile
+    from simulator.api import load_cost, plan_for
+
+    w = _bench_workload()
+    res = simulate(SimConfig(workload=w, gpus=1, strategy="dmuon", cpu_threads=2, **BENCH))
+    # one rank on every core: no oversubscription or co-run; the plan is built and priced from the
+    # two-thread table (as the runtime plans on 2 threads), not one-thread times over a scalar speedup
+    plan = plan_for(w.muon_matrices, 1, load_cost("cpu-t2"), balancer="lpt", method="auto", dtype="fp32",
+                    batching=True, max_batch=8, bucket_numel=0, time_limit_s=10.0)
+    assert res.ns_makespan_s == pytest.approx(plan.makespan_s, rel=1e-9)
+    assert "measured at this thread count" in res.provenance["ns_plan"]
+    one = simulate(SimConfig(workload=w, gpus=1, strategy="dmuon", cpu_threads=1, **BENCH))
+    assert "measured at this thread count" not in one.provenance["ns_plan"]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert default_profile(torch.device("cpu")) == "cpu-t2"
+        torch.set_num_threads(1)
+        assert default_profile(torch.device("cpu")) == "cpu"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_naive_batching_prices_one_call_per_shape():
+    from collections import Counter
+
+    from simulator.api import load_cost
+
+    w = _bench_workload()
+    cost = load_cost("cpu")
+    per_matrix = simulate(SimConfig(workload=w, gpus=1, strategy="naive", **{**BENCH, "naive_ns_method":
+                                                                             "standard"}))
+    batched = simulate(SimConfig(workload=w, gpus=1, strategy="naive", naive_batching=True,
+                                 **{**BENCH, "naive_ns_method": "standard"}))
+    shapes = Counter((m.rows, m.cols) for m in w.muon_matrices)
+    assert batched.ns_makespan_s == pytest.approx(
+        sum(cost.ns_time(r, c, n, "standard", "fp32").time_s for (r, c), n in shapes.items()), rel=1e-9)
+    assert per_matrix.ns_makespan_s == pytest.approx(
+        sum(cost.ns_time(r, c, 1, "standard", "fp32").time_s * n for (r, c), n in shapes.items()), rel=1e-9)
+    with pytest.raises(InputError, match="naive_batching"):
+        simulate(SimConfig(workload=w, gpus=1, strategy="naive", naive_batching="yes", **BENCH))
+
+
+@pytest.mark.parametrize("strategy", ["adamw", "naive", "dmuon"])
+def test_speed_scale_stretches_every_cpu_time_alike(strategy):
+    w = _bench_workload()
+    base = simulate(SimConfig(workload=w, gpus=2, strategy=strategy, **BENCH))
+    slow = simulate(SimConfig(workload=w, gpus=2, strategy=strategy, speed_scale=1.25, **BENCH))
+    for key in ("step_s", "forward_s", "backward_s", "optimizer_s", "ns_makespan_s"):
+        assert getattr(slow, key) == pytest.approx(1.25 * getattr(base, key), rel=1e-9), key
+    assert "speed_scale" in slow.provenance and "speed_scale" not in base.provenance
+    for bad in (0, -1.0, float("nan"), float("inf"), True):
+        with pytest.raises(InputError, match="speed_scale must be a finite number > 0"):
+            simulate(SimConfig(workload=w, gpus=1, strategy=strategy, speed_scale=bad, **BENCH))
+
+
+def test_interference_keys_are_read_and_validated(tmp_path):
+    cpu = load_profile("cpu")
+    assert cpu.comm_overlap_slowdown >= 0 and cpu.overlap_slowdown >= 0
+    text = (PROFILE_DIR / "cpu.toml").read_text()
+    path = tmp_path / "p.toml"
+    key = "comm_overlap_slowdown = { value = "
+    path.write_text(text.replace(key, key + "-", 1))
+    with pytest.raises(InputError, match="comm_overlap_slowdown must be a non-negative number"):
+        load_profile(str(path))
+    path.write_text(re.sub(r"(comm_overlap_slowdown = \{ value = )[0-9.e+-]+", r"\1inf", text))
+    with pytest.raises(InputError, match="comm_overlap_slowdown must be finite"):
+        load_profile(str(path))
+
+
+def test_closed_loop_runs_at_the_probed_speed():
+    from simulator.compute import layer_times
+    from simulator.validate import BenchRow, closed_loop, speed_scale_of
+
+    cpu = load_profile("cpu")
+    model = sum(f + b for f, b in layer_times(_bench_workload(), cpu, 128, 2, 2, 1))
+    row = BenchRow(ranks=2, strategy="dmuon", width_scale=1 / 16, blocks=4, seq_len=128, micro_batch=2,
+                   step_s=0.3, optimizer_s=0.1, threads=1, probe_s=1.2 * model)
+    k, how = speed_scale_of(row, cpu)
+    assert k == pytest.approx(1.2) and "x1.200" in how
+    c = closed_loop(row)
+    assert c["simulated_step_s"] == pytest.approx(1.2 * c["raw_simulated_step_s"], rel=1e-9)
+    assert c["step_error"] == pytest.approx(c["simulated_step_s"] / 0.3 - 1)
+    for missing in (None, float("nan")):
+        assert speed_scale_of(replace(row, probe_s=missing), cpu)[0] == 1.0

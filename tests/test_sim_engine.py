@@ -81,4 +81,32 @@ def test_compute_overlapping_communication_is_slowed():
 
     assert run(0.0).end == pytest.approx(1.0)
     c = run(0.5)
-    assert c.end == pytest.approx(1.0 + 0.5 * 0.6) and c.slowed_s == pytest.approx(0.3)
+    # rate 1 / 1.5 while the collective runs (0.4 of work in its 0.6 s), then rate 1 for the other 0.6
+    assert c.end == pytest.approx(0.6 + (1.0 - 0.6 / 1.5)) and c.slowed_s == pytest.approx(0.2)
+
+
+def test_a_collective_that_starts_during_compute_slows_it_from_then_on():
+    cl = Cluster(1, overlap_slowdown=1.0)
+    first = cl.compute(0, "a", 0.2, phase="fwd", step=0)
+    cl.collective(cl.new_collective("ar", "all_reduce", 1, 0.4), 0, phase="bwd", step=0, deps=(first,))
+    c = cl.compute(0, "b", 1.0, phase="bwd", step=0)
+    cl.run()
+    # b starts at 0.2 with the collective (0.2 .. 0.6): half rate there (0.2 of work), then 0.8 at rate 1
+    assert c.start == pytest.approx(0.2) and c.end == pytest.approx(0.6 + 0.8)
+
+
+def test_collectives_beside_compute_run_slower_with_comm_overlap_slowdown():
+    def run(slowdown, compute_s):
+        cl = Cluster(2, comm_overlap_slowdown=slowdown)
+        col = cl.new_collective("ar", "all_reduce", 2, 0.5)
+        ops = [cl.collective(col, r, phase="bwd", step=0) for r in range(2)]
+        if compute_s:
+            cl.compute(1, "c", compute_s, phase="bwd", step=0)  # one participant computes
+        cl.run()
+        return ops[0]
+
+    assert run(1.0, 0.0).end == pytest.approx(0.5)  # nobody computes: full speed
+    assert run(0.0, 1.0).end == pytest.approx(0.5)  # no slowdown configured
+    # half rate while rank 1 computes (0 .. 0.3: 0.15 of work), full rate for the remaining 0.35
+    assert run(1.0, 0.3).end == pytest.approx(0.3 + 0.35)
+    assert run(1.0, 2.0).end == pytest.approx(1.0)  # computing throughout: twice as long

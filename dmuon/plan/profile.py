@@ -268,7 +268,7 @@ def profile_device(
     max_batch: int = 8,
     repeats: int = 5,
     warmup: int = 1,
-    elementwise_numels: Sequence[int] = (1 << 16, 1 << 18, 1 << 20, 1 << 22),
+    elementwise_numels: Sequence[int] = (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24),
     device_name: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[ProfileRow]:

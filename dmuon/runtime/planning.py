@@ -1,7 +1,9 @@
 """Building the Plan for a live model: which cost table, and which NS method each batch will run.
 
-- Cost table (`load_cost`): the `profile` argument, or by default 'cpu' on a CPU, the GPU's measured
-  profile if one exists, else its datasheet roofline (an unknown GPU: the H100 roofline). If the CPU has
+- Cost table (`load_cost`): the `profile` argument, or by default on a CPU 'cpu' (one thread), or
+  'cpu-t<T>' where the process runs T > 1 torch threads and a table measured at T threads exists (small
+  NS calls gain far less from threads than large ones), on a GPU its measured profile if one exists,
+  else its datasheet roofline (an unknown GPU: the H100 roofline). If the CPU has
   no measured profile yet, owners are balanced by FLOP counts (`FlopCost`) and a warning says so.
 - Method: the plan prices exactly what the runtime will run. A uniform NS config (method 'standard' or
   'gram') is passed as is; 'auto' is planned as the plan's per-batch 'auto' with a cost view
@@ -67,9 +69,12 @@ def uses_sym(ns: NSConfig, n: int, device: torch.device) -> bool:
 
 def default_profile(device: torch.device) -> str:
     """The cost-table name for a device (see the module docstring)."""
-    if device.type != "cuda":
-        return "cpu"
     from ..plan.cost import ROOFLINE_SUFFIX, available_profiles, hardware
+
+    if device.type != "cuda":
+        threads = torch.get_num_threads()
+        table = f"cpu-t{threads}"
+        return table if threads > 1 and table in available_profiles() else "cpu"
 
     name = torch.cuda.get_device_name(device).lower()
     known = sorted(hardware(), key=len, reverse=True)
