@@ -36,8 +36,9 @@ every large allocation then maps fresh pages, which slows allocation-heavy code 
 2x on the development machine: do not compare its times with other rows (column exact_memory).
 probe_s (--speed-probe): before each block builds its optimizer, every rank times PROBE_REPEATS forward +
 backward passes of the fresh model at once (median; max over ranks, then the median over blocks): the
-machine's speed during the run, which `harness validate` compares with the same probe when the cpu
-profile was calibrated (a shared VM's speed drifts by tens of percent within minutes).
+machine's speed during the run, which `harness validate` compares with the profile's compute model (a
+shared VM's speed drifts by tens of percent within minutes); probe_ns_s: the same for one NS call the
+runtime makes (simulator.validate.ns_probe_call), compared with the cost table's time for it.
 comm_bytes_per_step: bytes a rank sends per step (max over ranks), counted on one extra untimed step at
 the end of the block by `dmuon.runtime.bytecount` (every collective of every thread: the optimizer's
 and FSDP2's): payload (padding included) x (N-1)/N for reduce-scatter, all-gather, per-owner reduce
@@ -260,31 +261,45 @@ def _count_step(cfg: StepConfig, model, opt, rank: int, device, it: int) -> dict
 PROBE_REPEATS = 3
 
 
-def _speed_probe(model, cfg: StepConfig, device) -> float:
+def _speed_probe(model, workload, cfg: StepConfig, device) -> tuple[float, float]:
     """--speed-probe: the machine's speed right now, on every rank at once: median seconds of
     PROBE_REPEATS forward + backward passes of the freshly built model (after one untimed), before the
-    optimizer exists (no hooks, no communication). The work of simulator.calibrate_cpu.measure_probe
-    (the same model and batch for the default configuration), so the two can be compared."""
+    optimizer exists (no hooks, no communication; the work of simulator.calibrate_cpu.measure_probe for
+    the default configuration), and of PROBE_REPEATS calls of the NS the runtime makes that
+    `simulator.validate.ns_probe_call` names (what the cost table prices NS from)."""
     import torch
     import torch.distributed as dist
+
+    from dmuon import orthogonalize
+    from simulator.validate import ns_probe_call
 
     from .benchmodel import synthetic_batch
 
     x, y = synthetic_batch(model.vocab, cfg.seq_len, cfg.micro_batch, seed=0, step=0, rank=0, device=device)
-    dist.barrier()
-    times = []
-    for i in range(PROBE_REPEATS + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+    batch, rows, cols, method = ns_probe_call(workload)
+    stack = torch.randn(batch, rows, cols, generator=torch.Generator().manual_seed(0)).to(device)
+
+    def fwd_bwd():
         model(x, y).backward()
         model.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:
-            times.append(time.perf_counter() - t0)
+
+    def median_s(fn) -> float:
+        dist.barrier()
+        times = []
+        for i in range(PROBE_REPEATS + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    out = median_s(fwd_bwd), median_s(lambda: orthogonalize(stack, method=method))
     dist.barrier()
-    return statistics.median(times)
+    return out
 
 
 def _trim_heap() -> None:
@@ -315,9 +330,10 @@ def run_variant(cfg: StepConfig, variant: tuple[str, bool, str], rank: int, worl
     _trim_heap()
     base_rss = _rss_bytes()
     _reset_peak_rss()
-    model = build_bench_model(load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers),
-                              seed=cfg.seed, device=device, dtype=dtype)
-    probe_s = _speed_probe(model, cfg, device) if cfg.speed_probe else float("nan")
+    workload = load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers)
+    model = build_bench_model(workload, seed=cfg.seed, device=device, dtype=dtype)
+    probe_s, probe_ns_s = (_speed_probe(model, workload, cfg, device) if cfg.speed_probe
+                           else (float("nan"), float("nan")))
     opt = _make_optimizer(strategy, model, cfg, overlap, exchange)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -365,7 +381,8 @@ def run_variant(cfg: StepConfig, variant: tuple[str, bool, str], rank: int, worl
                                 exposed_comm_s=opt.comm_stats.wait_s, optimizer_cpu_s=c3 - c2,
                                 peak_mem_bytes=(torch.cuda.max_memory_allocated(device) if cuda
                                                 else _peak_rss() - base_rss),
-                                loss=float(loss.detach()), load_1m=os.getloadavg()[0], probe_s=probe_s))
+                                loss=float(loss.detach()), load_1m=os.getloadavg()[0], probe_s=probe_s,
+                                probe_ns_s=probe_ns_s))
     counted = _count_step(cfg, model, opt, rank, device, cfg.warmup + timed)
     for r in records:
         r.update(counted)
@@ -431,8 +448,9 @@ def aggregate(cfg: StepConfig, variant: tuple[str, bool, str], per_rank: list[li
                           "peak_mem_bytes"):
         per_step = [max(r[i][key] for r in per_rank) for i in range(steps)]
         row[key] = statistics.median(per_step)
-    per_step = [max(r[i].get("probe_s", math.nan) for r in per_rank) for i in range(steps)]
-    row["probe_s"] = statistics.median(per_step) if cfg.speed_probe else None  # the blocks' probes
+    for key in ("probe_s", "probe_ns_s"):  # the blocks' probes
+        per_step = [max(r[i].get(key, math.nan) for r in per_rank) for i in range(steps)]
+        row[key] = statistics.median(per_step) if cfg.speed_probe else None
     for key in ("step_s", "optimizer_s"):  # spread; the minimum is the least disturbed step
         row[f"{key}_min"] = min(max(r[i][key] for r in per_rank) for i in range(steps))
         row[f"{key}_max"] = max(max(r[i][key] for r in per_rank) for i in range(steps))
@@ -711,7 +729,8 @@ def register(app, bench) -> None:
                                           "at once (tighter peak_mem_bytes, ~2x slower allocation; see "
                                           "docs)."),
         speed_probe: bool = typer.Option(False, "--speed-probe", help="Time the model's forward + backward "
-                                         "before each block (column probe_s: the machine's speed then)."),
+                                         "and one NS call before each block (columns probe_s, probe_ns_s: "
+                                         "the machine's speed then)."),
     ):
         """Measure training steps of DMuon / NaiveMuon / AdamW on N real processes (see docs/runtime.md)."""
         cfg = StepConfig(ranks=ranks, strategies=_split(strategy),

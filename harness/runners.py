@@ -63,6 +63,7 @@ _NOT_PLAN = (
     "naive_ns_method",
     "naive_batching",
     "speed_scale",
+    "ns_speed_scale",
     "cpu_threads",
 )
 

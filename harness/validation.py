@@ -19,10 +19,11 @@ checks (column `check`):
                     Each configuration is launched BENCH_REPEATS times, interleaved with the others, and
                     the median over those launches is compared (a shared VM drifts by tens of percent
                     within minutes; the note gives the min-max and the CPU steal during the runs). A
-                    speed probe (the bench model's forward + backward on every rank, `harness bench step
-                    --speed-probe`) runs before each block; the simulation runs at the probe's speed
-                    relative to the same probe when the profile was calibrated (SimConfig.speed_scale).
-                    The note gives that factor and the error at the profile's own speed.
+                    speed probe (the bench model's forward + backward and one NS call on every rank,
+                    `harness bench step --speed-probe`) runs before each block; the simulation runs at
+                    the probe's speed relative to the profile's compute model (SimConfig.speed_scale)
+                    and, for NS, relative to the cost table (SimConfig.ns_speed_scale). The note gives
+                    those factors and the error at the profile's own speed.
 Rows: check, label, workload, strategy, metric, unit, reference, reference_kind, simulated, error (relative),
 bound, bounded, within_bound, note, profile. Times in seconds.
 """
@@ -240,8 +241,9 @@ def _cpu_steal() -> tuple[float, float] | None:
 def measure_bench(ranks=BENCH_DEFAULT_RANKS, progress=None, repeats: int = BENCH_REPEATS) -> list[dict]:
     """Real CPU runs of `harness bench step` (adamw, naive, dmuon side by side): `repeats` rounds of one
     launch per rank count (rounds interleave the rank counts). Rows carry `repeat`, `steal_pct` (the
-    share of CPU time the hypervisor took during that launch) and `probe_s`: the bench's speed probe
-    (--speed-probe: the model's forward + backward on every rank before each block)."""
+    share of CPU time the hypervisor took during that launch) and `probe_s` / `probe_ns_s`: the bench's
+    speed probe (--speed-probe: the model's forward + backward and one NS call on every rank before each
+    block)."""
     from .cmd_bench_step import StepConfig, check_config, launch
 
     rows = []
@@ -261,23 +263,40 @@ def measure_bench(ranks=BENCH_DEFAULT_RANKS, progress=None, repeats: int = BENCH
     return rows
 
 
+_PROBE_KEY = ("ranks", "threads_per_rank", "width_scale", "layers", "seq_len", "micro_batch", "workload")
+
+
+def _present(v) -> bool:
+    return v is not None and v == v  # NaN: a run without --speed-probe
+
+
 def median_rows(bench_rows: list[dict]) -> list[dict]:
     """One row per configuration: the median step and optimizer time over its launches, with their
-    min-max and the launches' steal in `spread`."""
+    min-max and the launches' steal in `spread`. The speed probes (probe_s, probe_ns_s) are the median
+    over every launch of the same model on the same ranks x threads, whatever the strategy: the probe
+    runs before the optimizer exists, so all those blocks time the same work in the same window."""
     import statistics
 
     groups: dict[tuple, list[dict]] = {}
+    probes: dict[tuple, list[dict]] = {}
     for b in bench_rows:
         groups.setdefault(tuple(b.get(k) for k in _KEY), []).append(b)
+        probes.setdefault(tuple(b.get(k) for k in _PROBE_KEY), []).append(b)
     out = []
     for rows in groups.values():
         med = dict(rows[0])
         parts = []
-        for m in ("step_s", "optimizer_s", "probe_s"):
-            vals = [r[m] for r in rows if r.get(m) is not None]
+        for m in ("step_s", "optimizer_s"):
+            vals = [r[m] for r in rows if _present(r.get(m))]
             if vals:
                 med[m] = statistics.median(vals)
                 parts.append(f"{m[:-2]} {min(vals) * 1e3:.4g}-{max(vals) * 1e3:.4g} ms")
+        same_model = probes[tuple(rows[0].get(k) for k in _PROBE_KEY)]
+        for m in ("probe_s", "probe_ns_s"):
+            vals = [r[m] for r in same_model if _present(r.get(m))]
+            if vals:
+                med[m] = statistics.median(vals)
+                parts.append(f"{m[:-2]} {min(vals) * 1e3:.4g}-{max(vals) * 1e3:.4g} ms ({len(vals)} blocks)")
         steal = [r["steal_pct"] for r in rows if r.get("steal_pct") is not None
                  and r["steal_pct"] == r["steal_pct"]]
         med["spread"] = (f"median of {len(rows)} launch(es): " + ", ".join(parts)

@@ -78,6 +78,9 @@ class SimConfig:
     speed_scale: float = _f(1.0, "every compute, NS and elementwise time (and, on CPU profiles, every "
                                  "collective: CPU work there) x this: a device slower (> 1) or faster than "
                                  "when its profile was measured (harness validate: the speed probe's drift)")
+    ns_speed_scale: float | None = _f(None, "every NS time x this instead of speed_scale (None: "
+                                            "speed_scale); harness validate: the NS probe's drift against "
+                                            "the cost table")
     naive_batching: bool = _f(False, "naive: one batched NS call per matrix shape, as dmuon.NaiveMuon runs "
                                      "it (False: one call per matrix, the published FSDP2+Muon baseline)")
     max_batch: int = _f(8, "dmuon: largest NS batch")
@@ -234,9 +237,12 @@ def validate_config(cfg: SimConfig) -> None:
     for name in ("gram", "batching", "overlap", "hierarchical", "naive_batching"):
         _check_bool(name, getattr(cfg, name))
     _check_bool("symmetric_kernels", cfg.symmetric_kernels, none_ok=True)
-    sc = cfg.speed_scale
-    if isinstance(sc, bool) or not isinstance(sc, (int, float)) or not (math.isfinite(sc) and sc > 0):
-        raise InputError(f"speed_scale must be a finite number > 0 (1 = as profiled), got {sc!r}")
+    for name, accepted in (("speed_scale", "(1 = as profiled)"),
+                           ("ns_speed_scale", "or None (None = speed_scale)")):
+        sc = getattr(cfg, name)
+        bad = isinstance(sc, bool) or not isinstance(sc, (int, float)) or not (math.isfinite(sc) and sc > 0)
+        if bad and (sc is not None or name == "speed_scale"):
+            raise InputError(f"{name} must be a finite number > 0 {accepted}, got {sc!r}")
     nic = cfg.nic_gbps
     if nic is not None and (isinstance(nic, bool) or not isinstance(nic, (int, float)) or not nic > 0):
         raise InputError(f"nic_gbps must be a positive number (Gbit/s per node), got {cfg.nic_gbps!r}")

@@ -39,7 +39,8 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
     measured = thread_cost is not None
     k = cfg.speed_scale  # the device's speed now vs when profiled
     stretch = profile.contention(per_node, cfg.cpu_threads) * k  # layer compute, fixed overheads
-    ns_stretch = profile.contention(per_node, cfg.cpu_threads, "ns", threads_measured=measured) * k
+    k_ns = k if cfg.ns_speed_scale is None else cfg.ns_speed_scale  # NS drift, where probed apart
+    ns_stretch = profile.contention(per_node, cfg.cpu_threads, "ns", threads_measured=measured) * k_ns
     ew_stretch = profile.contention(per_node, cfg.cpu_threads, "elementwise", threads_measured=measured) * k
     ns_dtype = cfg.ns_dtype or profile.dtype
     muon = workload.muon_matrices
@@ -120,10 +121,14 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
         prov = _provenance(profile, priced, ns_answers, ew_answers, plan, cfg.strategy,
                            (stretch, ns_stretch, ew_stretch), measured)
         if k != 1.0:
-            what = ("compute, NS, elementwise and collective" if profile.cpu_cores
-                    else "compute, NS and elementwise")
+            parts = (["compute"] + (["NS"] if cfg.ns_speed_scale is None else []) + ["elementwise"]
+                     + (["collective"] if profile.cpu_cores else []))
+            what = ", ".join(parts[:-1]) + " and " + parts[-1]
             prov["speed_scale"] = (f"every {what} time x {k:.4g} (SimConfig.speed_scale: the device's "
                                    "speed vs its profile's)")
+        if cfg.ns_speed_scale is not None:
+            prov["ns_speed_scale"] = (f"every NS time x {k_ns:.4g} (SimConfig.ns_speed_scale: NS speed vs "
+                                      "the cost table's)")
         return prov
 
     info["provenance"] = provenance

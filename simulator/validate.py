@@ -22,6 +22,8 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 
+from dmuon.errors import InputError
+
 from .reference import LLM_GPUS, LLM_MICRO_BATCH, LLM_SEQ_LEN, claims, llm_rows
 
 TOLERANCE = 0.25
@@ -122,6 +124,7 @@ class BenchRow:
     gpu: str = "cpu"
     threads: int = 1  # torch threads per rank
     probe_s: float | None = None  # the speed probe around the run (calibrate_cpu.measure_probe)
+    probe_ns_s: float | None = None  # the NS probe: ns_probe_call(workload) timed before the run
 
     @classmethod
     def from_bench(cls, row: dict) -> BenchRow:
@@ -130,7 +133,7 @@ class BenchRow:
                    blocks=row.get("layers"), seq_len=row["seq_len"], micro_batch=row["micro_batch"],
                    step_s=row["step_s"], optimizer_s=row.get("optimizer_s"),
                    workload=row.get("workload", "qwen2.5-7b"), threads=row.get("threads_per_rank", 1),
-                   probe_s=row.get("probe_s"))
+                   probe_s=row.get("probe_s"), probe_ns_s=row.get("probe_ns_s"))
 
 
 def speed_scale_of(row: BenchRow, profile) -> tuple[float, str]:
@@ -141,7 +144,7 @@ def speed_scale_of(row: BenchRow, profile) -> tuple[float, str]:
     from .compute import layer_times
     from .workload import load_workload
 
-    if row.probe_s is None or row.probe_s != row.probe_s or not row.probe_s > 0:
+    if _probe_missing(row.probe_s):
         return 1.0, "no speed probe in the run: the profile's speed"
     w = load_workload(row.workload).scaled(row.width_scale, row.blocks)
     times = layer_times(w, profile, row.seq_len, row.micro_batch, row.ranks, row.threads)
@@ -151,25 +154,70 @@ def speed_scale_of(row: BenchRow, profile) -> tuple[float, str]:
                f"model: x{k:.3f}")
 
 
+def ns_probe_call(workload) -> tuple[int, int, int, str]:
+    """(batch, rows, cols, method) of the NS call the bench's speed probe times (`harness bench step
+    --speed-probe`, column probe_ns_s): the Muon shape that holds the most elements, stacked min(2, its
+    count) deep, in the method NSConfig(method="auto") gives it, i.e. a call the runtime makes."""
+    from dmuon.newton_schulz import resolve_method
+
+    totals: dict[tuple[int, int], list[int]] = {}
+    for m in workload.muon_matrices:
+        totals.setdefault((m.rows, m.cols), []).append(m.numel)
+    if not totals:
+        raise InputError(f"workload {workload.name} has no Muon matrices: there is no NS call to probe")
+    (rows, cols), sizes = max(totals.items(), key=lambda kv: (sum(kv[1]), kv[0]))
+    return min(2, len(sizes)), rows, cols, resolve_method(rows, cols, "auto")
+
+
+def _probe_missing(v) -> bool:
+    return v is None or v != v or not v > 0
+
+
+def ns_speed_scale_of(row: BenchRow, profile) -> tuple[float | None, str]:
+    """(NS speed during the run relative to the cost table the simulation prices NS from, how it was
+    found): the run's NS probe (`ns_probe_call`, timed on every rank at once before each block) over the
+    table's time for that call at the run's threads (its `-t<T>` table where one exists), times the
+    profile's NS contention at the run's ranks x threads; None without a probe (NS then follows the
+    compute probe)."""
+    from .api import SimConfig, load_cost, thread_cost_for
+    from .workload import load_workload
+
+    if _probe_missing(row.probe_ns_s):
+        return None, "no NS probe in the run: NS follows the compute probe"
+    w = load_workload(row.workload).scaled(row.width_scale, row.blocks)
+    batch, rows, cols, method = ns_probe_call(w)
+    thread_cost = thread_cost_for(profile, SimConfig(workload=w, gpus=row.ranks, gpu=row.gpu,
+                                                     cpu_threads=row.threads))
+    table = thread_cost or load_cost(profile.cost_profiles)
+    priced = table.ns_time(rows, cols, batch, method, profile.dtype).time_s * profile.contention(
+        row.ranks, row.threads, "ns", threads_measured=thread_cost is not None)
+    k = row.probe_ns_s / priced
+    return k, (f"NS probe ({batch}, {rows}, {cols}) {method}: {row.probe_ns_s * 1e3:.4g} ms vs "
+               f"{priced * 1e3:.4g} ms in cost table {table.name}: x{k:.3f}")
+
+
 def closed_loop(row: BenchRow) -> dict:
     """Simulate the measured run with the CPU profile; return both and the relative errors. The
     simulation runs at the machine's speed during the run (`speed_scale_of`: its speed probe against
-    the profile's); `raw_*` are the same run simulated at the profile's speed."""
+    the profile's; NS at its own probe's speed, `ns_speed_scale_of`, where the run has one); `raw_*` are the
+    same run simulated at the profile's speed."""
     from .api import SimConfig, simulate
     from .hardware import load_profile
     from .workload import load_workload
 
     w = load_workload(row.workload).scaled(row.width_scale, row.blocks)
-    k, how = speed_scale_of(row, load_profile(row.gpu))
+    profile = load_profile(row.gpu)
+    k, how = speed_scale_of(row, profile)
+    k_ns, how_ns = ns_speed_scale_of(row, profile)
     # the runtime's NSConfig(method="auto") picks the cheaper method per shape, for DMuon and NaiveMuon alike;
     # NaiveMuon orthogonalizes with one batched call per shape
     cfg = SimConfig(workload=w, gpus=row.ranks, gpu=row.gpu, strategy=row.strategy, layout=row.layout,
                     seq_len=row.seq_len, micro_batch=row.micro_batch, cpu_threads=row.threads,
                     ns_method="auto", naive_ns_method="auto", naive_batching=True)
     raw = simulate(cfg)
-    sim = simulate(replace(cfg, speed_scale=k)) if k != 1.0 else raw
+    sim = simulate(replace(cfg, speed_scale=k, ns_speed_scale=k_ns)) if (k, k_ns) != (1.0, None) else raw
     out = {"workload": w.name, "ranks": row.ranks, "strategy": row.strategy, "layout": row.layout,
-           "profile": sim.profile, "speed_scale": k, "speed": how}
+           "profile": sim.profile, "speed_scale": k, "ns_speed_scale": k_ns, "speed": f"{how}; {how_ns}"}
     for metric, measured in (("step", row.step_s), ("optimizer", row.optimizer_s)):
         if measured is None:
             continue

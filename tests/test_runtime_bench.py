@@ -35,6 +35,7 @@ def test_bench_step_json_on_two_ranks(tmp_path):
         assert r["step_s"] >= r["forward_s"] + r["backward_s"]
         assert r["comm_bytes_per_step"] > 0 and r["peak_mem_bytes"] > 0
         assert 0 < r["probe_s"] < r["step_s"] * 10  # the model's forward + backward before the block
+        assert 0 < r["probe_ns_s"] < r["optimizer_s"] * 10  # one NS call the optimizer makes
     dmuon, naive = rows
     assert dmuon["opt_state_bytes"] < naive["opt_state_bytes"]  # momentum and AdamW state split over 2 ranks
     assert "naive_over_dmuon_optimizer_s_overlap_on" in out["ratios"]

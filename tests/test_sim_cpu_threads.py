@@ -145,3 +145,44 @@ def test_closed_loop_runs_at_the_probed_speed():
     assert c["step_error"] == pytest.approx(c["simulated_step_s"] / 0.3 - 1)
     for missing in (None, float("nan")):
         assert speed_scale_of(replace(row, probe_s=missing), cpu)[0] == 1.0
+
+
+def test_ns_speed_scale_stretches_ns_alone():
+    w = _bench_workload()
+    base = simulate(SimConfig(workload=w, gpus=1, strategy="naive", **BENCH))
+    slow = simulate(SimConfig(workload=w, gpus=1, strategy="naive", ns_speed_scale=1.5, **BENCH))
+    assert slow.ns_makespan_s == pytest.approx(1.5 * base.ns_makespan_s, rel=1e-9)
+    assert (slow.forward_s, slow.backward_s) == pytest.approx((base.forward_s, base.backward_s), rel=1e-12)
+    # one rank, no communication: the optimizer phase is the elementwise passes plus every NS call
+    assert slow.optimizer_s - base.optimizer_s == pytest.approx(0.5 * base.ns_makespan_s, rel=1e-9)
+    assert "ns_speed_scale" in slow.provenance and "ns_speed_scale" not in base.provenance
+    both = simulate(SimConfig(workload=w, gpus=1, strategy="naive", speed_scale=2.0, ns_speed_scale=1.5, **BENCH))
+    assert both.ns_makespan_s == pytest.approx(slow.ns_makespan_s, rel=1e-9)  # NS follows its own scale
+    assert both.forward_s == pytest.approx(2.0 * base.forward_s, rel=1e-9)
+    assert "NS" not in both.provenance["speed_scale"]
+    for bad in (0, -2.0, float("nan"), float("inf"), "1.5"):
+        with pytest.raises(InputError, match="ns_speed_scale must be a finite number > 0 or None"):
+            simulate(SimConfig(workload=w, gpus=1, strategy="naive", ns_speed_scale=bad, **BENCH))
+
+
+def test_closed_loop_prices_ns_at_the_ns_probe_speed():
+    from simulator.api import load_cost
+    from simulator.validate import BenchRow, closed_loop, ns_probe_call, ns_speed_scale_of
+
+    cpu, w = load_profile("cpu"), _bench_workload()
+    batch, rows, cols, method = ns_probe_call(w)
+    big = max(w.muon_matrices, key=lambda m: m.numel)
+    assert (rows, cols) == (big.rows, big.cols) and batch == 2 and method == "gram"  # wide: Gram NS is cheaper
+    # one rank of one thread: the cpu table's time for that call, no contention
+    table_s = load_cost(cpu.cost_profiles).ns_time(rows, cols, batch, method, "fp32").time_s
+    row = BenchRow(ranks=1, strategy="naive", width_scale=1 / 16, blocks=4, seq_len=128, micro_batch=2,
+                   step_s=0.3, optimizer_s=0.1, threads=1, probe_ns_s=1.3 * table_s)
+    k, how = ns_speed_scale_of(row, cpu)
+    assert k == pytest.approx(1.3) and "x1.300" in how
+    c = closed_loop(row)
+    assert c["speed_scale"] == 1.0 and c["ns_speed_scale"] == pytest.approx(1.3)
+    assert c["simulated_optimizer_s"] > c["raw_simulated_optimizer_s"]
+    assert c["simulated_step_s"] - c["raw_simulated_step_s"] == pytest.approx(
+        c["simulated_optimizer_s"] - c["raw_simulated_optimizer_s"], rel=1e-9)  # only NS moved
+    for missing in (None, float("nan"), 0.0):
+        assert ns_speed_scale_of(replace(row, probe_ns_s=missing), cpu)[0] is None

@@ -83,3 +83,18 @@ def test_closed_loop_compares_the_median_of_repeated_launches():
     assert "median of 3 launch(es)" in med["dmuon"]["spread"] and "300-500 ms" in med["dmuon"]["spread"]
     assert "steal 0-20%" in med["dmuon"]["spread"]
     assert med["naive"]["step_s"] == 0.4 and "median of 1" in med["naive"]["spread"]
+
+
+def test_speed_probes_are_pooled_over_strategies_of_the_same_model():
+    from harness.validation import median_rows
+
+    model = {"threads_per_rank": 1, "layout": "ddp", "overlap": True, "width_scale": 0.0625, "layers": 4,
+             "seq_len": 128, "micro_batch": 2, "workload": "qwen2.5-7b", "step_s": 0.3, "optimizer_s": 0.1}
+    rows = [dict(model, ranks=2, strategy=s, probe_s=p, probe_ns_s=q)
+            for s, p, q in (("adamw", 0.10, 0.020), ("naive", 0.30, 0.024), ("dmuon", 0.12, float("nan")))]
+    rows.append(dict(model, ranks=1, strategy="dmuon", probe_s=0.9, probe_ns_s=0.05))  # another configuration
+    med = {(r["ranks"], r["strategy"]): r for r in median_rows(rows)}
+    for s in ("adamw", "naive", "dmuon"):  # the median of the three blocks' probes, NaN (no probe) left out
+        assert med[(2, s)]["probe_s"] == 0.12 and med[(2, s)]["probe_ns_s"] == pytest.approx(0.022)
+        assert "probe 100-300 ms (3 blocks)" in med[(2, s)]["spread"]
+    assert med[(1, "dmuon")]["probe_s"] == 0.9 and med[(1, "dmuon")]["probe_ns_s"] == 0.05
