@@ -37,8 +37,9 @@ every large allocation then maps fresh pages, which slows allocation-heavy code 
 probe_s (--speed-probe): before each block builds its optimizer, every rank times PROBE_REPEATS forward +
 backward passes of the fresh model at once (median; max over ranks, then the median over blocks): the
 machine's speed during the run, which `harness validate` compares with the profile's compute model (a
-shared VM's speed drifts by tens of percent within minutes); probe_ns_s: the same for one NS call the
-runtime makes (simulator.validate.ns_probe_call), compared with the cost table's time for it.
+shared VM's speed drifts by tens of percent within minutes); probe_ns_s and probe_ew_s: the same for
+one NS call the runtime makes (simulator.validate.ns_probe_call) and one AdamW pass over 4M elements,
+compared with the cost table's times for them.
 comm_bytes_per_step: bytes a rank sends per step (max over ranks), counted on one extra untimed step at
 the end of the block by `dmuon.runtime.bytecount` (every collective of every thread: the optimizer's
 and FSDP2's): payload (padding included) x (N-1)/N for reduce-scatter, all-gather, per-owner reduce
@@ -195,7 +196,7 @@ def _rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _make_optimizer(strategy: str, model, cfg: StepConfig, overlap: bool, exchange: str):
+def make_optimizer(strategy: str, model, cfg: StepConfig, overlap: bool, exchange: str):
     from dmuon.distributed import DMuon, NaiveMuon
 
     from .benchmodel import shard_for
@@ -261,17 +262,19 @@ def _count_step(cfg: StepConfig, model, opt, rank: int, device, it: int) -> dict
 PROBE_REPEATS = 3
 
 
-def _speed_probe(model, workload, cfg: StepConfig, device) -> tuple[float, float]:
+def _speed_probe(model, workload, cfg: StepConfig, device) -> tuple[float, float, float]:
     """--speed-probe: the machine's speed right now, on every rank at once: median seconds of
     PROBE_REPEATS forward + backward passes of the freshly built model (after one untimed), before the
     optimizer exists (no hooks, no communication; the work of simulator.calibrate_cpu.measure_probe for
-    the default configuration), and of PROBE_REPEATS calls of the NS the runtime makes that
-    `simulator.validate.ns_probe_call` names (what the cost table prices NS from)."""
+    the default configuration), of PROBE_REPEATS calls of the NS the runtime makes that
+    `simulator.validate.ns_probe_call` names, and of PROBE_REPEATS AdamW passes over
+    simulator.validate.EW_PROBE_NUMEL elements (the last two: what the cost table prices)."""
     import torch
     import torch.distributed as dist
 
     from dmuon import orthogonalize
-    from simulator.validate import ns_probe_call
+    from dmuon.plan.profile import elementwise_calls
+    from simulator.validate import EW_PROBE_NUMEL, EW_PROBE_OP, ns_probe_call
 
     from .benchmodel import synthetic_batch
 
@@ -297,7 +300,8 @@ def _speed_probe(model, workload, cfg: StepConfig, device) -> tuple[float, float
                 times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
-    out = median_s(fwd_bwd), median_s(lambda: orthogonalize(stack, method=method))
+    elementwise = elementwise_calls(EW_PROBE_NUMEL, device=device.type)[EW_PROBE_OP]
+    out = median_s(fwd_bwd), median_s(lambda: orthogonalize(stack, method=method)), median_s(elementwise)
     dist.barrier()
     return out
 
@@ -332,9 +336,9 @@ def run_variant(cfg: StepConfig, variant: tuple[str, bool, str], rank: int, worl
     _reset_peak_rss()
     workload = load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers)
     model = build_bench_model(workload, seed=cfg.seed, device=device, dtype=dtype)
-    probe_s, probe_ns_s = (_speed_probe(model, workload, cfg, device) if cfg.speed_probe
-                           else (float("nan"), float("nan")))
-    opt = _make_optimizer(strategy, model, cfg, overlap, exchange)
+    probe_s, probe_ns_s, probe_ew_s = (_speed_probe(model, workload, cfg, device) if cfg.speed_probe
+                                       else (float("nan"),) * 3)
+    opt = make_optimizer(strategy, model, cfg, overlap, exchange)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     prof = None
@@ -382,7 +386,7 @@ def run_variant(cfg: StepConfig, variant: tuple[str, bool, str], rank: int, worl
                                 peak_mem_bytes=(torch.cuda.max_memory_allocated(device) if cuda
                                                 else _peak_rss() - base_rss),
                                 loss=float(loss.detach()), load_1m=os.getloadavg()[0], probe_s=probe_s,
-                                probe_ns_s=probe_ns_s))
+                                probe_ns_s=probe_ns_s, probe_ew_s=probe_ew_s))
     counted = _count_step(cfg, model, opt, rank, device, cfg.warmup + timed)
     for r in records:
         r.update(counted)
@@ -448,7 +452,7 @@ def aggregate(cfg: StepConfig, variant: tuple[str, bool, str], per_rank: list[li
                           "peak_mem_bytes"):
         per_step = [max(r[i][key] for r in per_rank) for i in range(steps)]
         row[key] = statistics.median(per_step)
-    for key in ("probe_s", "probe_ns_s"):  # the blocks' probes
+    for key in ("probe_s", "probe_ns_s", "probe_ew_s"):  # the blocks' probes
         per_step = [max(r[i].get(key, math.nan) for r in per_rank) for i in range(steps)]
         row[key] = statistics.median(per_step) if cfg.speed_probe else None
     for key in ("step_s", "optimizer_s"):  # spread; the minimum is the least disturbed step
@@ -729,8 +733,8 @@ def register(app, bench) -> None:
                                           "at once (tighter peak_mem_bytes, ~2x slower allocation; see "
                                           "docs)."),
         speed_probe: bool = typer.Option(False, "--speed-probe", help="Time the model's forward + backward "
-                                         "and one NS call before each block (columns probe_s, probe_ns_s: "
-                                         "the machine's speed then)."),
+                                         "one NS call and one AdamW pass before each block (columns probe_s, "
+                                         "probe_ns_s, probe_ew_s: the machine's speed then)."),
     ):
         """Measure training steps of DMuon / NaiveMuon / AdamW on N real processes (see docs/runtime.md)."""
         cfg = StepConfig(ranks=ranks, strategies=_split(strategy),

@@ -358,7 +358,8 @@ def register(app, bench) -> None:
             None, help="Comma list of bf16 | fp16 | fp32 (default: fp32 on cpu, bf16,fp16 on cuda)."
         ),
         max_batch: int = typer.Option(8, help="Batch sizes 1..max_batch."),
-        repeats: int = typer.Option(3, help="Timed repeats per point (median), after one warm-up."),
+        repeats: int = typer.Option(3, help="Timed repeats per point (median), after one warm-up; NS "
+                                            "points are timed in that many interleaved rounds."),
         threads: int = typer.Option(1, help="torch CPU threads (1 matches the multi-process CPU runs)."),
         device_name: str = typer.Option(
             None, help="Device column: a800 | h200 | ... (default: from the GPU name on cuda, 'cpu' on cpu)."

@@ -64,6 +64,7 @@ _NOT_PLAN = (
     "naive_batching",
     "speed_scale",
     "ns_speed_scale",
+    "elementwise_speed_scale",
     "cpu_threads",
 )
 

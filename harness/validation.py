@@ -19,11 +19,12 @@ checks (column `check`):
                     Each configuration is launched BENCH_REPEATS times, interleaved with the others, and
                     the median over those launches is compared (a shared VM drifts by tens of percent
                     within minutes; the note gives the min-max and the CPU steal during the runs). A
-                    speed probe (the bench model's forward + backward and one NS call on every rank,
-                    `harness bench step --speed-probe`) runs before each block; the simulation runs at
-                    the probe's speed relative to the profile's compute model (SimConfig.speed_scale)
-                    and, for NS, relative to the cost table (SimConfig.ns_speed_scale). The note gives
-                    those factors and the error at the profile's own speed.
+                    speed probe (the bench model's forward + backward, one NS call and one AdamW pass
+                    on every rank, `harness bench step --speed-probe`) runs before each block; the
+                    simulation runs at the probe's speed relative to the profile's compute model
+                    (SimConfig.speed_scale) and, for NS and elementwise passes, relative to the cost
+                    table (SimConfig.ns_speed_scale, elementwise_speed_scale). The note gives those
+                    factors and the error at the profile's own speed.
 Rows: check, label, workload, strategy, metric, unit, reference, reference_kind, simulated, error (relative),
 bound, bounded, within_bound, note, profile. Times in seconds.
 """
@@ -241,9 +242,9 @@ def _cpu_steal() -> tuple[float, float] | None:
 def measure_bench(ranks=BENCH_DEFAULT_RANKS, progress=None, repeats: int = BENCH_REPEATS) -> list[dict]:
     """Real CPU runs of `harness bench step` (adamw, naive, dmuon side by side): `repeats` rounds of one
     launch per rank count (rounds interleave the rank counts). Rows carry `repeat`, `steal_pct` (the
-    share of CPU time the hypervisor took during that launch) and `probe_s` / `probe_ns_s`: the bench's
-    speed probe (--speed-probe: the model's forward + backward and one NS call on every rank before each
-    block)."""
+    share of CPU time the hypervisor took during that launch) and `probe_s` / `probe_ns_s` / `probe_ew_s`:
+    the bench's speed probe (--speed-probe: the model's forward + backward, one NS call and one AdamW
+    pass on every rank before each block)."""
     from .cmd_bench_step import StepConfig, check_config, launch
 
     rows = []
@@ -292,7 +293,7 @@ def median_rows(bench_rows: list[dict]) -> list[dict]:
                 med[m] = statistics.median(vals)
                 parts.append(f"{m[:-2]} {min(vals) * 1e3:.4g}-{max(vals) * 1e3:.4g} ms")
         same_model = probes[tuple(rows[0].get(k) for k in _PROBE_KEY)]
-        for m in ("probe_s", "probe_ns_s"):
+        for m in ("probe_s", "probe_ns_s", "probe_ew_s"):
             vals = [r[m] for r in same_model if _present(r.get(m))]
             if vals:
                 med[m] = statistics.median(vals)

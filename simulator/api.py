@@ -81,6 +81,10 @@ class SimConfig:
     ns_speed_scale: float | None = _f(None, "every NS time x this instead of speed_scale (None: "
                                             "speed_scale); harness validate: the NS probe's drift against "
                                             "the cost table")
+    elementwise_speed_scale: float | None = _f(None, "every elementwise pass and the per-step optimizer "
+                                                     "overhead x this instead of speed_scale (None: "
+                                                     "speed_scale); harness validate: the AdamW-pass probe's "
+                                                     "drift against the cost table")
     naive_batching: bool = _f(False, "naive: one batched NS call per matrix shape, as dmuon.NaiveMuon runs "
                                      "it (False: one call per matrix, the published FSDP2+Muon baseline)")
     max_batch: int = _f(8, "dmuon: largest NS batch")
@@ -238,7 +242,8 @@ def validate_config(cfg: SimConfig) -> None:
         _check_bool(name, getattr(cfg, name))
     _check_bool("symmetric_kernels", cfg.symmetric_kernels, none_ok=True)
     for name, accepted in (("speed_scale", "(1 = as profiled)"),
-                           ("ns_speed_scale", "or None (None = speed_scale)")):
+                           ("ns_speed_scale", "or None (None = speed_scale)"),
+                           ("elementwise_speed_scale", "or None (None = speed_scale)")):
         sc = getattr(cfg, name)
         bad = isinstance(sc, bool) or not isinstance(sc, (int, float)) or not (math.isfinite(sc) and sc > 0)
         if bad and (sc is not None or name == "speed_scale"):

@@ -393,6 +393,66 @@ def measure_overlap(cores: int, repeats: int = 5) -> tuple[float, float, float, 
     return tuple(got)
 
 
+OVERHEAD_SCALE = 1 / 128  # the bench model's structure (blocks, tensors, buckets), kernels almost nil
+
+
+def _optimizer_worker(init: str, repeats: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from dmuon.plan.cost import CostTable
+    from harness.benchmodel import build_bench_model, synthetic_batch
+    from harness.cmd_bench_step import StepConfig, make_optimizer
+
+    from .workload import load_workload
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+    _, blocks, seq, batch = THREAD_MODEL
+    model = build_bench_model(load_workload("qwen2.5-7b").scaled(OVERHEAD_SCALE, blocks=blocks))
+    cfg = StepConfig(ranks=1, strategies=("adamw",), device="cpu", width_scale=OVERHEAD_SCALE, layers=blocks,
+                     seq_len=seq, micro_batch=batch)
+    opt = make_optimizer("adamw", model, cfg, True, "auto")  # harness bench step's adamw variant
+    samples = []
+    for it in range(3 + repeats):
+        x, y = synthetic_batch(model.vocab, seq, batch, seed=0, step=it, rank=0)
+        model(x, y).backward()
+        t0 = time.perf_counter()
+        opt.step()
+        if it >= 3:
+            samples.append(time.perf_counter() - t0)
+        opt.zero_grad(set_to_none=True)
+    numel = sum(p.numel() for p in model.parameters())
+    table = CostTable.load("cpu")
+    priced = sum(table.elementwise_time(numel, op, "fp32").time_s for op in ("adamw", "grad_prep"))
+    opt.synchronize()
+    dist.destroy_process_group()
+    out.put((statistics.median(samples), priced, numel, len(list(model.parameters()))))
+
+
+def measure_optimizer_overhead(repeats: int = 15) -> tuple[float, float, int, int]:
+    """The runtime's per-step bookkeeping that no cost-table row prices: `harness bench step`'s AdamW
+    optimizer (dmuon.DMuon over every parameter, one gloo process, one thread) stepping the bench model
+    at width x OVERHEAD_SCALE, where its kernels take almost nothing: hooks' buckets, flag exchange,
+    per-tensor dispatch, Python. Returns (median step seconds, what the cpu cost table prices for the
+    model's adamw + grad_prep passes, parameter elements, parameter tensors); the overhead is the
+    difference."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as d:
+        q = ctx.Queue()
+        p = ctx.Process(target=_optimizer_worker, args=(f"file://{d}/rendezvous", repeats, q))
+        p.start()
+        try:
+            got = q.get(timeout=600)
+        finally:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return tuple(got)
+
+
 # ---- writing ---------------------------------------------------------------------------------------
 def _entry(key: str, value: float, source: str) -> str:
     return f'{key} = {{ value = {value:.6g}, source = "{source}" }}'
@@ -401,7 +461,8 @@ def _entry(key: str, value: float, source: str) -> str:
 def render(comm, base_s: float, alpha_s: float, comp: dict, comp_rows: list[dict], host: str,
            threads: dict[str, tuple[float, float]] | None = None,
            corun: dict[str, tuple[float, float]] | None = None,
-           overlap: tuple[float, float, float, float] | None = None) -> str:
+           overlap: tuple[float, float, float, float] | None = None,
+           opt_overhead: tuple[float, float, int, int] | None = None) -> str:
     measured = f"measured here: {host}"
     checks = "; ".join(f"scale {s:g}: {e:+.1%}" for s, e in comp["fwd_check"].items())
     bchecks = "; ".join(f"scale {s:g}: {e:+.1%}" for s, e in comp["bwd_check"].items())
@@ -429,7 +490,7 @@ def render(comm, base_s: float, alpha_s: float, comp: dict, comp_rows: list[dict
         _entry("fwd_layer_overhead_ms", comp["fwd_overhead_s"] * 1e3, f"{fit_src}; check {checks}"),
         _entry("bwd_tflops", comp["bwd_flops"] / 1e12, f"{fit_src}; check {bchecks}"),
         _entry("bwd_layer_overhead_ms", comp["bwd_overhead_s"] * 1e3, f"{fit_src}; check {bchecks}"),
-        _entry("optimizer_overhead_ms", 0.0, "none added: the cost table's elementwise rows are per call"),
+        _optimizer_overhead_entry(opt_overhead, measured),
         _entry("elementwise_scale", 1.0, "none: elementwise passes priced by the cost table as is"),
         _entry("grad_prep_passes", 1.0, "the runtime measured here scales each received gradient sum to a "
                                         "mean and checks it for NaN / inf (cost table op grad_prep)"),
@@ -470,6 +531,19 @@ def render(comm, base_s: float, alpha_s: float, comp: dict, comp_rows: list[dict
               f"backward {r['bwd_s']:.6g} ({r['bwd_flops']:.4g} FLOPs), {r['layers']} layers"
               for r in comp_rows]
     return "\n".join(lines) + "\n"
+
+
+def _optimizer_overhead_entry(opt_overhead, measured: str) -> str:
+    if opt_overhead is None:
+        return _entry("optimizer_overhead_ms", 0.0, "not measured: no per-step bookkeeping priced")
+    step_s, priced_s, numel, tensors = opt_overhead
+    _, blocks, _, _ = THREAD_MODEL
+    return _entry("optimizer_overhead_ms", max(step_s - priced_s, 0.0) * 1e3,
+                  f"{measured}: harness bench step's AdamW optimizer step (dmuon.DMuon, 1 gloo process, 1 "
+                  f"thread) on the bench model at width x{OVERHEAD_SCALE:g} ({blocks} blocks, {tensors} "
+                  f"tensors, {numel:,} elements): {step_s * 1e3:.4g} ms, less {priced_s * 1e3:.3g} ms the "
+                  "cost table prices for its adamw + grad_prep passes (median; per-step bookkeeping: "
+                  "hooks, flags, per-tensor dispatch, Python)")
 
 
 def _overlap_entry(overlap, measured: str) -> str:
@@ -522,6 +596,9 @@ def main(argv: list[str] | None = None) -> int:
               "all_reduce "
               f"loop (x{overlap[1] / overlap[0]:.2f}); all_reduce {overlap[2] * 1e3:.2f} ms alone, "
               f"{overlap[3] * 1e3:.2f} ms beside compute")
+    opt_overhead = measure_optimizer_overhead(repeats=2 * reps + 1)
+    print(f"optimizer step at width x{OVERHEAD_SCALE:g}: {opt_overhead[0] * 1e3:.3f} ms, of which the cost "
+          f"table prices {opt_overhead[1] * 1e3:.3f} ms")
     comm = measure_comm(repeats=reps)
     for kind, n, size, t in comm:
         print(f"gloo {kind:10s} n={n} {size:>9d} B: {t * 1e3:.3f} ms")
@@ -529,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"latency: base {base_s * 1e6:.1f} us + {alpha_s * 1e6:.1f} us per step")
     if args.dry_run:
         return 0
-    text = render(comm, base_s, alpha_s, comp, comp_rows, host, threads, corun, overlap)
+    text = render(comm, base_s, alpha_s, comp, comp_rows, host, threads, corun, overlap, opt_overhead)
     _write_atomic(PROFILE_DIR / "cpu.toml", text)
     print(f"written: {PROFILE_DIR / 'cpu.toml'}")
     return 0

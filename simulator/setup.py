@@ -38,10 +38,12 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
     priced = thread_cost or cost  # what NS calls and elementwise passes cost at this thread count
     measured = thread_cost is not None
     k = cfg.speed_scale  # the device's speed now vs when profiled
-    stretch = profile.contention(per_node, cfg.cpu_threads) * k  # layer compute, fixed overheads
+    stretch = profile.contention(per_node, cfg.cpu_threads) * k  # as layer compute's (provenance)
     k_ns = k if cfg.ns_speed_scale is None else cfg.ns_speed_scale  # NS drift, where probed apart
+    k_ew = k if cfg.elementwise_speed_scale is None else cfg.elementwise_speed_scale  # memory-bound passes
     ns_stretch = profile.contention(per_node, cfg.cpu_threads, "ns", threads_measured=measured) * k_ns
-    ew_stretch = profile.contention(per_node, cfg.cpu_threads, "elementwise", threads_measured=measured) * k
+    ew_stretch = (profile.contention(per_node, cfg.cpu_threads, "elementwise", threads_measured=measured)
+                  * k_ew)
     ns_dtype = cfg.ns_dtype or profile.dtype
     muon = workload.muon_matrices
     index = {m.name: i for i, m in enumerate(muon)}
@@ -110,7 +112,9 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
         layer_fwd_s=[t[0] for t in times], layer_bwd_s=[t[1] for t in times], layer_muon=layer_muon,
         muon_numel=[m.numel for m in muon], muon_shape=[m.shape for m in muon], layer_adamw_numel=layer_adamw,
         ns_naive_s=ns_naive, elementwise_s=elementwise_s,
-        optimizer_overhead_s=profile.optimizer_overhead_s * stretch,
+        # bookkeeping measured on one thread (Python, dispatch): more threads per rank do not shorten it
+        optimizer_overhead_s=profile.optimizer_overhead_s * k_ew
+        * profile.contention(per_node, cfg.cpu_threads, threads_measured=True),
         network=profile.network_for(per_node, k if profile.cpu_cores else 1.0),
         hierarchical=cfg.hierarchical, overlap=cfg.overlap,
         param_bytes=DTYPE_BYTES[cfg.param_comm_dtype or profile.dtype],
@@ -121,14 +125,22 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
         prov = _provenance(profile, priced, ns_answers, ew_answers, plan, cfg.strategy,
                            (stretch, ns_stretch, ew_stretch), measured)
         if k != 1.0:
-            parts = (["compute"] + (["NS"] if cfg.ns_speed_scale is None else []) + ["elementwise"]
+            parts = (["compute"] + (["NS"] if cfg.ns_speed_scale is None else [])
+                     + (["elementwise"] if cfg.elementwise_speed_scale is None else [])
                      + (["collective"] if profile.cpu_cores else []))
-            what = ", ".join(parts[:-1]) + " and " + parts[-1]
+            what = " and ".join(parts) if len(parts) < 3 else ", ".join(parts[:-1]) + " and " + parts[-1]
             prov["speed_scale"] = (f"every {what} time x {k:.4g} (SimConfig.speed_scale: the device's "
                                    "speed vs its profile's)")
+        if spec.optimizer_overhead_s:
+            prov["optimizer_overhead"] = (f"{spec.optimizer_overhead_s * 1e3:.3g} ms per step "
+                                          f"({profile.provenance.get('optimizer_overhead_ms', '')})")
         if cfg.ns_speed_scale is not None:
             prov["ns_speed_scale"] = (f"every NS time x {k_ns:.4g} (SimConfig.ns_speed_scale: NS speed vs "
                                       "the cost table's)")
+        if cfg.elementwise_speed_scale is not None:
+            prov["elementwise_speed_scale"] = (f"every elementwise pass and the optimizer overhead x "
+                                               f"{k_ew:.4g} (SimConfig.elementwise_speed_scale: their speed "
+                                               "vs the cost table's)")
         return prov
 
     info["provenance"] = provenance

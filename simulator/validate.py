@@ -125,6 +125,7 @@ class BenchRow:
     threads: int = 1  # torch threads per rank
     probe_s: float | None = None  # the speed probe around the run (calibrate_cpu.measure_probe)
     probe_ns_s: float | None = None  # the NS probe: ns_probe_call(workload) timed before the run
+    probe_ew_s: float | None = None  # the elementwise probe: one adamw pass over EW_PROBE_NUMEL elements
 
     @classmethod
     def from_bench(cls, row: dict) -> BenchRow:
@@ -133,7 +134,8 @@ class BenchRow:
                    blocks=row.get("layers"), seq_len=row["seq_len"], micro_batch=row["micro_batch"],
                    step_s=row["step_s"], optimizer_s=row.get("optimizer_s"),
                    workload=row.get("workload", "qwen2.5-7b"), threads=row.get("threads_per_rank", 1),
-                   probe_s=row.get("probe_s"), probe_ns_s=row.get("probe_ns_s"))
+                   probe_s=row.get("probe_s"), probe_ns_s=row.get("probe_ns_s"),
+                   probe_ew_s=row.get("probe_ew_s"))
 
 
 def speed_scale_of(row: BenchRow, profile) -> tuple[float, str]:
@@ -173,34 +175,57 @@ def _probe_missing(v) -> bool:
     return v is None or v != v or not v > 0
 
 
+EW_PROBE_OP, EW_PROBE_NUMEL = "adamw", 1 << 22  # the elementwise probe: a pass the cost table measured
+
+
+def _table_probe_scale(row: BenchRow, profile, kind: str, probe_s, call: str,
+                       price) -> tuple[float | None, str]:
+    """(probe_s / (price(cost table at the run's threads) x the profile's `kind` contention at the run's
+    ranks x threads), how); None without a probe."""
+    from .api import SimConfig, load_cost, thread_cost_for
+    from .workload import load_workload
+
+    if _probe_missing(probe_s):
+        return None, f"no {kind} probe in the run: {kind} follows the compute probe"
+    w = load_workload(row.workload).scaled(row.width_scale, row.blocks)
+    thread_cost = thread_cost_for(profile, SimConfig(workload=w, gpus=row.ranks, gpu=row.gpu,
+                                                     cpu_threads=row.threads))
+    table = thread_cost or load_cost(profile.cost_profiles)
+    priced = price(table) * profile.contention(row.ranks, row.threads, kind,
+                                               threads_measured=thread_cost is not None)
+    k = probe_s / priced
+    return k, (f"{kind} probe {call}: {probe_s * 1e3:.4g} ms vs {priced * 1e3:.4g} ms in cost table "
+               f"{table.name}: x{k:.3f}")
+
+
 def ns_speed_scale_of(row: BenchRow, profile) -> tuple[float | None, str]:
     """(NS speed during the run relative to the cost table the simulation prices NS from, how it was
     found): the run's NS probe (`ns_probe_call`, timed on every rank at once before each block) over the
     table's time for that call at the run's threads (its `-t<T>` table where one exists), times the
     profile's NS contention at the run's ranks x threads; None without a probe (NS then follows the
     compute probe)."""
-    from .api import SimConfig, load_cost, thread_cost_for
     from .workload import load_workload
 
-    if _probe_missing(row.probe_ns_s):
-        return None, "no NS probe in the run: NS follows the compute probe"
-    w = load_workload(row.workload).scaled(row.width_scale, row.blocks)
-    batch, rows, cols, method = ns_probe_call(w)
-    thread_cost = thread_cost_for(profile, SimConfig(workload=w, gpus=row.ranks, gpu=row.gpu,
-                                                     cpu_threads=row.threads))
-    table = thread_cost or load_cost(profile.cost_profiles)
-    priced = table.ns_time(rows, cols, batch, method, profile.dtype).time_s * profile.contention(
-        row.ranks, row.threads, "ns", threads_measured=thread_cost is not None)
-    k = row.probe_ns_s / priced
-    return k, (f"NS probe ({batch}, {rows}, {cols}) {method}: {row.probe_ns_s * 1e3:.4g} ms vs "
-               f"{priced * 1e3:.4g} ms in cost table {table.name}: x{k:.3f}")
+    batch, rows, cols, method = ns_probe_call(load_workload(row.workload).scaled(row.width_scale, row.blocks))
+    return _table_probe_scale(row, profile, "ns", row.probe_ns_s, f"({batch}, {rows}, {cols}) {method}",
+                              lambda t: t.ns_time(rows, cols, batch, method, profile.dtype).time_s)
+
+
+def elementwise_speed_scale_of(row: BenchRow, profile) -> tuple[float | None, str]:
+    """The same for elementwise passes: the run's probe of one EW_PROBE_OP pass over EW_PROBE_NUMEL
+    elements (`dmuon.plan.profile.elementwise_calls`, what the profiler times) against the table's time
+    for it. Memory-bound passes drift apart from matmul-bound compute on this VM."""
+    return _table_probe_scale(row, profile, "elementwise", row.probe_ew_s,
+                              f"{EW_PROBE_OP} over {EW_PROBE_NUMEL:,} elements",
+                              lambda t: t.elementwise_time(EW_PROBE_NUMEL, EW_PROBE_OP, "fp32").time_s)
 
 
 def closed_loop(row: BenchRow) -> dict:
     """Simulate the measured run with the CPU profile; return both and the relative errors. The
     simulation runs at the machine's speed during the run (`speed_scale_of`: its speed probe against
-    the profile's; NS at its own probe's speed, `ns_speed_scale_of`, where the run has one); `raw_*` are the
-    same run simulated at the profile's speed."""
+    the profile's; NS and elementwise passes at their own probes' speed, `ns_speed_scale_of` and
+    `elementwise_speed_scale_of`, where the run has them); `raw_*` are the same run simulated at the
+    profile's speed."""
     from .api import SimConfig, simulate
     from .hardware import load_profile
     from .workload import load_workload
@@ -209,15 +234,18 @@ def closed_loop(row: BenchRow) -> dict:
     profile = load_profile(row.gpu)
     k, how = speed_scale_of(row, profile)
     k_ns, how_ns = ns_speed_scale_of(row, profile)
+    k_ew, how_ew = elementwise_speed_scale_of(row, profile)
     # the runtime's NSConfig(method="auto") picks the cheaper method per shape, for DMuon and NaiveMuon alike;
     # NaiveMuon orthogonalizes with one batched call per shape
     cfg = SimConfig(workload=w, gpus=row.ranks, gpu=row.gpu, strategy=row.strategy, layout=row.layout,
                     seq_len=row.seq_len, micro_batch=row.micro_batch, cpu_threads=row.threads,
                     ns_method="auto", naive_ns_method="auto", naive_batching=True)
     raw = simulate(cfg)
-    sim = simulate(replace(cfg, speed_scale=k, ns_speed_scale=k_ns)) if (k, k_ns) != (1.0, None) else raw
+    scaled = replace(cfg, speed_scale=k, ns_speed_scale=k_ns, elementwise_speed_scale=k_ew)
+    sim = simulate(scaled) if scaled != cfg else raw
     out = {"workload": w.name, "ranks": row.ranks, "strategy": row.strategy, "layout": row.layout,
-           "profile": sim.profile, "speed_scale": k, "ns_speed_scale": k_ns, "speed": f"{how}; {how_ns}"}
+           "profile": sim.profile, "speed_scale": k, "ns_speed_scale": k_ns, "elementwise_speed_scale": k_ew,
+           "speed": f"{how}; {how_ns}; {how_ew}"}
     for metric, measured in (("step", row.step_s), ("optimizer", row.optimizer_s)):
         if measured is None:
             continue

@@ -44,6 +44,26 @@ def test_profile_device_rows_feed_a_cost_table(tmp_path):
     assert table.ns_time(64, 256, 1, "gram", "fp32").time_s > table.ns_time(32, 128, 1, "gram", "fp32").time_s
 
 
+def test_ns_calls_are_timed_in_interleaved_rounds(monkeypatch):
+    import statistics
+
+    import dmuon.newton_schulz as ns_mod
+    import dmuon.plan.profile as prof
+    from dmuon.plan.profile import profile_ns
+
+    seen, clock = [], iter(range(10_000))
+    monkeypatch.setattr(ns_mod, "orthogonalize",
+                        lambda g, method, **kw: seen.append((tuple(g.shape), method)))
+    monkeypatch.setattr(prof.time, "perf_counter", lambda: float(next(clock)))
+    rows = profile_ns([(8, 16), (4, 12)], methods=("standard", "gram"), max_batch=2, repeats=3, warmup=1)
+    one_round = [((b, n, m), meth) for n, m in ((4, 12), (8, 16)) for b in (1, 2)
+                 for meth in ("standard", "gram")]
+    # round 1: one warm-up + one timed call each; rounds 2 and 3: one timed call each, every call in turn
+    assert seen == [c for c in one_round for _ in range(2)] + one_round + one_round
+    assert len(rows) == 8 and all("interleaved" in r.source for r in rows)
+    assert all(r.time_s == statistics.median([1.0, 1.0, 1.0]) for r in rows)  # each call: one clock tick
+
+
 def test_profiler_rejects_what_it_cannot_time():
     with pytest.raises(
         InputError, match="gram_sym.*needs the Triton symmetric kernels.*accepted: standard, gram"

@@ -36,6 +36,7 @@ def test_bench_step_json_on_two_ranks(tmp_path):
         assert r["comm_bytes_per_step"] > 0 and r["peak_mem_bytes"] > 0
         assert 0 < r["probe_s"] < r["step_s"] * 10  # the model's forward + backward before the block
         assert 0 < r["probe_ns_s"] < r["optimizer_s"] * 10  # one NS call the optimizer makes
+        assert 0 < r["probe_ew_s"] < 1.0  # one AdamW pass over 4M elements
     dmuon, naive = rows
     assert dmuon["opt_state_bytes"] < naive["opt_state_bytes"]  # momentum and AdamW state split over 2 ranks
     assert "naive_over_dmuon_optimizer_s_overlap_on" in out["ratios"]

@@ -156,7 +156,8 @@ def test_ns_speed_scale_stretches_ns_alone():
     # one rank, no communication: the optimizer phase is the elementwise passes plus every NS call
     assert slow.optimizer_s - base.optimizer_s == pytest.approx(0.5 * base.ns_makespan_s, rel=1e-9)
     assert "ns_speed_scale" in slow.provenance and "ns_speed_scale" not in base.provenance
-    both = simulate(SimConfig(workload=w, gpus=1, strategy="naive", speed_scale=2.0, ns_speed_scale=1.5, **BENCH))
+    both = simulate(SimConfig(workload=w, gpus=1, strategy="naive", speed_scale=2.0, ns_speed_scale=1.5,
+                              **BENCH))
     assert both.ns_makespan_s == pytest.approx(slow.ns_makespan_s, rel=1e-9)  # NS follows its own scale
     assert both.forward_s == pytest.approx(2.0 * base.forward_s, rel=1e-9)
     assert "NS" not in both.provenance["speed_scale"]
@@ -172,7 +173,8 @@ def test_closed_loop_prices_ns_at_the_ns_probe_speed():
     cpu, w = load_profile("cpu"), _bench_workload()
     batch, rows, cols, method = ns_probe_call(w)
     big = max(w.muon_matrices, key=lambda m: m.numel)
-    assert (rows, cols) == (big.rows, big.cols) and batch == 2 and method == "gram"  # wide: Gram NS is cheaper
+    assert (rows, cols) == (big.rows, big.cols) and batch == 2
+    assert method == "gram"  # aspect ratio 5.3: Gram NS needs fewer FLOPs
     # one rank of one thread: the cpu table's time for that call, no contention
     table_s = load_cost(cpu.cost_profiles).ns_time(rows, cols, batch, method, "fp32").time_s
     row = BenchRow(ranks=1, strategy="naive", width_scale=1 / 16, blocks=4, seq_len=128, micro_batch=2,
@@ -186,3 +188,78 @@ def test_closed_loop_prices_ns_at_the_ns_probe_speed():
         c["simulated_optimizer_s"] - c["raw_simulated_optimizer_s"], rel=1e-9)  # only NS moved
     for missing in (None, float("nan"), 0.0):
         assert ns_speed_scale_of(replace(row, probe_ns_s=missing), cpu)[0] is None
+
+
+def _with_overhead(tmp_path, entry: str, name: str):
+    text = (PROFILE_DIR / "cpu.toml").read_text()
+    path = tmp_path / f"{name}.toml"
+    path.write_text(re.sub(r"(?m)^optimizer_overhead_ms = .*$", lambda _: entry, text, count=1))
+    return str(path)
+
+
+def test_measured_optimizer_overhead_is_charged_once_per_step_on_one_thread(tmp_path):
+    from simulator.calibrate_cpu import _optimizer_overhead_entry
+
+    # 4 ms measured step, 1 ms of it priced by the cost table: 3 ms of bookkeeping
+    entry = _optimizer_overhead_entry((0.004, 0.001, 141600, 39), "measured here: test")
+    assert entry.startswith("optimizer_overhead_ms = { value = 3,") and "39 tensors" in entry
+    on = _with_overhead(tmp_path, entry, "on")
+    cheap = _optimizer_overhead_entry((0.001, 0.002, 1, 1), "measured here: test")
+    off = _with_overhead(tmp_path, cheap, "off")
+    assert load_profile(on).optimizer_overhead_s == pytest.approx(0.003)
+    assert load_profile(off).optimizer_overhead_s == 0.0  # a step cheaper than the table's passes: none
+    cpu = load_profile(on)
+    w = _bench_workload()
+    kw = {k: v for k, v in BENCH.items() if k != "gpu"}
+    for ranks, threads in ((1, 2), (2, 1)):
+        for strategy in ("adamw", "dmuon"):
+            a, b = (simulate(SimConfig(workload=w, gpus=ranks, strategy=strategy, gpu=g, cpu_threads=threads,
+                                       **kw)) for g in (on, off))
+            # Python bookkeeping: a second thread does not shorten it; co-running processes stretch it
+            expected = 0.003 * cpu.contention(ranks, threads, threads_measured=True)
+            if ranks == 1:  # nothing to hide behind: the whole of it
+                assert expected == pytest.approx(0.003)
+                assert a.optimizer_s - b.optimizer_s == pytest.approx(expected, rel=1e-6), strategy
+            else:  # it runs while the last gradient reduction is in flight: partly hidden
+                assert 0 < a.optimizer_s - b.optimizer_s <= expected * (1 + 1e-9), strategy
+            assert "optimizer_overhead" in a.provenance and "optimizer_overhead" not in b.provenance
+
+
+def test_elementwise_speed_scale_stretches_passes_and_bookkeeping_alone():
+    w = _bench_workload()
+    base = simulate(SimConfig(workload=w, gpus=1, strategy="adamw", **BENCH))
+    slow = simulate(SimConfig(workload=w, gpus=1, strategy="adamw", elementwise_speed_scale=1.5, **BENCH))
+    # one rank of AdamW: the optimizer phase is the bookkeeping + the adamw and grad_prep passes
+    assert slow.optimizer_s == pytest.approx(1.5 * base.optimizer_s, rel=1e-9)
+    assert (slow.forward_s, slow.backward_s) == pytest.approx((base.forward_s, base.backward_s), rel=1e-12)
+    naive = simulate(SimConfig(workload=w, gpus=1, strategy="naive", **BENCH))
+    naive_slow = simulate(SimConfig(workload=w, gpus=1, strategy="naive", elementwise_speed_scale=1.5,
+                                    **BENCH))
+    assert naive_slow.ns_makespan_s == pytest.approx(naive.ns_makespan_s, rel=1e-12)  # NS is not elementwise
+    assert "elementwise_speed_scale" in slow.provenance and "elementwise" not in slow.provenance.get(
+        "speed_scale", "")
+    with pytest.raises(InputError, match="elementwise_speed_scale must be a finite number > 0 or None"):
+        simulate(SimConfig(workload=w, gpus=1, strategy="adamw", elementwise_speed_scale=-1, **BENCH))
+
+
+def test_closed_loop_prices_elementwise_passes_at_their_probe_speed():
+    from simulator.api import load_cost
+    from simulator.validate import (
+        EW_PROBE_NUMEL,
+        EW_PROBE_OP,
+        BenchRow,
+        closed_loop,
+        elementwise_speed_scale_of,
+    )
+
+    cpu = load_profile("cpu")
+    table_s = load_cost(cpu.cost_profiles).elementwise_time(EW_PROBE_NUMEL, EW_PROBE_OP, "fp32")
+    assert table_s.measured  # the probe times a pass the table measured
+    row = BenchRow(ranks=1, strategy="adamw", width_scale=1 / 16, blocks=4, seq_len=128, micro_batch=2,
+                   step_s=0.1, optimizer_s=0.01, threads=1, probe_ew_s=0.7 * table_s.time_s)
+    k, how = elementwise_speed_scale_of(row, cpu)
+    assert k == pytest.approx(0.7) and "x0.700" in how
+    c = closed_loop(row)
+    assert c["elementwise_speed_scale"] == pytest.approx(0.7) and c["ns_speed_scale"] is None
+    assert c["simulated_optimizer_s"] == pytest.approx(0.7 * c["raw_simulated_optimizer_s"], rel=1e-9)
+    assert elementwise_speed_scale_of(replace(row, probe_ew_s=None), cpu)[0] is None

@@ -17,7 +17,8 @@ distributed optimizers do to each received gradient before using it (scale the s
 then a one-pass non-finite check: `DMuon._absorb`). `matmul` (n^3 product) and
 `copy` rows give the device's achieved peak FLOP/s and bandwidth (the CPU has no datasheet here).
 Each number is the median of `repeats` timed calls after `warmup` untimed ones (CUDA: CUDA events
-around each call after a synchronize; CPU: perf_counter).
+around each call after a synchronize; CPU: perf_counter); NS calls are timed in `repeats` interleaved
+rounds over all of them (see `profile_ns`).
 """
 
 from __future__ import annotations
@@ -151,17 +152,21 @@ def profile_ns(
     device_name: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[ProfileRow]:
-    """`ns` rows: every (n, m) of `shapes` x batch 1..max_batch x method x dtype."""
+    """`ns` rows: every (n, m) of `shapes` x batch 1..max_batch x method x dtype. The calls are timed in
+    `repeats` interleaved rounds (each round times every call once, after `warmup` untimed calls in the
+    first) and each row is the median over the rounds: a machine whose speed drifts while the table is
+    measured then shifts every row alike instead of tilting the rows measured in a slow minute."""
     import torch
 
     from ..newton_schulz import orthogonalize
 
     check_request(device, methods, dtypes, max_batch, repeats)
-    source = source or f"measured here: {device_label(device)}, median of {repeats}"
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    rows = []
-    for n, m in ns_shapes_of(shapes):
-        for batch in range(1, max_batch + 1):
+    source = source or (f"measured here: {device_label(device)}, median of {repeats} interleaved rounds")
+    keys = [(n, m, batch) for n, m in ns_shapes_of(shapes) for batch in range(1, max_batch + 1)]
+    times: dict[tuple, list[float]] = {}
+    for rnd in range(repeats):
+        gen = torch.Generator(device="cpu").manual_seed(seed)  # the same stacks every round
+        for n, m, batch in keys:
             g = torch.randn(batch, n, m, generator=gen).to(device)
             for dtype in dtypes:
                 for method in methods:
@@ -170,13 +175,18 @@ def profile_ns(
                     def call(g=g, ns_method=ns_method, kernels=kernels, dtype=dtype):
                         return orthogonalize(g, method=ns_method, dtype=dtype, kernels=kernels)
 
-                    t = median_time_s(call, device=device, repeats=repeats, warmup=warmup)
-                    rows.append(
-                        ProfileRow(device_name or device, "ns", n, m, batch, method, dtype, t, source)
-                    )
-                    if progress:
-                        progress(f"ns {method} {dtype} ({batch}, {n}, {m}): {t * 1e3:.3f} ms")
+                    t = median_time_s(call, device=device, repeats=1, warmup=warmup if rnd == 0 else 0)
+                    times.setdefault((n, m, batch, method, dtype), []).append(t)
             del g
+        if progress:
+            calls = len(keys) * len(dtypes) * len(methods)
+            progress(f"ns: round {rnd + 1} of {repeats} done ({calls} calls)")
+    rows = []
+    for (n, m, batch, method, dtype), ts in times.items():
+        t = float(statistics.median(ts))
+        rows.append(ProfileRow(device_name or device, "ns", n, m, batch, method, dtype, t, source))
+        if progress:
+            progress(f"ns {method} {dtype} ({batch}, {n}, {m}): {t * 1e3:.3f} ms")
     return rows
 
 
@@ -193,34 +203,42 @@ def profile_elementwise(
 ) -> list[ProfileRow]:
     """`muon_momentum`, `adamw` and `grad_prep` rows: one pass of the optimizer's own functions over numel
     elements."""
+    check_request(device, (), (dtype,), 1, repeats)
+    source = source or f"measured here: {device_label(device)}, median of {repeats}"
+    rows = []
+    for numel in sorted(set(numels)):
+        fns = elementwise_calls(numel, device=device, dtype=dtype)
+        for op in ELEMENTWISE_OPS:
+            t = median_time_s(fns[op], device=device, repeats=repeats, warmup=warmup)
+            rows.append(ProfileRow(device_name or device, op, numel, 1, 1, "", dtype, t, source))
+            if progress:
+                progress(f"{op} {dtype} numel {numel}: {t * 1e6:.1f} us")
+        del fns
+    return rows
+
+
+def elementwise_calls(numel: int, *, device: str = "cpu",
+                      dtype: str = "fp32") -> dict[str, Callable[[], object]]:
+    """{op: fn} for the ELEMENTWISE_OPS over `numel` fresh elements: what the profiler times (and what
+    `harness bench step --speed-probe` times against the table)."""
     import torch
 
     from ..optim import adamw_step_, muon_apply_, muon_momentum_
 
-    check_request(device, (), (dtype,), 1, repeats)
-    source = source or f"measured here: {device_label(device)}, median of {repeats}"
     dt = _torch_dtype(dtype)
-    rows = []
-    for numel in sorted(set(numels)):
-        p, g, a, b = (torch.rand(numel, device=device, dtype=dt) for _ in range(4))
+    p, g, a, b = (torch.rand(numel, device=device, dtype=dt) for _ in range(4))
 
-        def momentum(p=p, g=g, a=a):
-            u = muon_momentum_(g, a, 0.95, True)
-            muon_apply_(p, u, 0.02, 0.01, 1.0)
+    def momentum():
+        u = muon_momentum_(g, a, 0.95, True)
+        muon_apply_(p, u, 0.02, 0.01, 1.0)
 
-        def adamw(p=p, g=g, a=a, b=b):
-            adamw_step_([p], [g], [a], [b], [1], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    def adamw():
+        adamw_step_([p], [g], [a], [b], [1], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
-        def grad_prep(g=g):
-            return bool(torch.isfinite(g.mul_(1.0).sum()))
+    def grad_prep():
+        return bool(torch.isfinite(g.mul_(1.0).sum()))
 
-        for op, fn in zip(ELEMENTWISE_OPS, (momentum, adamw, grad_prep), strict=True):
-            t = median_time_s(fn, device=device, repeats=repeats, warmup=warmup)
-            rows.append(ProfileRow(device_name or device, op, numel, 1, 1, "", dtype, t, source))
-            if progress:
-                progress(f"{op} {dtype} numel {numel}: {t * 1e6:.1f} us")
-        del p, g, a, b
-    return rows
+    return dict(zip(ELEMENTWISE_OPS, (momentum, adamw, grad_prep), strict=True))
 
 
 PEAK_SIZES = {"cpu": ((256, 512, 1024), (1 << 22, 1 << 24)), "cuda": ((2048, 4096, 8192), (1 << 26, 1 << 28))}
@@ -289,7 +307,6 @@ def profile_device(
         max_batch=max_batch,
         repeats=repeats,
         warmup=warmup,
-        source=source,
         device_name=name,
         progress=progress,
     )
