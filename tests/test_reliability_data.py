@@ -26,7 +26,10 @@ KEY = ["gpus", "strategy"]
 METRICS = ["step_s", "optimizer_s", "forward_s", "ns_makespan_s", "comm_bytes_per_rank"]
 # a child `harness run` whose rows take 1 s each, so it can be stopped mid-sweep
 CHILD = """
-import sys, time
+import signal, sys, time
+# as from an interactive shell: a test suite started in the background (`make test &`) hands its children
+# SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import simulator.api as api
 real = api.run
 def slow(cfg):

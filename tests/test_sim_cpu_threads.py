@@ -263,3 +263,35 @@ def test_closed_loop_prices_elementwise_passes_at_their_probe_speed():
     assert c["elementwise_speed_scale"] == pytest.approx(0.7) and c["ns_speed_scale"] is None
     assert c["simulated_optimizer_s"] == pytest.approx(0.7 * c["raw_simulated_optimizer_s"], rel=1e-9)
     assert elementwise_speed_scale_of(replace(row, probe_ew_s=None), cpu)[0] is None
+
+
+@pytest.mark.parametrize("ranks,threads", [(2, 1), (1, 2)])
+def test_closed_loop_simulates_the_plan_the_runtime_builds(ranks, threads):
+    """The bench runtime plans with NSConfig() (method auto, per shape) from the table of its thread count;
+    the closed loop's simulation must time an equal plan (same batches, owners, methods, makespan)."""
+    import torch
+
+    from dmuon.newton_schulz import NSConfig
+    from dmuon.runtime.planning import build_model_plan, default_profile
+    from simulator.api import run
+
+    w = _bench_workload()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        profile = default_profile(torch.device("cpu"))
+        runtime = build_model_plan(tuple(w.muon_matrices), ranks, NSConfig(), torch.device("cpu"),
+                                   balancer="lpt", profile=profile, max_batch=8, bucket_numel=0)
+    finally:
+        torch.set_num_threads(before)
+    assert profile == ("cpu-t2" if threads == 2 else "cpu")
+    _, built = run(SimConfig(workload=w, gpus=ranks, strategy="dmuon", cpu_threads=threads,
+                             naive_batching=True, **BENCH))
+    sim = built.spec.plan
+
+    def batches(plan):
+        return sorted((b.owner, b.rows, b.cols, tuple(b.members), b.method or plan.method)
+                      for b in plan.batches)
+
+    assert sim.cost_source == runtime.cost_source and batches(sim) == batches(runtime)
+    assert sim.makespan_s == pytest.approx(runtime.makespan_s, rel=1e-12)
