@@ -147,10 +147,16 @@ def test_closed_loop_runs_at_the_probed_speed():
         assert speed_scale_of(replace(row, probe_s=missing), cpu)[0] == 1.0
 
 
+def _one_rank(strategy: str, **scaled):
+    """The bench model on one rank: as profiled, and with the speed-scale keys `scaled`."""
+    w = _bench_workload()
+    return tuple(simulate(SimConfig(workload=w, gpus=1, strategy=strategy, **kw, **BENCH))
+                 for kw in ({}, scaled))
+
+
 def test_ns_speed_scale_stretches_ns_alone():
     w = _bench_workload()
-    base = simulate(SimConfig(workload=w, gpus=1, strategy="naive", **BENCH))
-    slow = simulate(SimConfig(workload=w, gpus=1, strategy="naive", ns_speed_scale=1.5, **BENCH))
+    base, slow = _one_rank("naive", ns_speed_scale=1.5)
     assert slow.ns_makespan_s == pytest.approx(1.5 * base.ns_makespan_s, rel=1e-9)
     assert (slow.forward_s, slow.backward_s) == pytest.approx((base.forward_s, base.backward_s), rel=1e-12)
     # one rank, no communication: the optimizer phase is the elementwise passes plus every NS call
@@ -227,14 +233,11 @@ def test_measured_optimizer_overhead_is_charged_once_per_step_on_one_thread(tmp_
 
 def test_elementwise_speed_scale_stretches_passes_and_bookkeeping_alone():
     w = _bench_workload()
-    base = simulate(SimConfig(workload=w, gpus=1, strategy="adamw", **BENCH))
-    slow = simulate(SimConfig(workload=w, gpus=1, strategy="adamw", elementwise_speed_scale=1.5, **BENCH))
+    base, slow = _one_rank("adamw", elementwise_speed_scale=1.5)
     # one rank of AdamW: the optimizer phase is the bookkeeping + the adamw and grad_prep passes
     assert slow.optimizer_s == pytest.approx(1.5 * base.optimizer_s, rel=1e-9)
     assert (slow.forward_s, slow.backward_s) == pytest.approx((base.forward_s, base.backward_s), rel=1e-12)
-    naive = simulate(SimConfig(workload=w, gpus=1, strategy="naive", **BENCH))
-    naive_slow = simulate(SimConfig(workload=w, gpus=1, strategy="naive", elementwise_speed_scale=1.5,
-                                    **BENCH))
+    naive, naive_slow = _one_rank("naive", elementwise_speed_scale=1.5)
     assert naive_slow.ns_makespan_s == pytest.approx(naive.ns_makespan_s, rel=1e-12)  # NS is not elementwise
     assert "elementwise_speed_scale" in slow.provenance and "elementwise" not in slow.provenance.get(
         "speed_scale", "")
