@@ -50,11 +50,13 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
     n_layers = workload.n_layers
     layer_muon: list[list[int]] = [[] for _ in range(n_layers)]
     layer_adamw = [0] * n_layers
+    layer_adamw_tensors = [0] * n_layers
     for p in workload.params:
         if p.optimizer == "muon":
             layer_muon[p.layer].append(index[p.name])
         else:
             layer_adamw[p.layer] += p.numel
+            layer_adamw_tensors[p.layer] += 1
     times = [(f * k, b * k) for f, b in layer_times(workload, profile, cfg.seq_len, cfg.micro_batch, per_node,
                                                      cfg.cpu_threads)]
 
@@ -80,13 +82,13 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
     ew_answers: dict = {}
     scale = profile.elementwise_scale * ew_stretch
 
-    def elementwise_s(numel: float, op: str) -> float:
+    def elementwise_s(numel: float, op: str, tensors: int = 1) -> float:
         n = int(round(numel))
         if n <= 0:
             return 0.0
         if op == "grad_prep" and not profile.grad_prep_passes:
             return 0.0
-        a = priced.elementwise_time(n, op, "fp32")
+        a = priced.elementwise_time(n, op, "fp32", max(1, min(int(tensors), n)))
         if n >= ew_answers.get(op, (0, None))[0]:
             ew_answers[op] = (n, a)  # provenance names the largest pass
         return a.time_s * scale * (profile.grad_prep_passes if op == "grad_prep" else 1.0)
@@ -111,6 +113,7 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
         strategy=cfg.strategy, layout=cfg.layout, n_ranks=cfg.gpus, per_node=per_node,
         layer_fwd_s=[t[0] for t in times], layer_bwd_s=[t[1] for t in times], layer_muon=layer_muon,
         muon_numel=[m.numel for m in muon], muon_shape=[m.shape for m in muon], layer_adamw_numel=layer_adamw,
+        layer_adamw_tensors=layer_adamw_tensors,
         ns_naive_s=ns_naive, elementwise_s=elementwise_s,
         # bookkeeping measured on one thread (Python, dispatch): more threads per rank do not shorten it
         optimizer_overhead_s=profile.optimizer_overhead_s * k_ew

@@ -68,8 +68,9 @@ class StepSpec:
     muon_numel: list[int]  # per Muon matrix
     muon_shape: list[tuple[int, int]]
     layer_adamw_numel: list[int]
+    layer_adamw_tensors: list[int]  # per layer: AdamW parameters (one tensor each in the AdamW pass)
     ns_naive_s: list[float]  # per Muon matrix: standard NS seconds (naive)
-    elementwise_s: object  # callable (numel, op) -> seconds
+    elementwise_s: object  # callable (numel, op, tensors=1) -> seconds
     optimizer_overhead_s: float
     network: object
     hierarchical: bool
@@ -274,16 +275,19 @@ class _Programs:
         # mean in place, one-pass non-finite check: the cost table's grad_prep), priced with the pass
         if s.strategy == "adamw":
             adam_numel += sum(s.muon_numel) * local
-            last = prev["adam"] = cm(r, "adamw", self._adamw_s(adam_numel), phase="opt", step=step,
-                                     deps=(red["last"],))
+            units = sum(1 for l in range(len(s.layer_adamw_numel)) if self._layer_numel(l))
+            dur = self._adamw_s(adam_numel, self._adamw_tensors() + len(s.muon_numel), units)
+            last = prev["adam"] = cm(r, "adamw", dur, phase="opt", step=step, deps=(red["last"],))
         elif s.strategy == "naive":
             if adam_numel:
-                last = cm(r, "adamw", self._adamw_s(adam_numel), phase="opt", step=step,
-                          deps=(red["last"],))
+                last = cm(r, "adamw", self._adamw_s(adam_numel, self._adamw_tensors(), self._adamw_layers()),
+                          phase="opt", step=step, deps=(red["last"],))
             prev["adam"] = last
             muon_local = sum(s.muon_numel) * local
-            last = cm(r, "momentum", s.elementwise_s(muon_local, "muon_momentum")
-                      + s.elementwise_s(muon_local, "grad_prep"), phase="opt", step=step, deps=(red["last"],))
+            muon_layers = sum(1 for ms in s.layer_muon if ms)
+            last = cm(r, "momentum", s.elementwise_s(muon_local, "muon_momentum", len(s.muon_numel))
+                      + s.elementwise_s(muon_local, "grad_prep", muon_layers), phase="opt", step=step,
+                      deps=(red["last"],))
             for i, numel in enumerate(s.muon_numel):
                 deps = (last,)
                 if self.shard is not None:
@@ -299,8 +303,10 @@ class _Programs:
             by_bucket: dict[int, list[Op]] = {}
             mine = self.batches_of.get(self.plan_rank(r), ())
             owned = sum(t[3] for t in mine)
-            momentum_s = (s.elementwise_s(owned, "muon_momentum")  # one pass per step, shared pro rata
-                          + s.elementwise_s(owned, "grad_prep"))
+            n_owned = sum(len(t[1].members) for t in mine)
+            n_buckets = len({b for t in mine for b in t[2]})
+            momentum_s = (s.elementwise_s(owned, "muon_momentum", n_owned)  # one pass per step, pro rata
+                          + s.elementwise_s(owned, "grad_prep", n_buckets))
             for k, bt, bks, numel in mine:
                 dur = bt.time_s * s.ns_stretch + momentum_s * numel / owned
                 last = cm(r, f"batch{k}", dur, phase="opt", step=step,
@@ -309,8 +315,8 @@ class _Programs:
                     by_bucket.setdefault(b, []).append(last)
             prev["pub_deps"] = {b: tuple(v) for b, v in by_bucket.items()}
             if adam_numel:
-                last = cm(r, "adamw", self._adamw_s(adam_numel), phase="opt", step=step,
-                          deps=(red["adamw_last"],))
+                last = cm(r, "adamw", self._adamw_s(adam_numel, self._adamw_tensors(), self._adamw_layers()),
+                          phase="opt", step=step, deps=(red["adamw_last"],))
             prev["adam"] = last
             if not s.overlap:
                 prev["pubs"] = {b: self._publish(r, b, step + 1, prev["pub_deps"].get(b, ()), phase="opt",
@@ -319,9 +325,17 @@ class _Programs:
 
     # ---- pieces ---------------------------------------------------------------------------------
 
-    def _adamw_s(self, numel: float) -> float:
-        """The AdamW pass over `numel` elements with its gradient preparation."""
-        return self.s.elementwise_s(numel, "adamw") + self.s.elementwise_s(numel, "grad_prep")
+    def _adamw_s(self, numel: float, tensors: int, units: int) -> float:
+        """The AdamW pass over `numel` elements in `tensors` parameters (one tensor each: whole, an FSDP2
+        shard or a ZeRO piece) with its gradient preparation, one per reduction unit (`units` layers)."""
+        return (self.s.elementwise_s(numel, "adamw", tensors)
+                + self.s.elementwise_s(numel, "grad_prep", max(units, 1)))
+
+    def _adamw_tensors(self) -> int:
+        return sum(self.s.layer_adamw_tensors)
+
+    def _adamw_layers(self) -> int:
+        return sum(1 for n in self.s.layer_adamw_numel if n)
 
     def _layer_numel(self, l: int) -> int:
         return self.s.layer_adamw_numel[l] + self._layer_muon(l)
@@ -378,10 +392,11 @@ class _Programs:
         n = s.n_ranks
         last = None
         if adam_numel:
-            last = cm(r, "adamw", self._adamw_s(adam_numel), phase="opt", step=step,
-                      deps=(red["adamw_last"],))
+            last = cm(r, "adamw", self._adamw_s(adam_numel, self._adamw_tensors(), self._adamw_layers()),
+                      phase="opt", step=step, deps=(red["adamw_last"],))
         to_owner: dict[int, Op] = {}
-        momentum_s = s.elementwise_s(sum(self.bucket_numel) / n, "muon_momentum")  # one pass, pro rata
+        momentum_s = s.elementwise_s(sum(self.bucket_numel) / n, "muon_momentum",  # one pass, pro rata
+                                     len(s.muon_numel))
         for b in range(self.n_buckets - 1, -1, -1):
             local = self.bucket_numel[b] / n
             mom = cm(r, f"momentum_b{b}", momentum_s * self.bucket_numel[b] / sum(self.bucket_numel),

@@ -183,6 +183,28 @@ def test_elementwise_points_interpolation_and_model(a800):
     assert "shared fit to 4 elementwise points" in a800.elementwise_time(10**6, "muon_momentum").detail
 
 
+def test_a_pass_split_over_tensors_costs_the_measured_extra_per_tensor():
+    one = [ProfileRow("cpu", "adamw", n, 1, 1, "", "fp32", t, "test")
+           for n, t in ((1 << 16, 1e-5), (1 << 20, 1e-4), (1 << 22, 4e-4))]
+    # the same 4M elements in 8 and in 64 tensors: 10 us and 12 us per extra tensor; the slope through
+    # the origin weighs the 64-tensor split by 63 / 7 over the 8-tensor one
+    split = [ProfileRow("cpu", "adamw", 1 << 22, 1, 8, "", "fp32", 4e-4 + 7 * 10e-6, "test"),
+             ProfileRow("cpu", "adamw", 1 << 22, 1, 64, "", "fp32", 4e-4 + 63 * 12e-6, "test")]
+    table = CostTable.from_rows("split", one + split)
+    per = (7 * 7 * 10e-6 + 63 * 63 * 12e-6) / (7 * 7 + 63 * 63)
+    assert table.per_tensor_time("adamw") == pytest.approx(per) and 11.9e-6 < per < 12e-6
+    assert table.elementwise_time(1 << 22, "adamw").time_s == 4e-4  # the one-tensor row is kept as is
+    a = table.elementwise_time(1 << 20, "adamw", tensors=39)
+    assert a.time_s == pytest.approx(1e-4 + 38 * per) and "38 extra tensors" in a.detail and not a.measured
+    assert table.per_tensor_time("grad_prep") == 0.0  # no split rows: no extra cost
+    faster = CostTable.from_rows("faster", one + [ProfileRow("cpu", "adamw", 1 << 22, 1, 8, "", "fp32", 3e-4,
+                                                             "test")])
+    assert faster.per_tensor_time("adamw") == 0.0  # noise below the one-tensor time: never negative
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(InputError, match="tensors must be a positive integer"):
+            table.elementwise_time(1 << 20, "adamw", tensors=bad)
+
+
 def test_shipped_a800_profile_is_what_the_derive_script_writes(tmp_path):
     import importlib.util
 

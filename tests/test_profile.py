@@ -64,6 +64,23 @@ def test_ns_calls_are_timed_in_interleaved_rounds(monkeypatch):
     assert all(r.time_s == statistics.median([1.0, 1.0, 1.0]) for r in rows)  # each call: one clock tick
 
 
+def test_elementwise_passes_are_also_timed_split_over_tensors():
+    import torch
+
+    from dmuon.plan.profile import elementwise_calls, profile_elementwise
+
+    torch.set_num_threads(1)
+    rows = profile_elementwise((1 << 10, 1 << 14, 1 << 23), repeats=1, tensor_counts=(4,))
+    split = [r for r in rows if r.batch > 1]
+    # the largest size <= SPLIT_NUMEL (1 << 22) gets the split rows: here 1 << 14 in 4 tensors, per op
+    assert sorted((r.op, r.numel, r.batch) for r in split) == [(op, 1 << 14, 4) for op in
+                                                               ("adamw", "grad_prep", "muon_momentum")]
+    assert len(rows) == 3 * 3 + 3
+    fns = elementwise_calls(10, tensors=3)  # 10 elements as 4 + 3 + 3; every op runs
+    for fn in fns.values():
+        fn()
+
+
 def test_profiler_rejects_what_it_cannot_time():
     with pytest.raises(
         InputError, match="gram_sym.*needs the Triton symmetric kernels.*accepted: standard, gram"

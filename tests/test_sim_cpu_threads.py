@@ -298,3 +298,20 @@ def test_closed_loop_simulates_the_plan_the_runtime_builds(ranks, threads):
 
     assert sim.cost_source == runtime.cost_source and batches(sim) == batches(runtime)
     assert sim.makespan_s == pytest.approx(runtime.makespan_s, rel=1e-12)
+
+
+def test_optimizer_passes_are_priced_per_tensor_and_per_reduction_unit():
+    from simulator.api import load_cost
+
+    cpu, w = load_profile("cpu"), _bench_workload()
+    table = load_cost(cpu.cost_profiles)
+    res = simulate(SimConfig(workload=w, gpus=1, strategy="adamw", **BENCH))
+    numel = sum(p.numel for p in w.params)
+    layers = len({p.layer for p in w.params})
+    expected = (cpu.optimizer_overhead_s
+                + table.elementwise_time(numel, "adamw", "fp32", len(w.params)).time_s
+                + table.elementwise_time(numel, "grad_prep", "fp32", layers).time_s)
+    # one rank, one thread, AdamW: bookkeeping, one AdamW step over every parameter, one gradient
+    # preparation per layer's reduction unit
+    assert res.optimizer_s == pytest.approx(expected, rel=1e-9)
+    assert table.per_tensor_time("adamw") > 0 or table.per_tensor_time("grad_prep") > 0  # split rows measured

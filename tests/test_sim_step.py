@@ -29,7 +29,7 @@ class FakeCost:
         m = "gram_sym" if method == "auto" else method
         return Answer(1e-5 + ns_flops(rows, cols, m, batch=batch) / self.flops, False, "fake roofline")
 
-    def elementwise_time(self, numel, op, dtype="fp32"):
+    def elementwise_time(self, numel, op, dtype="fp32", tensors=1):
         return Answer(numel * 28 / self.bw if self.bw else 0.0, False, "fake bandwidth")
 
 

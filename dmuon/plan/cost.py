@@ -122,17 +122,20 @@ class CostTable:
         self._borrow = borrow
         self._ns_points: dict[tuple, ProfileRow] = {}
         self._mem_points: dict[tuple, ProfileRow] = {}
+        self._split_points: dict[tuple, list[ProfileRow]] = {}
         self._scale: dict[str, ProfileRow] = {}
         for r in rows:
             if r.op == NS_OP:
                 n, m = r.shape_key
                 self._ns_points[(n, m, r.batch, r.method, r.dtype)] = r
-            elif r.op in ELEMENTWISE_OPS:
+            elif r.op in ELEMENTWISE_OPS and r.batch == 1:
                 self._mem_points[(r.op, r.numel, r.dtype)] = r
+            elif r.op in ELEMENTWISE_OPS:  # the same pass split over `batch` tensors
+                self._split_points.setdefault((r.op, r.dtype), []).append(r)
             elif r.op == "model_scale":
                 self._scale[r.method] = r
         self._fits = self._fit_all()
-        self._cache: dict[tuple, CostAnswer] = {}
+        self._cache: dict[tuple, CostAnswer | float] = {}
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -363,11 +366,34 @@ class CostTable:
             detail += ")"
         return CostAnswer(t, False, detail)
 
-    def elementwise_time(self, numel: int, op: str, dtype: str = "fp32") -> CostAnswer:
-        """One pass of `op` (muon_momentum | adamw | grad_prep) over `numel` elements of `dtype`."""
+    def elementwise_time(self, numel: int, op: str, dtype: str = "fp32", tensors: int = 1) -> CostAnswer:
+        """One pass of `op` (muon_momentum | adamw | grad_prep) over `numel` elements of `dtype` held in
+        `tensors` tensors: the one-tensor time plus (tensors - 1) x the measured cost of an extra tensor
+        (`per_tensor_time`; 0 where the table has no split rows)."""
+        if isinstance(tensors, bool) or not isinstance(tensors, int) or tensors < 1:
+            raise InputError(f"tensors must be a positive integer, got {tensors!r}")
         key = ("mem", numel, op, dtype)
         if key not in self._cache:
             self._cache[key] = self._elementwise_time(numel, op, dtype)
+        a = self._cache[key]
+        extra = self.per_tensor_time(op, dtype) * (tensors - 1)
+        if not extra:
+            return a
+        per = extra / (tensors - 1) * 1e6
+        return CostAnswer(a.time_s + extra, False,
+                          f"{a.detail} + {tensors - 1} extra tensors x {per:.3g} us (measured split rows)")
+
+    def per_tensor_time(self, op: str, dtype: str = "fp32") -> float:
+        """Seconds one more tensor adds to a pass of `op`: the least-squares slope through the origin of
+        t_k - t_1 against k - 1 over the table's split rows (the same elements in k tensors), so the
+        largest split, where the difference stands clearest above the noise, weighs most; not below 0;
+        0 without split rows."""
+        key = ("split", op, dtype)
+        if key not in self._cache:
+            pts = [(r.batch - 1, r.time_s - self._elementwise_time(r.numel, op, dtype).time_s)
+                   for r in self._split_points.get((op, dtype), ())]
+            slope = sum(x * y for x, y in pts) / sum(x * x for x, _ in pts) if pts else 0.0
+            self._cache[key] = max(slope, 0.0)
         return self._cache[key]
 
     def _elementwise_time(self, numel: int, op: str, dtype: str) -> CostAnswer:
@@ -405,7 +431,10 @@ class CostTable:
             + ", ".join(f"{d} {p / 1e12:.3g} TFLOP/s" for d, p in self._peaks.items())
             + (f"; bandwidth {self._hbm / 1e9:.0f} GB/s" if self._hbm else ""),
         ]
-        lines.append(f"measured points: {len(self._ns_points)} ns, {len(self._mem_points)} elementwise")
+        lines.append(f"measured points: {len(self._ns_points)} ns, {len(self._mem_points)} elementwise, "
+                     f"{sum(map(len, self._split_points.values()))} elementwise split over several tensors")
+        for op, dtype in sorted(self._split_points):
+            lines.append(f"{op} {dtype}: {self.per_tensor_time(op, dtype) * 1e6:.3g} us per extra tensor")
         for (g, peak), c in sorted(self._fits.ns.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             lines.append(
                 f"ns fit {g} @ {peak / 1e12:.3g} TFLOP/s: {c.n_points} points, rms error "

@@ -190,6 +190,10 @@ def profile_ns(
     return rows
 
 
+SPLIT_NUMEL = 1 << 22  # elementwise passes split over several tensors are timed at this size
+TENSOR_COUNTS = (8, 64)
+
+
 def profile_elementwise(
     numels: Iterable[int],
     *,
@@ -200,43 +204,59 @@ def profile_elementwise(
     source: str | None = None,
     device_name: str | None = None,
     progress: Callable[[str], None] | None = None,
+    tensor_counts: Sequence[int] = TENSOR_COUNTS,
 ) -> list[ProfileRow]:
     """`muon_momentum`, `adamw` and `grad_prep` rows: one pass of the optimizer's own functions over numel
-    elements."""
+    elements (batch 1), and at the largest size <= SPLIT_NUMEL the same elements split into each of
+    `tensor_counts` tensors (batch = the count): what a pass costs per extra tensor (dispatch, one
+    parallel region per tensor)."""
     check_request(device, (), (dtype,), 1, repeats)
     source = source or f"measured here: {device_label(device)}, median of {repeats}"
+    numels = sorted(set(numels))
+    split_at = max((n for n in numels if n <= SPLIT_NUMEL), default=None)  # the per-tensor rows' size
     rows = []
-    for numel in sorted(set(numels)):
-        fns = elementwise_calls(numel, device=device, dtype=dtype)
-        for op in ELEMENTWISE_OPS:
-            t = median_time_s(fns[op], device=device, repeats=repeats, warmup=warmup)
-            rows.append(ProfileRow(device_name or device, op, numel, 1, 1, "", dtype, t, source))
+    for numel in numels:
+        # the splits of one size in interleaved rounds: their differences are what the table uses
+        calls = {t: elementwise_calls(numel, device=device, dtype=dtype, tensors=t)
+                 for t in (1, *(tensor_counts if numel == split_at else ()))}
+        times: dict[tuple[int, str], list[float]] = {}
+        for rnd in range(repeats):
+            for tensors, fns in calls.items():
+                for op in ELEMENTWISE_OPS:
+                    t = median_time_s(fns[op], device=device, repeats=1, warmup=warmup if rnd == 0 else 0)
+                    times.setdefault((tensors, op), []).append(t)
+        for (tensors, op), ts in times.items():
+            t = float(statistics.median(ts))
+            rows.append(ProfileRow(device_name or device, op, numel, 1, tensors, "", dtype, t, source))
             if progress:
-                progress(f"{op} {dtype} numel {numel}: {t * 1e6:.1f} us")
-        del fns
+                progress(f"{op} {dtype} numel {numel} in {tensors} tensor(s): {t * 1e6:.1f} us")
+        del calls
     return rows
 
 
-def elementwise_calls(numel: int, *, device: str = "cpu",
-                      dtype: str = "fp32") -> dict[str, Callable[[], object]]:
-    """{op: fn} for the ELEMENTWISE_OPS over `numel` fresh elements: what the profiler times (and what
-    `harness bench step --speed-probe` times against the table)."""
+def elementwise_calls(numel: int, *, device: str = "cpu", dtype: str = "fp32",
+                      tensors: int = 1) -> dict[str, Callable[[], object]]:
+    """{op: fn} for the ELEMENTWISE_OPS over `numel` fresh elements in `tensors` equal tensors, as the
+    optimizers run them: momentum + apply per tensor, one (fused, multi-tensor) AdamW step over the list,
+    and per tensor the gradient preparation (what the profiler times; `harness bench step --speed-probe`
+    times one of them against the table)."""
     import torch
 
     from ..optim import adamw_step_, muon_apply_, muon_momentum_
 
     dt = _torch_dtype(dtype)
-    p, g, a, b = (torch.rand(numel, device=device, dtype=dt) for _ in range(4))
+    sizes = [numel // tensors + (1 if i < numel % tensors else 0) for i in range(tensors)]
+    p, g, a, b = ([torch.rand(n, device=device, dtype=dt) for n in sizes] for _ in range(4))
 
     def momentum():
-        u = muon_momentum_(g, a, 0.95, True)
-        muon_apply_(p, u, 0.02, 0.01, 1.0)
+        for pi, gi, ai in zip(p, g, a, strict=True):
+            muon_apply_(pi, muon_momentum_(gi, ai, 0.95, True), 0.02, 0.01, 1.0)
 
     def adamw():
-        adamw_step_([p], [g], [a], [b], [1], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+        adamw_step_(p, g, a, b, [1] * tensors, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
     def grad_prep():
-        return bool(torch.isfinite(g.mul_(1.0).sum()))
+        return [bool(torch.isfinite(gi.mul_(1.0).sum())) for gi in g]
 
     return dict(zip(ELEMENTWISE_OPS, (momentum, adamw, grad_prep), strict=True))
 

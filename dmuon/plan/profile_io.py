@@ -9,7 +9,9 @@ ns              one orthogonalization call of a (batch, rows, cols)   shape as c
                 stack, 5 steps, restart at 2, wall seconds            it by (min, max)); method in
                                                                       standard|standard_sym|gram|gram_sym
 muon_momentum   one fused pass over rows*cols elements: momentum,     numel = rows * cols (cols = 1);
-adamw           Nesterov, apply / one AdamW step                      batch 1; method empty
+adamw           Nesterov, apply / one AdamW step                      batch = the number of equal tensors
+grad_prep       (gradient sum -> mean, non-finite check)              the elements are split over (1: one
+                                                                      tensor); method empty
 matmul          one dense (rows x rows) @ (rows x rows) product:      rows = cols = n; sets the device's
                 2 n^3 FLOPs (CPU peak, measured)                      achieved peak for `dtype`
 copy            one tensor copy of rows*cols elements: read + write   numel as above; sets the bandwidth
