@@ -35,8 +35,10 @@ beside the node's gathers and reduce-scatters):
                     layer waits for its buckets) when `overlap`, else before the next forward
              sharded dmuon: per bucket (backward order) its share of one momentum pass over the
                     local shards, all_to_all to the owners, owners' batches, all_to_all back
-An elementwise pass (AdamW, momentum) is priced once per step over all the elements it covers (one
-foreach call), so a cost table's per-call intercept is paid once, not per batch.
+An elementwise pass (AdamW, momentum, gradient preparation) is priced once per step over all the
+elements it covers, so a cost table's per-call intercept is paid once, not per batch, plus the table's
+measured cost per extra tensor (`CostTable.per_tensor_time`) for the tensors it runs over: AdamW the
+rank's parameters, momentum its Muon matrices, gradient preparation one per reduction unit (layer).
 The programs are generated per rank: every rank is simulated (owners differ per rank).
 """
 
