@@ -265,8 +265,8 @@ PROBE_REPEATS = 3
 def _speed_probe(model, workload, cfg: StepConfig, device) -> tuple[float, float, float]:
     """--speed-probe: the machine's speed right now, on every rank at once: median seconds of
     PROBE_REPEATS forward + backward passes of the freshly built model (after one untimed), before the
-    optimizer exists (no hooks, no communication; the work of simulator.calibrate_cpu.measure_probe for
-    the default configuration), of PROBE_REPEATS calls of the NS the runtime makes that
+    optimizer exists (no hooks, no communication; compared with the profile's compute model for this
+    model, simulator.validate.speed_scale_of), of PROBE_REPEATS calls of the NS the runtime makes that
     `simulator.validate.ns_probe_call` names, and of PROBE_REPEATS AdamW passes over
     simulator.validate.EW_PROBE_NUMEL elements (the last two: what the cost table prices)."""
     import torch

@@ -273,9 +273,10 @@ def _present(v) -> bool:
 
 def median_rows(bench_rows: list[dict]) -> list[dict]:
     """One row per configuration: the median step and optimizer time over its launches, with their
-    min-max and the launches' steal in `spread`. The speed probes (probe_s, probe_ns_s) are the median
-    over every launch of the same model on the same ranks x threads, whatever the strategy: the probe
-    runs before the optimizer exists, so all those blocks time the same work in the same window."""
+    min-max and the launches' steal in `spread`. The speed probes (probe_s, probe_ns_s, probe_ew_s) are
+    the median over every launch of the same model on the same ranks x threads, whatever the strategy:
+    the probe runs before the optimizer exists, so all those blocks time the same work in the same
+    window."""
     import statistics
 
     groups: dict[tuple, list[dict]] = {}

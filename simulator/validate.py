@@ -123,9 +123,15 @@ class BenchRow:
     layout: str = "ddp"
     gpu: str = "cpu"
     threads: int = 1  # torch threads per rank
-    probe_s: float | None = None  # the speed probe around the run (calibrate_cpu.measure_probe)
+    probe_s: float | None = None  # the speed probe: the model's forward + backward before the run
     probe_ns_s: float | None = None  # the NS probe: ns_probe_call(workload) timed before the run
     probe_ew_s: float | None = None  # the elementwise probe: one adamw pass over EW_PROBE_NUMEL elements
+
+    def model(self):
+        """The run's model as a workload: `workload` scaled to `width_scale` with `blocks` blocks."""
+        from .workload import load_workload
+
+        return load_workload(self.workload).scaled(self.width_scale, self.blocks)
 
     @classmethod
     def from_bench(cls, row: dict) -> BenchRow:
@@ -144,11 +150,10 @@ def speed_scale_of(row: BenchRow, profile) -> tuple[float, str]:
     rank at once, before each block, no optimizer and no communication) over what the profile predicts
     for that same work (simulator.compute.layer_times at the run's ranks x threads); 1 without a probe."""
     from .compute import layer_times
-    from .workload import load_workload
 
     if _probe_missing(row.probe_s):
         return 1.0, "no speed probe in the run: the profile's speed"
-    w = load_workload(row.workload).scaled(row.width_scale, row.blocks)
+    w = row.model()
     times = layer_times(w, profile, row.seq_len, row.micro_batch, row.ranks, row.threads)
     model = sum(f + b for f, b in times)
     k = row.probe_s / model
@@ -183,11 +188,10 @@ def _table_probe_scale(row: BenchRow, profile, kind: str, probe_s, call: str,
     """(probe_s / (price(cost table at the run's threads) x the profile's `kind` contention at the run's
     ranks x threads), how); None without a probe."""
     from .api import SimConfig, load_cost, thread_cost_for
-    from .workload import load_workload
 
     if _probe_missing(probe_s):
         return None, f"no {kind} probe in the run: {kind} follows the compute probe"
-    w = load_workload(row.workload).scaled(row.width_scale, row.blocks)
+    w = row.model()
     thread_cost = thread_cost_for(profile, SimConfig(workload=w, gpus=row.ranks, gpu=row.gpu,
                                                      cpu_threads=row.threads))
     table = thread_cost or load_cost(profile.cost_profiles)
@@ -204,9 +208,7 @@ def ns_speed_scale_of(row: BenchRow, profile) -> tuple[float | None, str]:
     table's time for that call at the run's threads (its `-t<T>` table where one exists), times the
     profile's NS contention at the run's ranks x threads; None without a probe (NS then follows the
     compute probe)."""
-    from .workload import load_workload
-
-    batch, rows, cols, method = ns_probe_call(load_workload(row.workload).scaled(row.width_scale, row.blocks))
+    batch, rows, cols, method = ns_probe_call(row.model())
     return _table_probe_scale(row, profile, "ns", row.probe_ns_s, f"({batch}, {rows}, {cols}) {method}",
                               lambda t: t.ns_time(rows, cols, batch, method, profile.dtype).time_s)
 
@@ -228,9 +230,8 @@ def closed_loop(row: BenchRow) -> dict:
     profile's speed."""
     from .api import SimConfig, simulate
     from .hardware import load_profile
-    from .workload import load_workload
 
-    w = load_workload(row.workload).scaled(row.width_scale, row.blocks)
+    w = row.model()
     profile = load_profile(row.gpu)
     k, how = speed_scale_of(row, profile)
     k_ns, how_ns = ns_speed_scale_of(row, profile)
