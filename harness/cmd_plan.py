@@ -355,7 +355,8 @@ def register(app, bench) -> None:
             "(default: standard,gram on cpu; all four on cuda).",
         ),
         dtype: str = typer.Option(
-            None, help="Comma list of bf16 | fp16 | fp32 (default: fp32 on cpu, bf16,fp16 on cuda)."
+            None, help="Comma list of bf16 | fp16 | fp32 (default on cpu: fp32 and the half types it multiplies "
+            "natively, e.g. bf16 with AVX512-BF16; bf16,fp16 on cuda)."
         ),
         max_batch: int = typer.Option(8, help="Batch sizes 1..max_batch."),
         repeats: int = typer.Option(3, help="Timed repeats per point (median), after one warm-up; NS "
@@ -379,7 +380,7 @@ def register(app, bench) -> None:
         import torch
 
         from dmuon.errors import InputError, choice_error
-        from dmuon.plan.profile import default_device_name, ns_shapes_of, profile_device
+        from dmuon.plan.profile import cpu_dtypes, default_device_name, ns_shapes_of, profile_device
         from dmuon.plan.profile_io import format_rows, keep_faster, read_profile, write_profile
 
         if device not in ("cpu", "cuda"):
@@ -396,7 +397,7 @@ def register(app, bench) -> None:
         meths = tuple(_csv_list(methods, "--methods")) or (
             ("standard", "gram") if device == "cpu" else ("standard", "standard_sym", "gram", "gram_sym")
         )
-        dtypes = tuple(_csv_list(dtype, "--dtype")) or (("fp32",) if device == "cpu" else ("bf16", "fp16"))
+        dtypes = tuple(_csv_list(dtype, "--dtype")) or (cpu_dtypes() if device == "cpu" else ("bf16", "fp16"))
         if device == "cpu":
             torch.set_num_threads(threads)
         shapes = set()

@@ -86,8 +86,19 @@ def test_profiler_rejects_what_it_cannot_time():
         InputError, match="gram_sym.*needs the Triton symmetric kernels.*accepted: standard, gram"
     ):
         check_request("cpu", ("gram_sym",), ("fp32",), 8, 3)
-    with pytest.raises(InputError, match="accepted on cpu: fp32"):
+    import dmuon.plan.profile as profile_mod
+
+    real_flags = profile_mod.cpu_flags
+    try:  # a CPU without native bf16 matmuls refuses bf16 and says what it accepts
+        profile_mod.cpu_flags = lambda: frozenset({"avx2"})
+        with pytest.raises(InputError, match="no native bf16 matmul.*accepted on this cpu: fp32$"):
+            check_request("cpu", ("gram",), ("bf16",), 8, 3)
+        profile_mod.cpu_flags = lambda: frozenset({"avx512_bf16"})
         check_request("cpu", ("gram",), ("bf16",), 8, 3)
+        with pytest.raises(InputError, match="accepted on this cpu: fp32, bf16$"):
+            check_request("cpu", ("gram",), ("fp16",), 8, 3)
+    finally:
+        profile_mod.cpu_flags = real_flags
     with pytest.raises(InputError, match="unknown device 'tpu'; accepted: cpu, cuda"):
         check_request("tpu", ("gram",), ("fp32",), 8, 3)
     with pytest.raises(InputError, match="max_batch must be a positive integer"):
@@ -164,3 +175,12 @@ def test_keep_faster_merges_runs_point_by_point():
     assert merged[0].source == "run b; fastest of 2 runs" and merged[1].source == "run a; fastest of 2 runs"
     assert keep_faster(merged, a)[1].source == "run a; fastest of 3 runs"
     assert merged[2].source == "run b"
+
+
+def test_cpu_dtypes_follow_the_instruction_set_flags():
+    from dmuon.plan.profile import cpu_dtypes
+
+    assert cpu_dtypes([]) == ("fp32",)
+    assert cpu_dtypes(["avx512f", "avx512_bf16"]) == ("fp32", "bf16")
+    assert cpu_dtypes(["amx_bf16", "amx_fp16"]) == ("fp32", "bf16", "fp16")
+    assert cpu_dtypes(["avx512_fp16"]) == ("fp32", "fp16")

@@ -107,6 +107,16 @@ def steps_of(case: dict) -> list[int]:
     return list(case.get("steps", range(5)))
 
 
+def hparams_of(case: dict) -> dict:
+    """The case's hyperparameters as optimizer arguments ("ns": a dict of NSConfig fields)."""
+    import dmuon
+
+    out = dict(case.get("hparams", {}))
+    if isinstance(out.get("ns"), dict):
+        out["ns"] = dmuon.NSConfig(**out["ns"])
+    return out
+
+
 def reference(case: dict, world_size: int) -> dict[str, torch.Tensor]:
     """Single-device Muon on every rank's batch (see the module docstring)."""
     import dmuon
@@ -114,7 +124,7 @@ def reference(case: dict, world_size: int) -> dict[str, torch.Tensor]:
     model = make_model(case)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        opt = dmuon.Muon(model, **case.get("hparams", {}))
+        opt = dmuon.Muon(model, **hparams_of(case))
     micro = case.get("micro", 1)
     for s in steps_of(case):
         for m in range(micro):
@@ -131,7 +141,7 @@ def build(case: dict, model):
     cls = {"DMuon": DMuon, "NaiveMuon": NaiveMuon}[case.get("cls", "DMuon")]
     opts = dict(timeout_s=case.get("timeout_s", 60.0), profile=None)
     opts.update(case.get("opts", {}))
-    opts.update(case.get("hparams", {}))
+    opts.update(hparams_of(case))
     return cls(model, **opts)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import csv
 import math
+import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -134,6 +135,7 @@ class CostTable:
                 self._split_points.setdefault((r.op, r.dtype), []).append(r)
             elif r.op == "model_scale":
                 self._scale[r.method] = r
+        self._assumed: dict[str, tuple[float, str]] = {}  # dtype -> (peak, how): modelled, not measured
         self._fits = self._fit_all()
         self._cache: dict[tuple, CostAnswer | float] = {}
 
@@ -220,15 +222,41 @@ class CostTable:
         return tuple(d for d in DTYPES if d in self._peaks)
 
     def peak_flops(self, dtype: str) -> float:
-        """Peak FLOP/s the roofline uses for `dtype` (datasheet, or measured matmul rate on cpu)."""
+        """Peak FLOP/s the roofline uses for `dtype`: datasheet, or measured matmul rate on cpu; for a
+        dtype the profile lacks, the peak `assume_peak` set, else the widest measured dtype's peak (a
+        conservative roofline: priced no faster than that dtype; warned once per table and dtype)."""
         if dtype not in DTYPES:
             raise choice_error("dtype", dtype, DTYPES)
-        if dtype not in self._peaks:
-            raise InputError(
-                f"profile {self.name!r} has no {dtype} peak (it was not measured); accepted dtypes: "
-                f"{', '.join(self.dtypes) or 'none'}"
-            )
-        return self._peaks[dtype]
+        if dtype in self._peaks:
+            return self._peaks[dtype]
+        if dtype not in self._assumed:
+            if not self._peaks:
+                raise InputError(f"profile {self.name!r} has no peak for any dtype (no matmul or NS rows, no "
+                                 "datasheet); accepted: a profile CSV with measured rows or a known GPU")
+            base = max(self._peaks, key=lambda d: (DTYPE_BYTES[d], d))
+            how = (f"no {dtype} measurements in profile {self.name!r}: {dtype} priced at the measured {base} "
+                   f"peak (modelled; `harness profile --dtype {dtype}` measures it)")
+            self._assumed[dtype] = (self._peaks[base], how)
+            _warn_once((self.name, dtype), how)
+        return self._assumed[dtype][0]
+
+    def assume_peak(self, dtype: str, flops: float, how: str) -> None:
+        """Price `dtype`, which this profile did not measure, with the roofline at `flops` peak FLOP/s
+        (e.g. the fp32 peak times a matmul speed ratio measured on the device: `runtime.planning`).
+        Every answer for that dtype is modelled and its detail says `how`; warned once."""
+        if dtype not in DTYPES:
+            raise choice_error("dtype", dtype, DTYPES)
+        if dtype in self._peaks:
+            raise InputError(f"profile {self.name!r} measured {dtype}; assume_peak is for dtypes it lacks")
+        if not (isinstance(flops, (int, float)) and math.isfinite(flops) and flops > 0):
+            raise InputError(f"assumed peak must be a positive finite FLOP/s, got {flops!r}")
+        self._assumed[dtype] = (float(flops), how)
+        self._cache.clear()
+        _warn_once((self.name, dtype), f"profile {self.name!r}: {how}", stacklevel=4)
+
+    def assumed_dtypes(self) -> dict[str, str]:
+        """{dtype: how it is priced} for the dtypes this table models without measurements."""
+        return {d: how for d, (_, how) in self._assumed.items()}
 
     @property
     def hbm_bytes_per_s(self) -> float:
@@ -356,6 +384,8 @@ class CostTable:
                 if pb not in family or pd == dtype:
                     family[pb] = r
         flops = ns_flops(n, m, method, batch=batch)
+        if dtype in self._assumed:
+            how = f"{how}; {self._assumed[dtype][1]}"
         if family:
             t, detail = _anchor(family, batch, model, f"{self.name} profile")
         else:
@@ -446,7 +476,18 @@ class CostTable:
             lines.append(f"calibration: modelled {method} time x{r.time_s:.3f} ({r.source})")
         if self._borrow is not None:
             lines.append(f"curves missing here are borrowed from the {self._borrow.name} profile")
+        for dtype, how in sorted(self.assumed_dtypes().items()):
+            lines.append(f"{dtype}: modelled, not measured: {how}")
         return lines
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_once(key: tuple[str, str], text: str, stacklevel: int = 3) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(text, RuntimeWarning, stacklevel=stacklevel)
 
 
 def _anchor(points: dict[int, ProfileRow], x: int, model, label: str) -> tuple[float, str]:

@@ -70,18 +70,6 @@ def resolve_layout(model, layout: str, predicate=None) -> str:
     return found
 
 
-def layout_class(cls, model, layout: str, predicate=None):
-    """The class that implements `cls` (DMuon or NaiveMuon) on this model's layout."""
-    if model is None or getattr(cls, "_layout_fixed", False):
-        return cls
-    found = resolve_layout(model, layout, predicate)
-    if found != "fsdp2-sharded":
-        return cls
-    from . import fsdp_sharded
-
-    return fsdp_sharded.SHARDED_CLASSES[cls.__name__]
-
-
 # ---- geometry of a Shard(0) DTensor ------------------------------------------------------------
 def chunk_rows(rows: int, n: int) -> list[int]:
     """Rows of each of n shards under torch.chunk semantics (what FSDP2 uses for Shard(0)): ceil(rows/n)

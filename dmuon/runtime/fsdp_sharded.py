@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..distributed import DMuon, NaiveMuon
 from ..errors import InputError
 from ..newton_schulz import orthogonalize, orthogonalize_many
 from ..optim import lr_scale, muon_apply_, muon_momentum_
@@ -86,7 +85,7 @@ class _Geometry:
 class _ShardedMixin:
     """Construction shared by both sharded classes (the Muon matrices are not in any exchange unit)."""
 
-    _layout_fixed = True
+    sharded_variant = None  # already the sharded variant
     _muon_units = False
 
     def __init__(self, model, **kwargs):
@@ -121,8 +120,8 @@ class _ShardedMixin:
                         lr_scale(p.shape, group["adjust_lr"]))
 
 
-class ShardedDMuon(_ShardedMixin, DMuon):
-    """DMuon on FSDP2-sharded Muon matrices (layout 'fsdp2-sharded'); see the module docstring."""
+class ShardedDMuonSteps(_ShardedMixin):
+    """The fsdp2-sharded steps of DMuon (`dmuon.distributed.ShardedDMuon`); see the module docstring."""
 
     def __init__(self, model, **kwargs):
         super().__init__(model, **kwargs)
@@ -217,6 +216,9 @@ class ShardedDMuon(_ShardedMixin, DMuon):
                 self._bcast[k] = self._broadcast_replicas(k, ms, dtypes[k])
 
     def _dtype(self, members) -> torch.dtype:
+        """What a bucket's all-to-alls carry: `comm_dtype` where set, else the members' promoted dtype."""
+        if self.comm_dtype is not None:
+            return self.comm_dtype
         dtype = torch.float32
         for n, i in enumerate(members):
             dtype = self.params[i].dtype if n == 0 else torch.promote_types(dtype, self.params[i].dtype)
@@ -307,8 +309,9 @@ def _offsets_by_source(members, geo, plan, recv) -> dict[int, torch.Tensor]:
     return out
 
 
-class ShardedNaiveMuon(_ShardedMixin, NaiveMuon):
-    """NaiveMuon on FSDP2-sharded Muon matrices: all-gather every input, every NS on every rank."""
+class ShardedNaiveSteps(_ShardedMixin):
+    """The fsdp2-sharded steps of NaiveMuon (`dmuon.distributed.ShardedNaiveMuon`): all-gather every
+    input, every NS on every rank."""
 
     def _muon_update(self, has_any: torch.Tensor, pending) -> None:
         if self.plan is None:
@@ -322,10 +325,11 @@ class ShardedNaiveMuon(_ShardedMixin, NaiveMuon):
         with label("optimizer"):
             for i in idx:
                 p = self.params[i]
-                d = DTensor.from_local(inputs[i], p.device_mesh, p.placements, run_check=False,
+                wire = inputs[i] if self.comm_dtype is None else inputs[i].to(self.comm_dtype)
+                d = DTensor.from_local(wire, p.device_mesh, p.placements, run_check=False,
                                        shape=torch.Size((p.shape[0], self.geo.cols[i])),
                                        stride=(self.geo.cols[i], 1))
-                fulls.append(d.full_tensor())
+                fulls.append(d.full_tensor().to(p.dtype))
         updates = orthogonalize_many(fulls, **self.ns.kwargs())
         self.ns_matrices = getattr(self, "ns_matrices", 0) + len(fulls)
         s = self.geo.s
@@ -333,5 +337,3 @@ class ShardedNaiveMuon(_ShardedMixin, NaiveMuon):
             lo = sum(self.geo.rows[i][:s])
             self._apply_local(i, u.narrow(0, lo, self.geo.rows[i][s]), group)
 
-
-SHARDED_CLASSES = {"DMuon": ShardedDMuon, "NaiveMuon": ShardedNaiveMuon}

@@ -25,6 +25,7 @@ from ..plan.flops import ns_flops
 from ..plan.types import Plan
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp32"}
+DTYPE_BYTES_BY_NAME = {"bf16": 2, "fp16": 2, "fp32": 4}
 FLOP_COST_RATE = 1e11  # FLOP/s of the FLOP-count fallback (only ratios matter to the balancer)
 
 
@@ -82,17 +83,63 @@ def default_profile(device: torch.device) -> str:
     return gpu if gpu in available_profiles() else gpu + ROOFLINE_SUFFIX
 
 
-def load_cost(profile: str | None, device: torch.device):
+def load_cost(profile: str | None, device: torch.device, dtype: str | None = None):
+    """The cost table for `device` (module docstring). A table that has no `dtype` measurements is given
+    a modelled peak for it: its widest measured dtype's peak times the matmul speed ratio of the two
+    dtypes measured here and now (`matmul_speed_ratio`), so a bf16 run on a table profiled in fp32 is
+    planned, priced as modelled, and warned about once, instead of refused."""
     from ..plan.cost import CostTable, available_profiles
 
     if profile is not None:
-        return CostTable.load(profile)
-    name = default_profile(device)
-    if name == "cpu" and "cpu" not in available_profiles():
-        warnings.warn("no measured 'cpu' profile in dmuon/plan/profiles: owners are balanced by NS FLOP "
-                      "counts instead of measured times", stacklevel=5)
-        return FlopCost()
-    return CostTable.load(name)
+        table = CostTable.load(profile)
+    else:
+        name = default_profile(device)
+        if name == "cpu" and "cpu" not in available_profiles():
+            warnings.warn("no measured 'cpu' profile in dmuon/plan/profiles: owners are balanced by NS FLOP "
+                          "counts instead of measured times", stacklevel=5)
+            return FlopCost()
+        table = CostTable.load(name)
+    if dtype is not None and dtype not in table.dtypes and dtype not in table.assumed_dtypes() and table.dtypes:
+        base = max(table.dtypes, key=lambda d: (DTYPE_BYTES_BY_NAME[d], d))
+        ratio = matmul_speed_ratio(dtype, base, device)
+        table.assume_peak(dtype, table.peak_flops(base) * ratio,
+                          f"no {dtype} measurements: priced at its {base} peak x {ratio:.2f}, the {dtype} / "
+                          f"{base} matmul speed ratio measured on this {device.type} at start-up "
+                          f"({RATIO_SIZE.get(device.type, 512)}^3, median of {RATIO_REPEATS}); modelled")
+    return table
+
+
+RATIO_SIZE = {"cpu": 512, "cuda": 4096}
+RATIO_REPEATS = 5
+_RATIOS: dict[tuple, float] = {}
+
+
+def matmul_speed_ratio(dtype: str, base: str, device: torch.device) -> float:
+    """How many times faster an n^3 matmul runs in `dtype` than in `base` on this device (medians of
+    RATIO_REPEATS timed products after one warm-up; measured once per process)."""
+    import statistics
+    import time
+
+    key = (dtype, base, device.type, torch.get_num_threads())
+    if key not in _RATIOS:
+        n = RATIO_SIZE.get(device.type, 512)
+        times = {}
+        for name in (dtype, base):
+            dt = {v: k for k, v in DTYPE_NAMES.items() if k != torch.float64}[name]
+            a = torch.rand(n, n, device=device).to(dt)
+            ts = []
+            for rep in range(RATIO_REPEATS + 1):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                a @ a
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if rep:
+                    ts.append(time.perf_counter() - t0)
+            times[name] = statistics.median(ts)
+        _RATIOS[key] = times[base] / times[dtype]
+    return _RATIOS[key]
 
 
 def build_model_plan(specs, world_size: int, ns: NSConfig, device: torch.device, *, balancer: str,
@@ -103,11 +150,12 @@ def build_model_plan(specs, world_size: int, ns: NSConfig, device: torch.device,
 
     if not specs:
         raise InputError("no Muon matrices to plan")
-    cost = ConfigCost(load_cost(profile, device) if priced else FlopCost(), ns, device)
-    methods = {cost.method_for(s.rows, s.cols) for s in specs}
+    view = ConfigCost(FlopCost(), ns, device)
+    methods = {view.method_for(s.rows, s.cols) for s in specs}
     method = methods.pop() if len(methods) == 1 else "auto"
     base = method.removesuffix("_sym") if method != "auto" else "standard"
     dtype = DTYPE_NAMES[iteration_dtype(base, device, ns.dtype)]
+    cost = ConfigCost(load_cost(profile, device, dtype) if priced else FlopCost(), ns, device)
     return build_plan(specs, world_size, cost, balancer=balancer, method=method, dtype=dtype, batching=True,
                       max_batch=max_batch, bucket_numel=bucket_numel)
 

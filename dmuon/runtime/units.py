@@ -9,7 +9,9 @@ a module needs its weights).
 
 The compute thread packs (`pack`: gradient, or zeros where a parameter has none this step) and submits;
 the communication thread runs the collectives. A unit never repacks a buffer still in flight.
-Buffers use the members' promoted dtype on their device; they are allocated once, or (OwnerUnit with
+Buffers use the members' promoted dtype on their device (gradient buffers: `comm_dtype` where given, e.g.
+bf16 gradients on the wire; the weights an OwnerUnit publishes always travel in the parameters' dtype, so
+every replica holds exactly the owner's weights); they are allocated once, or (OwnerUnit with
 transient=True, the FSDP2 owner layout) at each launch and dropped as soon as the job is done with them.
 """
 
@@ -46,13 +48,15 @@ def _buffer_dtype(members: list[Member]) -> torch.dtype:
 class _Unit:
     kind = ""
 
-    def __init__(self, position: int, members: list[Member], groups: CommGroups, worker: CommWorker):
+    def __init__(self, position: int, members: list[Member], groups: CommGroups, worker: CommWorker,
+                 comm_dtype: torch.dtype | None = None):
         self.position = position  # launch order (0 = first ready in backward)
         self.members = members
         self.groups = groups
         self.worker = worker
         self.device = members[0].param.device
         self.dtype = _buffer_dtype(members)
+        self.grad_dtype = comm_dtype or self.dtype  # gradients on the wire
         self.reduce_handle: Handle | None = None
         self.has_grad: list[bool] = [False] * len(members)  # at the last pack
         self._offsets: list[int] = []
@@ -64,15 +68,18 @@ class _Unit:
     def params(self) -> list[torch.Tensor]:
         return [m.param for m in self.members]
 
-    def _alloc(self, numel: int) -> torch.Tensor:
-        return torch.zeros(numel, dtype=self.dtype, device=self.device)
+    def _alloc(self, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype or self.dtype, device=self.device)
+
+    def _alloc_grad(self, numel: int) -> torch.Tensor:
+        return self._alloc(numel, self.grad_dtype)
 
     def pack(self) -> None:
         """Copy each member's local gradient (zeros where it has none) into the send buffer."""
         if self.reduce_handle is not None and not self.reduce_handle.done():
             self.reduce_handle.wait()  # a second backward before step(): the buffer is still in flight
         if self._grad_buf is None:
-            self._grad_buf = self._alloc(self._buf_numel)
+            self._grad_buf = self._alloc_grad(self._buf_numel)
         buf = self._grad_buf
         for k, (m, off) in enumerate(zip(self.members, self._offsets, strict=True)):
             view = buf.narrow(0, off, m.param.numel())
@@ -89,15 +96,15 @@ class _Unit:
         if self.reduce_handle is not None:
             self.reduce_handle.wait()
 
-    def buffer_bytes(self) -> int:
-        return self._buf_numel * torch.empty(0, dtype=self.dtype).element_size()
+    def buffer_bytes(self, dtype: torch.dtype | None = None) -> int:
+        return self._buf_numel * torch.empty(0, dtype=dtype or self.dtype).element_size()
 
-    def sent_bytes(self, factor: float) -> int:
-        """Estimated bytes this rank sends for one collective pass over the buffer: `factor` x size,
-        with factor (N-1)/N for reduce-scatter, all-gather, per-owner reduce / broadcast (ring or chain
-        algorithms) and 2 (N-1)/N for all-reduce."""
+    def sent_bytes(self, factor: float, dtype: torch.dtype | None = None) -> int:
+        """Estimated bytes this rank sends for one collective pass over the buffer (in `dtype`, default
+        the parameters'): `factor` x size, with factor (N-1)/N for reduce-scatter, all-gather, per-owner
+        reduce / broadcast (ring or chain algorithms) and 2 (N-1)/N for all-reduce."""
         n = self.groups.world_size
-        return int(self.buffer_bytes() * factor * (n - 1) / n)
+        return int(self.buffer_bytes(dtype) * factor * (n - 1) / n)
 
 
 class AllReduceUnit(_Unit):
@@ -105,23 +112,24 @@ class AllReduceUnit(_Unit):
 
     kind = "all_reduce"
 
-    def __init__(self, position: int, members: list[Member], groups: CommGroups, worker: CommWorker):
-        super().__init__(position, members, groups, worker)
+    def __init__(self, position: int, members: list[Member], groups: CommGroups, worker: CommWorker,
+                 comm_dtype: torch.dtype | None = None):
+        super().__init__(position, members, groups, worker, comm_dtype)
         pos = 0
         for m in members:
             self._offsets.append(pos)
             pos += m.param.numel()
         total = padded_numel(pos, groups)
         self._buf_numel = total
-        self._grad_buf = self._alloc(total)
+        self._grad_buf = self._alloc_grad(total)
         g = groups.node_size if groups.two_level else 1
-        self._tmp = self._alloc(total // g) if groups.two_level else None
+        self._tmp = self._alloc_grad(total // g) if groups.two_level else None
 
     def launch_reduce(self, name: str) -> Handle:
         self.pack()
         buf, groups, tmp = self._grad_buf, self.groups, self._tmp
         self.reduce_handle = self.worker.submit(name, lambda: all_reduce_sum(buf, groups, tmp),
-                                                kind="grad_all_reduce", bytes_=self.sent_bytes(2))
+                                                kind="grad_all_reduce", bytes_=self.sent_bytes(2, self.grad_dtype))
         return self.reduce_handle
 
     def grad(self, k: int) -> torch.Tensor:
@@ -167,8 +175,9 @@ class OwnerUnit(_Unit):
 
     def __init__(self, position: int, members: list[Member], groups: CommGroups, worker: CommWorker,
                  mode: str, sharded: bool = False, transient: bool = False,
-                 pub_worker: CommWorker | None = None, pub_groups: CommGroups | None = None):
-        super().__init__(position, members, groups, worker)
+                 pub_worker: CommWorker | None = None, pub_groups: CommGroups | None = None,
+                 comm_dtype: torch.dtype | None = None):
+        super().__init__(position, members, groups, worker, comm_dtype)
         self.sharded = sharded
         self.transient = transient
         self.pub_worker = pub_worker or worker
@@ -182,7 +191,7 @@ class OwnerUnit(_Unit):
         self._offsets = list(self.layout.offsets)
         self._buf_numel = self.layout.total
         self._rs = mode == "reduce_scatter"
-        self._grad_buf = self._pub_buf = self._out = self._mine = self._tmp = None
+        self._grad_buf = self._pub_buf = self._out = self._mine = self._tmp = self._rtmp = None
         if not transient:
             self._alloc_buffers()
         self._reduced: torch.Tensor | None = None
@@ -200,14 +209,16 @@ class OwnerUnit(_Unit):
     def _alloc_buffers(self) -> None:
         cap = self.layout.chunk_cap
         if self._grad_buf is None:
-            self._grad_buf = self._alloc(self.layout.total)
+            self._grad_buf = self._alloc_grad(self.layout.total)
         if self._pub_buf is None:
             self._pub_buf = self._alloc(self.layout.total)
         if self._rs:
-            self._out = self._out if self._out is not None else self._alloc(cap)
+            self._out = self._out if self._out is not None else self._alloc_grad(cap)
             self._mine = self._mine if self._mine is not None else self._alloc(cap)
             if self.groups.two_level and self._tmp is None:
                 self._tmp = self._alloc(cap * self.groups.n_nodes)
+                same = self.grad_dtype == self.dtype  # the reduce's staging buffer, in the wire dtype
+                self._rtmp = self._tmp if same else self._alloc_grad(cap * self.groups.n_nodes)
 
     def retarget(self, targets: dict[int, torch.Tensor], before_copy) -> None:
         """Publication copies into `targets[id(param)]` (an alias of the parameter's storage) instead of
@@ -221,18 +232,19 @@ class OwnerUnit(_Unit):
         buf, layout, groups = self._grad_buf, self.layout, self.groups
         if self.transient:
             cap, nodes = layout.chunk_cap, groups.n_nodes
-            out = self._alloc(cap) if self._rs else None
-            tmp = self._alloc(cap * nodes) if self._rs and groups.two_level else None
+            out = self._alloc_grad(cap) if self._rs else None
+            tmp = self._alloc_grad(cap * nodes) if self._rs and groups.two_level else None
             self._grad_buf = None  # the job holds it until the collective is done
         else:
-            out, tmp = self._out, self._tmp
+            out, tmp = self._out, self._rtmp
         transient = self.transient
 
         def job():
             summed = reduce_to_owners(buf, layout, groups, out=out, tmp=tmp)
             return summed.clone() if transient and out is None else summed
 
-        self.reduce_handle = self.worker.submit(name, job, kind="grad_to_owner", bytes_=self.sent_bytes(1))
+        self.reduce_handle = self.worker.submit(name, job, kind="grad_to_owner",
+                                                bytes_=self.sent_bytes(1, self.grad_dtype))
         return self.reduce_handle
 
     def _summed(self) -> torch.Tensor:

@@ -1,0 +1,493 @@
+"""The machinery shared by every distributed Muon of this package (`DistributedMuonBase`): construction
+(routes, plan, exchange units, hooks), the step skeleton (flags, non-finite policy, AdamW, publication),
+synchronization and per-rank state dicts. `dmuon.distributed` defines the strategies on top of it
+(DMuon: owner-centric; NaiveMuon: gather-then-compute) and their fsdp2-sharded variants; a subclass
+overrides `_speculate` (work before the flags are agreed) and `_muon_update` (the Muon step). See
+docs/runtime.md and docs/fsdp.md.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+
+import torch
+
+from ..errors import InputError, choice_error
+from ..newton_schulz import NSConfig, as_matrix
+from ..optim import NONFINITE, Muon, adamw_step_, lr_scale, muon_apply_, muon_momentum_, nonfinite_names
+from ..params import route
+from ..plan.types import MatrixSpec, Plan
+from .comm import CommStats, CommWorker
+from .exchange import EXCHANGE_CHOICES
+from .fsdp import MEMORY, is_dtensor, local_tensor, mesh_node_size, resolve_layout
+from .groups import build_groups
+from .guards import NonFiniteGradientError, check_devices, check_replicas, read_flags, submit_flags
+from .hooks import BackwardTracker, ForwardWaits
+from .model import broadcast_module_state, forward_layers
+from .planning import build_model_plan
+from .units import AllReduceUnit, Member, OwnerUnit
+
+STATE_FORMAT = "dmuon.replicated/1"
+BALANCERS = ("lpt", "round_robin", "milp")
+SMALL_ADAMW = 1 << 16  # AdamW parameters up to this many elements ride in their layer's Muon bucket
+
+
+COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_comm_dtype(value) -> torch.dtype | None:
+    """None (gradients travel in the parameters' dtype), a name in COMM_DTYPES or one of its torch dtypes."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value in COMM_DTYPES:
+        return COMM_DTYPES[value]
+    if isinstance(value, torch.dtype) and value in COMM_DTYPES.values():
+        return value
+    raise InputError(f"comm_dtype must be None (the parameters' dtype), 'bf16', 'fp16' or 'fp32' (or those "
+                     f"torch dtypes), got {value!r}")
+
+
+def _check_int(name: str, v, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise InputError(f"{name} must be an integer >= {lo}, got {v!r}")
+    return v
+
+
+class DistributedMuonBase(torch.optim.Optimizer):
+    """Shared machinery of DMuon and NaiveMuon; see the module docstring and `dmuon.DMuon`."""
+
+    owner_centric = True
+    _muon_units = True  # Muon matrices are exchanged by units (False: fsdp2-sharded, FSDP2 moves them)
+
+    sharded_variant = None  # the class that runs this strategy on the fsdp2-sharded layout
+
+    def __new__(cls, model=None, *args, **kwargs):
+        target = cls
+        if cls.sharded_variant is not None and isinstance(model, torch.nn.Module) and resolve_layout(
+                model, kwargs.get("layout", "auto"), kwargs.get("muon_predicate")) == "fsdp2-sharded":
+            target = cls.sharded_variant
+        return super().__new__(target)
+
+    def __init__(self, model: torch.nn.Module, *, lr: float = 0.02, momentum: float = 0.95,
+                 nesterov: bool = True, weight_decay: float = 0.0, adjust_lr: str = "match_rms_adamw",
+                 ns: NSConfig | None = None, adamw_lr: float = 1e-3,
+                 adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
+                 adamw_weight_decay: float = 0.01, muon_predicate=None, process_group=None,
+                 balancer: str = "lpt", profile: str | None = None, overlap: bool = True,
+                 node_size: int | None = None, bucket_numel: int = 0, nonfinite: str = "raise",
+                 check_consistency_every: int = 0, timeout_s: float = 600.0, exchange: str = "auto",
+                 max_batch: int = 8, shard_adamw: bool | None = None, warn_no_muon: bool = True,
+                 layout: str = "auto", memory: str = "keep", comm_dtype=None):
+        if not isinstance(model, torch.nn.Module):
+            raise InputError(f"{type(self).__name__} takes the model (an nn.Module) itself, got "
+                             f"{type(model).__name__}; it installs hooks on it (do not wrap it in DDP)")
+        ns = NSConfig() if ns is None else ns
+        if not isinstance(ns, NSConfig):
+            raise InputError(f"ns must be a dmuon.NSConfig, got {type(ns).__name__}")
+        if nonfinite not in NONFINITE:
+            raise choice_error("nonfinite", nonfinite, NONFINITE)
+        if balancer not in BALANCERS:
+            raise choice_error("balancer", balancer, BALANCERS)
+        if exchange not in EXCHANGE_CHOICES:
+            raise choice_error("exchange", exchange, EXCHANGE_CHOICES)
+        if not isinstance(overlap, bool):
+            raise InputError(f"overlap must be True or False, got {overlap!r}")
+        _check_int("bucket_numel", bucket_numel, 0)
+        _check_int("check_consistency_every", check_consistency_every, 0)
+        _check_int("max_batch", max_batch, 1)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise InputError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        self.comm_dtype = parse_comm_dtype(comm_dtype)
+        routes = route(model, muon_predicate)
+        if not routes:
+            raise InputError("the model has no trainable parameters (all frozen?)")
+        self.layout = resolve_layout(model, layout, muon_predicate)
+        if memory not in MEMORY:
+            raise choice_error("memory", memory, MEMORY)
+        if memory == "free" and self.layout != "fsdp2-owner":
+            raise InputError(f"memory='free' is for layout 'fsdp2-owner' (this model is {self.layout!r}); "
+                             "on 'fsdp2-sharded' FSDP2 decides (fully_shard(reshard_after_forward=True))")
+        if memory == "free" and check_consistency_every:
+            raise InputError("check_consistency_every compares every rank's copy of each matrix, but with "
+                             "memory='free' only the owner keeps one; accepted: memory='keep' or "
+                             "check_consistency_every=0")
+        self.memory = memory
+        if self.layout == "fsdp2-owner" and node_size is None and process_group is None:
+            node_size = mesh_node_size(model)  # HSDP: two-level exchange, replicas as the outer level
+        self.device = check_devices((r.name, r.param) for r in routes)
+        hparams = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                       adjust_lr=adjust_lr, adamw_lr=adamw_lr, adamw_betas=tuple(adamw_betas),
+                       adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay)
+        muon_routes = [r for r in routes if r.use_muon]
+        adamw_routes = [r for r in routes if not r.use_muon]
+        if not muon_routes and warn_no_muon:
+            warnings.warn(f"{type(self).__name__}: the model has no matrices routed to Muon; every parameter "
+                          "is trained with AdamW", stacklevel=2)
+        groups = [Muon._internal_group(rs, flag, hparams) for rs, flag in ((muon_routes, True),
+                                                                          (adamw_routes, False)) if rs]
+        super().__init__(groups, {})
+        self.ns, self.nonfinite, self.overlap = ns, nonfinite, overlap
+        self.check_consistency_every = check_consistency_every
+        self.timeout_s, self.max_batch = float(timeout_s), max_batch
+        self.skipped_steps = 0
+        self._steps = 0
+        self._absorbed: set[int] = set()  # per step: units whose exchange was absorbed (see _absorb)
+        self._has_grad = self._nonfinite = None
+        self._flags = None
+        self.shard_adamw = self.owner_centric if shard_adamw is None else bool(shard_adamw)
+
+        self.groups = build_groups(process_group, node_size, timeout_s)
+        broadcast_module_state(model, self.groups)
+        self.rank, self.world_size = self.groups.rank, self.groups.world_size
+        self.names = [r.name for r in muon_routes] + [r.name for r in adamw_routes]
+        self.params = [r.param for r in muon_routes] + [r.param for r in adamw_routes]
+        self.n_muon = len(muon_routes)
+        self.local = [is_dtensor(p) for p in self.params]  # FSDP2-managed: updated on the local shard
+        layer_of = dict(zip([n for n, _ in model.named_parameters()],
+                            forward_layers([n for n, _ in model.named_parameters()]), strict=True))
+        self.layers = [layer_of.get(n, 0) for n in self.names]
+        specs = tuple(MatrixSpec(r.name, r.param.shape[0], math.prod(r.param.shape[1:]), self.layers[i])
+                      for i, r in enumerate(muon_routes))
+        self.plan: Plan | None = self._build_plan(specs, balancer, profile, bucket_numel) if specs else None
+
+        self.comm_stats = CommStats()
+        self._worker = CommWorker(self.rank, self.timeout_s, self.device, self.comm_stats)
+        self._pub_worker = self._pub_groups = None
+        if memory == "free":  # publications from forward / backward hooks: their own thread and groups
+            self._pub_groups = build_groups(process_group, node_size, timeout_s)
+            self._pub_worker = CommWorker(self.rank, self.timeout_s, self.device, self.comm_stats)
+        workers = [w for w in (self._worker, self._pub_worker) if w is not None]
+        self._finalizer = weakref.finalize(self, lambda: [w.close() for w in workers])
+        self._launched: set[int] = set()  # units whose exchange was launched since the last step
+        self.units = self._build_units(exchange, bucket_numel)
+        self._where = {}  # param index -> (unit, position in unit)
+        for u in self.units:
+            for k, m in enumerate(u.members):
+                self._where[m.index] = (u, k)
+        self._tracker = BackwardTracker([u.params for u in self.units], self._launch, enabled=overlap)
+        owner_units = {id(m.param): u for u in self.units if isinstance(u, OwnerUnit) for m in u.members}
+        self._residency = None
+        if memory == "free":
+            from .fsdp_memory import Residency
+
+            self._residency = Residency(model, [u for u in self.units if isinstance(u, OwnerUnit)
+                                                and not u.sharded], self.rank)
+            owner_units = {k: u for k, u in owner_units.items() if u.sharded}
+        self._forward_waits = ForwardWaits(model, owner_units, self._wait_publish) if owner_units else None
+
+    # ---- construction ------------------------------------------------------------------------
+    def _build_plan(self, specs, balancer: str, profile: str | None, bucket_numel: int) -> Plan:
+        return build_model_plan(specs, self.world_size, self.ns, self.device, balancer=balancer,
+                                profile=profile, max_batch=self.max_batch, bucket_numel=bucket_numel,
+                                priced=self.owner_centric)
+
+    def _build_units(self, exchange: str, bucket_numel: int) -> list:
+        """Exchange units in launch order (reverse forward layer). Muon matrices: the plan's buckets.
+        AdamW parameters of at most SMALL_ADAMW elements ride in the bucket of their layer (DMuon: owned
+        by the rank owning the fewest elements of that bucket); the others form one unit per layer (a
+        small one joins the unit launched just before it; with bucket_numel, units grow to that size);
+        DMuon shards those evenly over the ranks (shard_adamw)."""
+        entries = []  # [min layer, members, kind]
+        by_layer = {}
+        if self.plan is not None and self._muon_units:
+            for b in self.plan.buckets:
+                members = [Member(i, self.names[i], self.params[i], self.plan.owners[i]) for i in b.members]
+                e = [min(self.layers[i] for i in b.members), members, "muon"]
+                entries.append(e)
+                for i in b.members:
+                    by_layer.setdefault(self.layers[i], e)
+        groups: list[list[int]] = []
+        for i in range(self.n_muon, len(self.params)):
+            if self.local[i]:
+                continue
+            e = by_layer.get(self.layers[i])
+            if e is not None and self.params[i].numel() <= SMALL_ADAMW:
+                load = [0] * self.world_size
+                for m in e[1]:
+                    load[m.owner] += m.param.numel()
+                e[1].append(Member(i, self.names[i], self.params[i], load.index(min(load))))
+            elif groups and self.layers[groups[-1][-1]] == self.layers[i]:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        merged: list[list[int]] = []  # built in launch order (reverse forward): a small group joins the
+        for g in reversed(groups):    # group launched just before it
+            size = sum(self.params[i].numel() for i in g)
+            last = sum(self.params[i].numel() for i in merged[-1]) if merged else 0
+            if merged and (size <= SMALL_ADAMW or (bucket_numel and last < bucket_numel)):
+                merged[-1] = g + merged[-1]
+            else:
+                merged.append(list(g))
+        for g in merged:
+            members = [Member(i, self.names[i], self.params[i]) for i in g]
+            entries.append([min(self.layers[i] for i in g), members, "adamw"])
+        entries.sort(key=lambda e: (-e[0], e[2] != "muon"))
+        units = []
+        for pos, (_, members, kind) in enumerate(entries):
+            if not self.owner_centric or (kind == "adamw" and not self.shard_adamw):
+                units.append(AllReduceUnit(pos, members, self.groups, self._worker, self.comm_dtype))
+            else:
+                fsdp = self.layout == "fsdp2-owner"  # memory matters: buffers only while in flight
+                units.append(OwnerUnit(pos, members, self.groups, self._worker, exchange,
+                                       sharded=kind == "adamw", transient=fsdp,
+                                       pub_worker=self._pub_worker, pub_groups=self._pub_groups,
+                                       comm_dtype=self.comm_dtype))
+                units[-1].consume_grads = fsdp
+        return units
+
+    # ---- communication -------------------------------------------------------------------------
+    def _launch(self, u: int) -> None:
+        unit = self.units[u]
+        if unit.consume_grads and u in self._launched:
+            raise InputError("layout 'fsdp2-owner' consumes each Muon gradient when it is exchanged, so only "
+                             "one backward per step may exchange: accumulate micro-batches inside "
+                             "optimizer.no_sync() and run the last backward outside it")
+        self._launched.add(u)
+        unit.launch_reduce(f"gradient exchange of bucket {u} ({unit.kind}, {len(unit.members)} params)")
+
+    def _wait_publish(self, unit) -> None:
+        unit.wait_publish()
+
+    def no_sync(self):
+        """Context manager: backward passes inside only accumulate gradients locally (no exchange)."""
+        return self._tracker.no_sync()
+
+    def synchronize(self) -> None:
+        """Wait for every exchange in flight (new weights on every rank): before eval, checkpoints, or
+        reading parameters outside the model's forward. memory='free': also publishes every matrix to
+        every rank (collective: call it on every rank)."""
+        self.synchronize_exchanges()
+        if self._residency is not None:
+            self._residency.materialize_all()
+
+    def synchronize_exchanges(self) -> None:
+        """Wait for the exchanges in flight (without materializing anything in memory='free')."""
+        for u in self.units:
+            u.wait_reduce()
+            if isinstance(u, OwnerUnit):
+                u.wait_publish()
+
+    def publish_owned(self) -> None:
+        """Owners publish their current weights to every rank, and wait (after loading a checkpoint)."""
+        if self._residency is not None:
+            self._residency.materialize_all()
+            return
+        for u in reversed(self.units):
+            if isinstance(u, OwnerUnit):
+                u.launch_publish(f"weight publication of bucket {u.position} after loading")
+        self.synchronize_exchanges()
+
+    def close(self) -> None:
+        """Remove the hooks and stop the communication thread (the optimizer is unusable afterwards)."""
+        self._tracker.remove()
+        if self._forward_waits is not None:
+            self._forward_waits.remove()
+        if self._residency is not None:
+            self._residency.remove()
+        self._finalizer()
+
+    # ---- the step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._tracker.finish()
+        self._launched = set()
+        for u in self.units:
+            if isinstance(u, OwnerUnit):
+                u.wait_publish()
+        if self.check_consistency_every and self._steps % self.check_consistency_every == 0:
+            shared = [i for i in range(len(self.params)) if not self.local[i]]
+            check_replicas(self._worker, self.groups, [self.names[i] for i in shared],
+                           [self.params[i] for i in shared], self.timeout_s)
+        self._absorbed = set()
+        self._has_grad = torch.zeros(len(self.params), dtype=torch.bool)
+        self._nonfinite = torch.zeros(len(self.params), dtype=torch.bool)
+        self._flags = None
+        self._local_flags()
+        pending = self._speculate()  # DMuon: NS on owned batches while the rest of the exchange arrives
+        self._absorb_all()
+        if self._flags is None:  # no exchange units (every parameter FSDP2-managed)
+            self._flags = submit_flags(self._worker, self.groups, self._has_grad, self._nonfinite)
+        has_any, bad = read_flags(self._flags, self.timeout_s)
+        if bad.any():
+            names = [self.names[i] for i in bad.nonzero().flatten().tolist()]
+            if self.nonfinite == "raise":
+                raise NonFiniteGradientError(
+                    f"rank {self.rank}: non-finite gradient (NaN or inf) on some rank in {', '.join(names)}; "
+                    "nothing was updated. Pass nonfinite='skip' to skip such steps")
+            self.skipped_steps += 1
+            return loss
+        self._muon_update(has_any, pending)
+        self._adamw_update(has_any)
+        for u in reversed(self.units):  # forward order: the next forward needs the first layers first
+            if isinstance(u, OwnerUnit) and (self._residency is None or u.sharded):
+                u.launch_publish(f"weight publication of bucket {u.position} ({len(u.members)} params)")
+        if self._residency is not None:
+            self._residency.end_step()  # memory='free': the next forward publishes, unit by unit
+        elif not self.overlap:
+            self.synchronize()
+        self._steps += 1
+        return loss
+
+    def _local_flags(self) -> None:
+        """Flags of the FSDP2-managed parameters (their gradients are already averaged, sharded)."""
+        for i, p in enumerate(self.params):
+            if self.local[i] and p.grad is not None:
+                self._has_grad[i] = True
+                if self.nonfinite != "ignore":  # one pass; the exact check only if the sum is not finite
+                    g = local_tensor(p.grad)
+                    if g.numel() and not torch.isfinite(g.sum()):
+                        self._nonfinite[i] = not bool(torch.isfinite(g).all())
+
+    # The exchange of each unit is "absorbed" once per step, as soon as it has arrived: sums scaled to
+    # means, local has-grad flags recorded, and a one-pass non-finite check of the part this rank holds
+    # (per parameter only where the pass finds something). When every unit is absorbed the flag
+    # all-reduce starts; step() waits for it before anything is committed.
+    def _absorb(self, u) -> None:
+        if u.position in self._absorbed:
+            return
+        u.wait_reduce()
+        u.scale_(1.0 / self.world_size)
+        for k, m in enumerate(u.members):
+            self._has_grad[m.index] = u.has_grad[k]
+        if self.nonfinite != "ignore":
+            chunk = u.readable()
+            if chunk.numel() and not torch.isfinite(chunk.sum()):
+                pieces = u.local_pieces()
+                for i in nonfinite_names([u.members[k].index for k, *_ in pieces], [g for *_, g in pieces]):
+                    self._nonfinite[i] = True
+        self._absorbed.add(u.position)
+        if len(self._absorbed) == len(self.units):
+            self._flags = submit_flags(self._worker, self.groups, self._has_grad, self._nonfinite)
+
+    def _absorb_ready(self) -> None:
+        """Absorb, in launch order, the units whose exchange has already finished (no waiting)."""
+        for u in self.units:
+            if u.position not in self._absorbed:
+                if u.reduce_handle is None or not u.reduce_handle.done():
+                    return
+                self._absorb(u)
+
+    def _absorb_all(self) -> None:
+        for u in self.units:
+            self._absorb(u)
+
+    def _speculate(self):
+        """Work that may start before the flags are agreed (DMuon); nothing may be committed here."""
+        return None
+
+    def _grad(self, i: int) -> torch.Tensor:
+        unit, k = self._where[i]
+        return unit.grad(k).view(self.params[i].shape)
+
+    def _muon_inputs(self, indices, group) -> list[torch.Tensor]:
+        out = []
+        for i in indices:
+            p = self.params[i]
+            st = self.state[p]
+            if "momentum_buffer" not in st:
+                st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            g = self._grad(i).to(p.dtype)
+            inp = muon_momentum_(g, st["momentum_buffer"], group["momentum"], group["nesterov"])
+            out.append(as_matrix(inp))
+        return out
+
+    def _apply(self, indices, updates, group) -> None:
+        for i, u in zip(indices, updates, strict=True):
+            p = self.params[i]
+            muon_apply_(p, u, group["lr"], group["weight_decay"], lr_scale(p.shape, group["adjust_lr"]))
+
+    def _muon_update(self, has_any: torch.Tensor, pending) -> None:
+        raise NotImplementedError
+
+    def _adamw_update(self, has_any: torch.Tensor) -> None:
+        """AdamW on what this rank updates: whole parameters (replicated or owned), its 1/N pieces, or the
+        local shards of FSDP2-managed parameters."""
+        group = next((g for g in self.param_groups if not g["use_muon"]), None)
+        if group is None:
+            return
+        work = [(i, None, None, local_tensor(self.params[i].grad) if has_any[i] else None)
+                for i in range(self.n_muon, len(self.params)) if self.local[i]]
+        work += [(u.members[k].index, lo, hi, g) for u in self.units for k, lo, hi, g in u.local_pieces()]
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for i, lo, hi, g in work:
+            if i < self.n_muon or not has_any[i]:
+                continue
+            p = self.params[i]
+            whole = lo is None or (lo, hi) == (0, p.numel())
+            target = local_tensor(p) if lo is None else p if whole else p.detach().view(-1)[lo:hi]
+            st = self.state[p]
+            if "step" not in st:
+                st["step"] = 0
+                st["exp_avg"] = torch.zeros_like(target, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(target, memory_format=torch.preserve_format)
+                if not whole:
+                    st["shard"] = (lo, hi)
+            st["step"] += 1
+            params.append(target)
+            grads.append(g.view(target.shape).to(p.dtype))
+            exp_avgs.append(st["exp_avg"])
+            exp_avg_sqs.append(st["exp_avg_sq"])
+            steps.append(st["step"])
+        if params:
+            adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps, lr=group["lr"], betas=group["betas"],
+                        eps=group["eps"], weight_decay=group["weight_decay"])
+
+    # ---- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's state: hyperparameters, the plan, and the state of the parameters this rank
+        updates (DMuon: momentum of its owned matrices only; AdamW state everywhere), keyed by name."""
+        self.synchronize_exchanges()
+        return {
+            "format": STATE_FORMAT, "optimizer": type(self).__name__, "rank": self.rank,
+            "world_size": self.world_size, "plan": self.plan.to_dict() if self.plan is not None else None,
+            "steps": self._steps, "skipped_steps": self.skipped_steps,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "state": {self.names[i]: dict(self.state[p]) for i, p in enumerate(self.params)
+                      if self.state.get(p)},
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what `state_dict()` returned on the same rank of the same set-up (world size, plan)."""
+        sd = state_dict
+        if not isinstance(sd, dict) or sd.get("format") != STATE_FORMAT:
+            raise InputError(f"not a {type(self).__name__} state dict (expected format {STATE_FORMAT!r}, got "
+                             f"{sd.get('format') if isinstance(sd, dict) else type(sd).__name__!r})")
+        checks = (("optimizer", type(self).__name__), ("world_size", self.world_size), ("rank", self.rank))
+        for key, mine in checks:
+            if sd.get(key) != mine:
+                raise InputError(f"state dict was saved with {key}={sd.get(key)!r} but this optimizer has "
+                                 f"{key}={mine!r}; load each rank's own state into the same set-up")
+        saved_plan = sd.get("plan")
+        if (saved_plan is None) != (self.plan is None) or (
+                self.plan is not None and (tuple(saved_plan["owners"]) != self.plan.owners
+                                           or [m["name"] for m in saved_plan["matrices"]]
+                                           != [m.name for m in self.plan.matrices])):
+            raise InputError("state dict was saved with a different plan (matrices or owners differ); "
+                             "rebuild the optimizer with the same model, world size, balancer and profile")
+        if len(sd["param_groups"]) != len(self.param_groups):
+            raise InputError("state dict has a different number of parameter groups")
+        by_name = dict(zip(self.names, self.params, strict=True))
+        unknown = sorted(set(sd["state"]) - set(by_name))
+        if unknown:
+            raise InputError(f"state dict has state for parameters this optimizer does not manage: "
+                             f"{unknown[:5]}")
+        for g, saved in zip(self.param_groups, sd["param_groups"], strict=True):
+            g.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+        self.state.clear()
+        for name, st in sd["state"].items():
+            p = by_name[name]
+            self.state[p] = {k: (v.detach().clone().to(p.device) if isinstance(v, torch.Tensor) else v)
+                             for k, v in st.items()}
+        self._steps, self.skipped_steps = sd.get("steps", 0), sd.get("skipped_steps", 0)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state tensors held on this rank."""
+        return sum(v.numel() * v.element_size() for st in self.state.values() for v in st.values()
+                   if isinstance(v, torch.Tensor))
