@@ -355,8 +355,8 @@ def register(app, bench) -> None:
             "(default: standard,gram on cpu; all four on cuda).",
         ),
         dtype: str = typer.Option(
-            None, help="Comma list of bf16 | fp16 | fp32 (default on cpu: fp32 and the half types it multiplies "
-            "natively, e.g. bf16 with AVX512-BF16; bf16,fp16 on cuda)."
+            None, help="Comma list of bf16 | fp16 | fp32 (default on cpu: fp32 and the half types it "
+            "multiplies natively, e.g. bf16 with AVX512-BF16; bf16,fp16 on cuda)."
         ),
         max_batch: int = typer.Option(8, help="Batch sizes 1..max_batch."),
         repeats: int = typer.Option(3, help="Timed repeats per point (median), after one warm-up; NS "

@@ -144,7 +144,8 @@ def cpu_flags() -> frozenset[str]:
     """The CPU's instruction-set flags ("flags" lines of /proc/cpuinfo; empty where it does not exist)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return frozenset(w for line in f if line.startswith("flags") for w in line.split(":", 1)[1].split())
+            return frozenset(w for line in f if line.startswith("flags")
+                             for w in line.split(":", 1)[1].split())
     except OSError:
         return frozenset()
 

@@ -99,7 +99,8 @@ def load_cost(profile: str | None, device: torch.device, dtype: str | None = Non
                           "counts instead of measured times", stacklevel=5)
             return FlopCost()
         table = CostTable.load(name)
-    if dtype is not None and dtype not in table.dtypes and dtype not in table.assumed_dtypes() and table.dtypes:
+    missing = dtype is not None and dtype not in table.dtypes and dtype not in table.assumed_dtypes()
+    if missing and table.dtypes:
         base = max(table.dtypes, key=lambda d: (DTYPE_BYTES_BY_NAME[d], d))
         ratio = matmul_speed_ratio(dtype, base, device)
         table.assume_peak(dtype, table.peak_flops(base) * ratio,

@@ -129,7 +129,8 @@ class AllReduceUnit(_Unit):
         self.pack()
         buf, groups, tmp = self._grad_buf, self.groups, self._tmp
         self.reduce_handle = self.worker.submit(name, lambda: all_reduce_sum(buf, groups, tmp),
-                                                kind="grad_all_reduce", bytes_=self.sent_bytes(2, self.grad_dtype))
+                                                kind="grad_all_reduce",
+                                                bytes_=self.sent_bytes(2, self.grad_dtype))
         return self.reduce_handle
 
     def grad(self, k: int) -> torch.Tensor:
