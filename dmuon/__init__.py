@@ -25,6 +25,7 @@ _EXPORTS = {
     "orthogonalize": "newton_schulz",
     "orthogonalize_many": "newton_schulz",
     "orthogonalize_reshaped": "newton_schulz",
+    "orthogonalize_distributed": "split_ns",
     "adamw_params": "params",
     "muon_params": "params",
     "route": "params",
