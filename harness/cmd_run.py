@@ -139,7 +139,8 @@ def register(app, bench) -> None:
 
         from rich.console import Console
 
-        from .sweep import expand, experiment_names, load_experiment, run_sweep
+        from .experiment import expand, experiment_names, load_experiment
+        from .sweep import run_sweep
 
         con = Console(soft_wrap=True)
         if list_:
@@ -197,9 +198,9 @@ def register(app, bench) -> None:
         """Redraw figures (PNG + PDF), index.md and comparison.md from stored results."""
         from dmuon.errors import InputError, choice_error
 
+        from .experiment import experiment_names, load_experiment
         from .figures import FIGURES, render_experiment
         from .figures.comparison import write_comparison
-        from .sweep import experiment_names, load_experiment
 
         root, fig_dir = Path(results), Path(out)
         known = list(dict.fromkeys(f.experiment for f in FIGURES.values()))
@@ -262,7 +263,9 @@ def register(app, bench) -> None:
         from dmuon.io import atomic_path, atomic_write_text
 
         from . import validation as v
-        from .sweep import load_experiment, provenance, run_sweep
+        from .experiment import load_experiment
+        from .provenance import provenance
+        from .sweep import run_sweep
 
         out_dir = Path(out)
         t0 = time.perf_counter()

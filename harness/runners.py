@@ -3,7 +3,7 @@
 
 A runner has `settings` (accepted keys -> defaults), `kind` (simulated | planned | measured), `parallel`
 (measurements run one at a time), `group_key(settings)` (rows with the same key run in one worker, in
-order, so they share per-process caches: simulator.api caches a plan per (workload, gpus, cost, balancer,
+order, so they share per-process caches: simulator.costs caches a plan per (workload, gpus, cost, balancer,
 method, ...), so adamw / naive / dmuon rows of one point never solve the same MILP twice),
 `cost_hint(settings)` (bigger first, for load balance), `lead` (first columns of results.csv), `label(row)`
 (progress text) and `run_group(rows, ctx)`: a generator yielding each row with its metrics as it finishes.
@@ -93,7 +93,8 @@ class SimulateRunner:
         )
 
     def run_group(self, group: list[dict], ctx: dict):
-        from simulator.api import SimConfig, load_cost, run
+        from simulator.api import SimConfig, run
+        from simulator.costs import load_cost
         from simulator.hardware import load_profile
 
         names = {f.name for f in fields(SimConfig)} - set(_SIM_SKIP)
@@ -185,7 +186,7 @@ class PlanRunner:
         import warnings
 
         from dmuon.plan.build import build_plan
-        from simulator.api import load_cost
+        from simulator.costs import load_cost
         from simulator.workload import load_workload
 
         for s in group:
@@ -295,7 +296,7 @@ def measure_kernels(s: dict) -> dict:
     from dmuon.plan.flops import ns_flops
 
     from .cmd_bench_kernels import time_side_by_side
-    from .sweep import cpu_name
+    from .provenance import cpu_name
 
     if s["dtype"] not in ("fp32", "bf16"):
         raise choice_error("dtype (CPU measurement)", s["dtype"], ("fp32", "bf16"))

@@ -312,7 +312,7 @@ def median_rows(bench_rows: list[dict]) -> list[dict]:
 def closed_loop_checks(bench_rows: list[dict], source: str) -> list[dict]:
     from simulator.validate import BenchRow, closed_loop
 
-    from .sweep import cpu_name
+    from .provenance import cpu_name
 
     out = []
     for b in median_rows(bench_rows):

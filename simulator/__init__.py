@@ -6,7 +6,7 @@
 
 Modules: workload (model shapes), hardware + profiles/ (devices and fabrics, with provenance),
 collectives (closed-form costs), compute (layer FLOPs), engine (SimPy streams and collectives),
-step (per-rank programs per strategy / layout), setup + api (config -> result), metrics, trace
+step (per-rank programs per strategy / layout), setup + costs + api (config -> result), metrics, trace
 (Chrome trace), validate (against published numbers), calibrate_a800 / calibrate_cpu (profile fits).
 Nothing here imports simpy (or torch) until a simulation runs: the names below load lazily.
 """

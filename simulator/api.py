@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from dmuon.errors import InputError, choice_error
 
+from .costs import load_cost, thread_cost_for
 from .step import DTYPE_BYTES, LAYOUTS, STRATEGIES
 
 BALANCERS = ("round_robin", "lpt", "milp")
@@ -133,64 +134,6 @@ class SimResult:
         return asdict(self)
 
 
-# ---- caches (per process): cost tables by name, plans by their inputs -----------------------------
-_COSTS: dict[str, object] = {}
-_PLANS: dict[tuple, object] = {}
-
-
-def load_cost(names: tuple[str, ...] | str):
-    """The first of `names` that dmuon's CostTable can load (cached)."""
-    from dmuon.plan.cost import CostTable
-
-    if isinstance(names, str):
-        names = (names,)
-    elif not (isinstance(names, (list, tuple)) and names and all(isinstance(n, str) for n in names)):
-        from dmuon.plan.cost import available_profiles
-
-        raise InputError(f"profile must be a cost-profile name or a profile CSV path, got {names!r}; "
-                         f"accepted: {', '.join(available_profiles())}, <path>.csv")
-    names = tuple(names)
-    errors = []
-    for name in names:
-        if name not in _COSTS:
-            try:
-                _COSTS[name] = CostTable.load(name)
-            except InputError as e:
-                errors.append(str(e))
-                continue
-        return _COSTS[name]
-    raise InputError(f"no cost table among {list(names)} loads: " + " | ".join(errors))
-
-
-def plan_for(matrices, world_size: int, cost, *, balancer: str, method: str, dtype: str, batching: bool,
-             max_batch: int, bucket_numel: int, time_limit_s: float):
-    """build_plan once per distinct input (cached in this process)."""
-    key = (tuple(matrices), world_size, id(cost), balancer, method, dtype, batching, max_batch, bucket_numel,
-           time_limit_s)
-    if key not in _PLANS:
-        from dmuon.plan.build import build_plan
-
-        plan = build_plan(matrices, world_size, cost, balancer=balancer, method=method, dtype=dtype,
-                          batching=batching, max_batch=max_batch, bucket_numel=bucket_numel,
-                          time_limit_s=time_limit_s)
-        _PLANS[key] = (cost, plan)  # holding the cost keeps its id from being reused while cached
-    return _PLANS[key][1]
-
-
-def thread_cost_for(profile, cfg: SimConfig):
-    """CPU profiles with cfg.cpu_threads > 1: the cost table measured at that many threads per call
-    (`harness profile --threads T` saved as <cost profile>-t<T>), or None where there is none (then
-    one-thread times are divided by the profile's measured [threads] speedup)."""
-    if not profile.cpu_cores or cfg.cpu_threads <= 1:
-        return None
-    from dmuon.plan.cost import available_profiles
-
-    names = [f"{n}-t{cfg.cpu_threads}" for n in profile.cost_profiles]
-    have = set(available_profiles())
-    found = [n for n in names if n in have]
-    return load_cost(found[0]) if found else None
-
-
 MAX_GPUS = 1 << 16  # the simulator runs one process per rank: far beyond any published cluster size
 
 
@@ -266,13 +209,6 @@ def node_shape(gpus: int, gpus_per_node: int) -> tuple[int, int]:
                          f"possibly partial) or a multiple of {gpus_per_node} (nearest: {below} or {above}), "
                          "or set gpus_per_node")
     return gpus // gpus_per_node, gpus_per_node
-
-
-def ns_method_of(cfg: SimConfig, profile) -> str:
-    if cfg.ns_method is not None:
-        return cfg.ns_method
-    sym = profile.symmetric_kernels if cfg.symmetric_kernels is None else cfg.symmetric_kernels
-    return ("gram" if cfg.gram else "standard") + ("_sym" if sym else "")
 
 
 def simulate(cfg: SimConfig) -> SimResult:

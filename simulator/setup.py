@@ -12,6 +12,7 @@ from __future__ import annotations
 from dmuon.errors import InputError
 
 from .compute import layer_times
+from .costs import plan_for
 from .step import DTYPE_BYTES, StepSpec
 
 
@@ -28,13 +29,19 @@ def _check_plan(plan, matrices, world: int) -> None:
                          f"unexpected {extra})")
 
 
+def ns_method_of(cfg, profile) -> str:
+    """The NS method dmuon plans with: cfg.ns_method, else from cfg.gram and the symmetric kernels."""
+    if cfg.ns_method is not None:
+        return cfg.ns_method
+    sym = profile.symmetric_kernels if cfg.symmetric_kernels is None else cfg.symmetric_kernels
+    return ("gram" if cfg.gram else "standard") + ("_sym" if sym else "")
+
+
 def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
     """(StepSpec, info) where info has ns_makespan_s, balancer, method, notes, and provenance: a callable
     returning the provenance dict once the step programs have been built. thread_cost: a cost table
     measured at cfg.cpu_threads threads (CPU profiles): it replaces `cost` (the plan is built from it, as
     the runtime plans with the table of its thread count, and it prices the elementwise passes)."""
-    from .api import ns_method_of, plan_for
-
     priced = thread_cost or cost  # what NS calls and elementwise passes cost at this thread count
     measured = thread_cost is not None
     k = cfg.speed_scale  # the device's speed now vs when profiled

@@ -187,7 +187,8 @@ def _table_probe_scale(row: BenchRow, profile, kind: str, probe_s, call: str,
                        price) -> tuple[float | None, str]:
     """(probe_s / (price(cost table at the run's threads) x the profile's `kind` contention at the run's
     ranks x threads), how); None without a probe."""
-    from .api import SimConfig, load_cost, thread_cost_for
+    from .api import SimConfig
+    from .costs import load_cost, thread_cost_for
 
     if _probe_missing(probe_s):
         return None, f"no {kind} probe in the run: {kind} follows the compute probe"

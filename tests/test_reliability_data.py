@@ -19,7 +19,9 @@ from workloads import TINY
 
 import simulator.api
 from dmuon.io import atomic_path, atomic_write_bytes, atomic_write_text
-from harness.sweep import JOURNAL, ResultStore, load_experiment, run_sweep
+from harness.experiment import load_experiment
+from harness.store import JOURNAL, ResultStore
+from harness.sweep import run_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = ["gpus", "strategy"]
@@ -174,7 +176,7 @@ ALLOWED = {
     "dmuon/io.py": "the helper itself",
     "dmuon/kernels/autotune.py": "json.dump into dmuon.io.atomic_path's temp file",
     "dmuon/kernels/compile_check.py": "a PTX file in a TemporaryDirectory for ptxas",
-    "harness/sweep.py": "the append-only journal: whole lines, flushed and fsynced; torn last lines ignored",
+    "harness/store.py": "the append-only journal: whole lines, flushed and fsynced; torn last lines ignored",
 }
 WRITE = re.compile(r"open\([^)]*['\"][wax]b?['\"]|\.to_csv\(|\.savefig\(|\.write_text\(|\.write_bytes\(|"
                    r"\.to_parquet\(|\.to_json\(\s*['\"/]|json\.dump\(|os\.replace\(")

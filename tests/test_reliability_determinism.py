@@ -61,11 +61,12 @@ def test_milp_note_names_the_clock_when_the_safety_net_stops_a_phase():
 @pytest.mark.parametrize("strategy, balancer", [("dmuon", "milp"), ("naive", "lpt"), ("adamw", "lpt")])
 def test_simulator_is_bitwise_deterministic(strategy, balancer):
     import simulator.api as api
+    import simulator.costs as costs
 
     cfg = api.SimConfig(workload="pi0", gpus=8, strategy=strategy, balancer=balancer)
     first = api.simulate(cfg)
-    api._PLANS.clear()  # no cached plan: the second run solves and simulates from scratch
-    api._COSTS.clear()
+    costs._PLANS.clear()  # no cached plan: the second run solves and simulates from scratch
+    costs._COSTS.clear()
     second = api.simulate(cfg)
     assert first == second
     assert first.to_dict() == second.to_dict()

@@ -61,7 +61,7 @@ def test_several_threads_are_priced_from_the_cost_table_measured_at_that_thread_
     import torch
 
     from dmuon.runtime.planning import default_profile
-    from simulator.api import load_cost, plan_for
+    from simulator.costs import load_cost, plan_for
 
     w = _bench_workload()
     res = simulate(SimConfig(workload=w, gpus=1, strategy="dmuon", cpu_threads=2, **BENCH))
@@ -86,7 +86,7 @@ def test_several_threads_are_priced_from_the_cost_table_measured_at_that_thread_
 def test_naive_batching_prices_one_call_per_shape():
     from collections import Counter
 
-    from simulator.api import load_cost
+    from simulator.costs import load_cost
 
     w = _bench_workload()
     cost = load_cost("cpu")
@@ -173,7 +173,7 @@ def test_ns_speed_scale_stretches_ns_alone():
 
 
 def test_closed_loop_prices_ns_at_the_ns_probe_speed():
-    from simulator.api import load_cost
+    from simulator.costs import load_cost
     from simulator.validate import BenchRow, closed_loop, ns_probe_call, ns_speed_scale_of
 
     cpu, w = load_profile("cpu"), _bench_workload()
@@ -246,7 +246,7 @@ def test_elementwise_speed_scale_stretches_passes_and_bookkeeping_alone():
 
 
 def test_closed_loop_prices_elementwise_passes_at_their_probe_speed():
-    from simulator.api import load_cost
+    from simulator.costs import load_cost
     from simulator.validate import (
         EW_PROBE_NUMEL,
         EW_PROBE_OP,
@@ -301,7 +301,7 @@ def test_closed_loop_simulates_the_plan_the_runtime_builds(ranks, threads):
 
 
 def test_optimizer_passes_are_priced_per_tensor_and_per_reduction_unit():
-    from simulator.api import load_cost
+    from simulator.costs import load_cost
 
     cpu, w = load_profile("cpu"), _bench_workload()
     table = load_cost(cpu.cost_profiles)

@@ -120,7 +120,7 @@ def test_simulator_times_the_plan_it_is_given():
 
 def test_build_plan_called_once_per_config(monkeypatch):
     import dmuon.plan.build as build
-    import simulator.api as api
+    import simulator.costs as costs
 
     calls = []
     real = build.build_plan
@@ -130,7 +130,7 @@ def test_build_plan_called_once_per_config(monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(build, "build_plan", counting)
-    monkeypatch.setattr(api, "_PLANS", {})
+    monkeypatch.setattr(costs, "_PLANS", {})
     sim(strategy="dmuon")
     sim(strategy="dmuon")
     sim(strategy="naive")

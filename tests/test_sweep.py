@@ -8,17 +8,10 @@ import pytest
 import simulator.api
 from dmuon.errors import InputError
 from harness import sweep
+from harness.experiment import expand, experiment_names, load_experiment, parse_overrides, run_id
 from harness.runners import get_runner, kernel_shape, measure_kernels
-from harness.sweep import (
-    JOURNAL,
-    ResultStore,
-    expand,
-    experiment_names,
-    load_experiment,
-    parse_overrides,
-    run_id,
-    run_sweep,
-)
+from harness.store import JOURNAL, ResultStore
+from harness.sweep import run_sweep
 
 TINY_WORKLOAD = """
 name = "tiny"
