@@ -1,6 +1,6 @@
 """`harness validate`'s checks, as rows of one error table (results/validation/validation.csv). The numbers
 come from simulator.validate and simulator.reference; this module only decides which rows are checked and
-against which bound, and measures the closed-loop CPU runs with harness.cmd_bench_step.
+against which bound, and measures the closed-loop CPU runs with harness.bench_step_launch.
 
 checks (column `check`):
   published_8xa800  reported.csv's 8 x A800 step table vs the simulation (simulator.validate.published_rows).
@@ -245,7 +245,8 @@ def measure_bench(ranks=BENCH_DEFAULT_RANKS, progress=None, repeats: int = BENCH
     share of CPU time the hypervisor took during that launch) and `probe_s` / `probe_ns_s` / `probe_ew_s`:
     the bench's speed probe (--speed-probe: the model's forward + backward, one NS call and one AdamW
     pass on every rank before each block)."""
-    from .cmd_bench_step import StepConfig, check_config, launch
+    from .bench_step_config import StepConfig, check_config
+    from .bench_step_launch import launch
 
     rows = []
     for k in range(repeats):

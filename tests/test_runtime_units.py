@@ -117,7 +117,7 @@ def test_backward_tracker_launches_in_order_once_per_backward():
 
 def test_bench_model_has_the_workload_shapes_and_routing():
     from dmuon.params import route
-    from harness.benchmodel import build_bench_model, synthetic_batch
+    from simulator.benchmodel import build_bench_model, synthetic_batch
     from simulator.workload import load_workload
 
     w = load_workload("qwen2.5-7b").scaled(1 / 32, blocks=2)
@@ -135,7 +135,7 @@ def test_bench_model_has_the_workload_shapes_and_routing():
 
 def test_bench_model_rejects_workloads_that_are_not_decoders():
     from dmuon.errors import InputError
-    from harness.benchmodel import decoder_spec
+    from simulator.benchmodel import decoder_spec
     from simulator.workload import load_workload
 
     with pytest.raises(InputError, match="decoder-only"):

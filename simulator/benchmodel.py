@@ -1,4 +1,9 @@
-"""The benchmark model: a decoder-only transformer whose weight matrices have a workload's shapes.
+"""The benchmark model: a decoder-only transformer whose weight matrices have a workload's shapes, and
+the optimizer each strategy of `harness bench step` builds on it.
+
+It lives in the simulator because both sides of the closed loop use it: `harness bench step` trains it
+on real processes, and `simulator.calibrate_cpu` measures it to write the `cpu` profile the simulator
+prices those runs with (the harness imports the simulator, never the reverse).
 
 `build_bench_model(workload)` takes a (usually `.scaled(...)`) `simulator.workload.Workload` whose
 blocks have attention q/k/v/o and MLP gate/up/down matrices (Qwen / Llama style; the names q_proj,
@@ -12,6 +17,9 @@ has no weights and changes no shape). head_dim = gcd(q_out, kv_out), halved whil
 128; at width 1/16: 32). Linear layers have no bias. Every matrix has exactly the workload's shape, so
 the simulator and this model describe the same matrices (parameter names: model.layers.<i>.self_attn.
 q_proj.weight, ...; `matrix_shapes()` lists them).
+
+`shard_for` applies a bench layout (ddp | fsdp2-owner | fsdp2-sharded) to the model and
+`bench_optimizer` builds a strategy's optimizer (dmuon | naive | adamw) on it.
 """
 
 from __future__ import annotations
@@ -206,3 +214,21 @@ def shard_for(model, strategy: str, layout: str, memory: str) -> str:
     shard_model(model, target, mesh=mesh, reshard_after_forward=memory == "free",
                 blocks=list(model.model.layers))
     return target
+
+
+def bench_optimizer(strategy: str, model, *, overlap: bool, exchange: str, layout: str = "ddp",
+                    memory: str = "keep", node_size: int | None = None, timeout_s: float = 600.0,
+                    balancer: str = "lpt", profile: str | None = None):
+    """The optimizer `harness bench step` runs for `strategy` on `model` (after `shard_for` applies the
+    layout): dmuon -> DMuon, naive -> NaiveMuon, adamw -> DMuon with no Muon matrices (every parameter
+    on replicated AdamW with bucketed async all-reduce, DDP-like)."""
+    from dmuon.distributed import DMuon, NaiveMuon
+
+    common = dict(overlap=overlap, node_size=node_size, timeout_s=timeout_s, exchange=exchange,
+                  balancer=balancer, profile=profile)
+    if shard_for(model, strategy, layout, memory) == "fsdp2-owner":
+        common["memory"] = memory
+    if strategy == "adamw":
+        return DMuon(model, muon_predicate=lambda name, p: False, warn_no_muon=False, shard_adamw=False,
+                     **common)
+    return (DMuon if strategy == "dmuon" else NaiveMuon)(model, **common)

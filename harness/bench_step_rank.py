@@ -1,0 +1,292 @@
+"""What one rank of `harness bench step` does: train every variant in blocks on the bench model
+(simulator.benchmodel), time each phase on its compute thread, count the bytes of one extra step, probe
+the machine's speed (--speed-probe), and aggregate the ranks' records into rows (rank 0).
+The measured quantities are defined in harness/cmd_bench_step.py's docstring.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import statistics
+import time
+from dataclasses import replace
+
+from .bench_step_config import METRICS, StepConfig, use_cuda
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_peak_rss() -> None:
+    """Reset the kernel's resident-set high-water mark (Linux >= 4.0; else the peak stays process-wide)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return _rss_bytes()
+
+
+def _count_step(cfg: StepConfig, model, opt, rank: int, device, it: int) -> dict:
+    """One more (untimed) iteration with every collective counted (see the module docstring)."""
+    from dmuon.runtime.bytecount import CollectiveBytes
+    from simulator.benchmodel import synthetic_batch
+
+    counter = CollectiveBytes()
+    workers = [w for w in (opt._worker, getattr(opt, "_pub_worker", None)) if w is not None]
+    opt.synchronize_exchanges()
+    for w in workers:
+        w.counter = counter
+    x, y = synthetic_batch(model.vocab, cfg.seq_len, cfg.micro_batch, seed=cfg.seed, step=it, rank=rank,
+                           device=device)
+    try:
+        with counter.active():
+            model(x, y).backward()
+            opt.step()
+            opt.synchronize_exchanges()
+    finally:
+        for w in workers:
+            w.counter = None
+    opt.zero_grad(set_to_none=True)
+    own = counter.bytes(label="dmuon") + counter.bytes(label="optimizer")
+    return dict(comm_bytes_per_step=counter.bytes(), opt_comm_bytes_per_step=own,
+                fsdp_comm_bytes_per_step=counter.bytes(label="main"))
+
+
+PROBE_REPEATS = 3
+
+
+def _speed_probe(model, workload, cfg: StepConfig, device) -> tuple[float, float, float]:
+    """--speed-probe: the machine's speed right now, on every rank at once: median seconds of
+    PROBE_REPEATS forward + backward passes of the freshly built model (after one untimed), before the
+    optimizer exists (no hooks, no communication; compared with the profile's compute model for this
+    model, simulator.validate.speed_scale_of), of PROBE_REPEATS calls of the NS the runtime makes that
+    `simulator.validate.ns_probe_call` names, and of PROBE_REPEATS AdamW passes over
+    simulator.validate.EW_PROBE_NUMEL elements (the last two: what the cost table prices)."""
+    import torch
+    import torch.distributed as dist
+
+    from dmuon import orthogonalize
+    from dmuon.plan.profile import elementwise_calls
+    from simulator.benchmodel import synthetic_batch
+    from simulator.validate import EW_PROBE_NUMEL, EW_PROBE_OP, ns_probe_call
+
+    x, y = synthetic_batch(model.vocab, cfg.seq_len, cfg.micro_batch, seed=0, step=0, rank=0, device=device)
+    batch, rows, cols, method = ns_probe_call(workload)
+    stack = torch.randn(batch, rows, cols, generator=torch.Generator().manual_seed(0)).to(device)
+
+    def fwd_bwd():
+        model(x, y).backward()
+        model.zero_grad(set_to_none=True)
+
+    def median_s(fn) -> float:
+        dist.barrier()
+        times = []
+        for i in range(PROBE_REPEATS + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    elementwise = elementwise_calls(EW_PROBE_NUMEL, device=device.type)[EW_PROBE_OP]
+    out = median_s(fwd_bwd), median_s(lambda: orthogonalize(stack, method=method)), median_s(elementwise)
+    dist.barrier()
+    return out
+
+
+def _trim_heap() -> None:
+    """Give freed heap memory back to the OS (glibc), so RSS growth measures the next variant alone."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def run_variant(cfg: StepConfig, variant: tuple[str, bool, str], rank: int, world: int, device, timed: int,
+                tag: str = "") -> list[dict]:
+    """Train one block of a variant on this rank; per-iteration records of its `timed` steps."""
+    import torch
+    import torch.distributed as dist
+
+    from simulator.benchmodel import bench_optimizer, build_bench_model, synthetic_batch
+    from simulator.workload import load_workload
+
+    strategy, overlap, exchange = variant
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    _trim_heap()
+    base_rss = _rss_bytes()
+    _reset_peak_rss()
+    workload = load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers)
+    model = build_bench_model(workload, seed=cfg.seed, device=device, dtype=dtype)
+    probe_s, probe_ns_s, probe_ew_s = (_speed_probe(model, workload, cfg, device) if cfg.speed_probe
+                                       else (float("nan"),) * 3)
+    opt = bench_optimizer(strategy, model, overlap=overlap, exchange=exchange, layout=cfg.layout,
+                          memory=cfg.memory, node_size=cfg.node_size, timeout_s=min(cfg.timeout_s, 600.0),
+                          balancer=cfg.balancer, profile=cfg.profile)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    prof = None
+    records = []
+
+    def align() -> float:
+        """With --phase-barrier: a barrier (default group, untimed) so the next phase starts together on
+        every rank; returns the seconds it took."""
+        if not cfg.phase_barrier:
+            return 0.0
+        start = now()
+        dist.barrier()
+        return now() - start
+
+    def now():  # CUDA: wait for the compute stream only (the communication stream keeps overlapping)
+        if cuda:
+            torch.cuda.current_stream(device).synchronize()
+        return time.perf_counter()
+
+    for it in range(cfg.warmup + timed):
+        if it == cfg.warmup and cfg.profile_trace:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                          + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
+            prof.__enter__()
+        x, y = synthetic_batch(model.vocab, cfg.seq_len, cfg.micro_batch, seed=cfg.seed, step=it, rank=rank,
+                               device=device)
+        opt.comm_stats.reset()
+        t0 = now()
+        loss = model(x, y)
+        t1 = now()
+        loss.backward()
+        t2 = now()
+        skew = align()
+        t2 += skew
+        c2 = time.thread_time()
+        opt.step()
+        c3 = time.thread_time()
+        t3 = now()
+        opt.zero_grad(set_to_none=True)
+        t4 = now()
+        if it >= cfg.warmup:
+            records.append(dict(step_s=t4 - t0 - skew, forward_s=t1 - t0, backward_s=t2 - skew - t1,
+                                optimizer_s=t3 - t2,
+                                exposed_comm_s=opt.comm_stats.wait_s, optimizer_cpu_s=c3 - c2,
+                                peak_mem_bytes=(torch.cuda.max_memory_allocated(device) if cuda
+                                                else _peak_rss() - base_rss),
+                                loss=float(loss.detach()), load_1m=os.getloadavg()[0], probe_s=probe_s,
+                                probe_ns_s=probe_ns_s, probe_ew_s=probe_ew_s))
+    counted = _count_step(cfg, model, opt, rank, device, cfg.warmup + timed)
+    for r in records:
+        r.update(counted)
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        os.makedirs(cfg.profile_trace, exist_ok=True)
+        name = f"{strategy}-overlap_{'on' if overlap else 'off'}-{exchange}{tag}-rank{rank}.json"
+        prof.export_chrome_trace(os.path.join(cfg.profile_trace, name))
+    opt.synchronize()
+    info = dict(opt_state_bytes=opt.state_bytes,
+                exchange_buffer_bytes=sum(u.buffer_bytes() * (2 if hasattr(u, "launch_publish") else 1)
+                                          for u in opt.units),
+                n_params=sum(p.numel() for p in model.parameters()),
+                n_muon_params=sum(opt.params[i].numel() for i in range(opt.n_muon)),
+                plan_makespan_s=opt.plan.makespan_s if opt.plan is not None else 0.0,
+                plan_cost_source=opt.plan.cost_source if opt.plan is not None else "")
+    opt.close()
+    del model, opt
+    for r in records:
+        r.update(info)
+    return records
+
+
+def rank_main(cfg: StepConfig, rank: int, world: int, local_rank: int) -> list[dict] | None:
+    """Run every variant on this (initialized) rank; rank 0 returns the aggregated rows."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", local_rank) if use_cuda(cfg) else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    variants = cfg.variants()
+    records: list[list[dict]] = [[] for _ in variants]
+    per_block = [cfg.steps // cfg.rounds + (1 if r < cfg.steps % cfg.rounds else 0)
+                 for r in range(cfg.rounds)]
+    for variant in variants:  # an untimed one-step block per variant first: libraries and lazily built
+        dist.barrier()  # state (DTensor, FSDP2, NS code) load here, not in the first measured block's peak
+        untimed = replace(cfg, warmup=0, profile_trace=None, speed_probe=False)
+        run_variant(untimed, variant, rank, world, device, 1)
+    for rnd, timed in enumerate(per_block):
+        for k, variant in enumerate(variants):
+            if timed:
+                dist.barrier()
+                tag = f"-round{rnd}" if cfg.rounds > 1 else ""
+                records[k] += run_variant(cfg, variant, rank, world, device, timed, tag)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, records)
+    if rank != 0:
+        return None
+    return [aggregate(cfg, v, [g[k] for g in gathered], world, device) for k, v in enumerate(variants)]
+
+
+def aggregate(cfg: StepConfig, variant: tuple[str, bool, str], per_rank: list[list[dict]], world: int,
+              device) -> dict:
+    """Max over ranks per step, then the median over steps."""
+    import torch
+
+    steps = len(per_rank[0])
+    strategy, overlap, exchange = variant
+    row = dict(ranks=world, strategy=strategy, overlap=overlap, exchange=exchange, layout=cfg.layout,
+               memory=cfg.memory)
+    for key in METRICS + ("comm_bytes_per_step", "opt_comm_bytes_per_step", "fsdp_comm_bytes_per_step",
+                          "peak_mem_bytes"):
+        per_step = [max(r[i][key] for r in per_rank) for i in range(steps)]
+        row[key] = statistics.median(per_step)
+    for key in ("probe_s", "probe_ns_s", "probe_ew_s"):  # the blocks' probes
+        per_step = [max(r[i].get(key, math.nan) for r in per_rank) for i in range(steps)]
+        row[key] = statistics.median(per_step) if cfg.speed_probe else None
+    for key in ("step_s", "optimizer_s"):  # spread; the minimum is the least disturbed step
+        row[f"{key}_min"] = min(max(r[i][key] for r in per_rank) for i in range(steps))
+        row[f"{key}_max"] = max(max(r[i][key] for r in per_rank) for i in range(steps))
+    for key in ("opt_state_bytes", "exchange_buffer_bytes"):
+        row[key] = max(r[0][key] for r in per_rank)
+    row["load_1m"] = statistics.median(r["load_1m"] for r in per_rank[0])
+    first = per_rank[0][0]
+    row.update(n_params=first["n_params"], n_muon_params=first["n_muon_params"],
+               plan_makespan_s=first["plan_makespan_s"], plan_cost_source=first["plan_cost_source"],
+               final_loss=per_rank[0][-1]["loss"], workload=cfg.workload, width_scale=cfg.width_scale,
+               layers=cfg.layers, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch, steps=cfg.steps,
+               warmup=cfg.warmup, rounds=cfg.rounds, phase_barrier=cfg.phase_barrier, balancer=cfg.balancer,
+               node_size=cfg.node_size,
+               exact_memory=device.type == "cpu" and bool(os.environ.get("MALLOC_MMAP_THRESHOLD_")),
+               device=str(device.type), backend="nccl" if device.type == "cuda" else "gloo",
+               threads_per_rank=torch.get_num_threads(), cpu_cores=os.cpu_count(),
+               torch_version=torch.__version__,
+               measured_at=datetime.datetime.now().isoformat(timespec="seconds"))
+    return row
+
+
+__all__ = ["PROBE_REPEATS", "aggregate", "rank_main", "run_variant"]
