@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .newton_schulz import as_matrix, orthogonalize, orthogonalize_many
+from .newton_schulz import as_matrix
 from .optim import momentum_update, muon_ns_input
 from .runtime.base import BALANCERS, STATE_FORMAT, DistributedMuonBase
 from .runtime.fsdp_sharded import ShardedDMuonSteps, ShardedNaiveSteps
@@ -82,7 +82,7 @@ class DMuon(DistributedMuonBase):
                 muon_ns_input(as_matrix(g), as_matrix(buf), group["momentum"], group["nesterov"], out=slot)
                 buffers.append(buf)
                 flips.append(flip)
-            out = orthogonalize(stack, **{**self.ns.kwargs(), "method": batch_method(self.plan, batch)})
+            out = self._ns(stack, batch_method(self.plan, batch))
             updates = [u.mT if f else u for u, f in zip(out.unbind(0), flips, strict=True)]
             pending += list(zip(batch.members, buffers, updates, strict=True))
             self._absorb_ready()
@@ -111,7 +111,7 @@ class NaiveMuon(DistributedMuonBase):
         if not idx:
             return
         inputs = self._muon_inputs(idx, group)
-        self._apply(idx, orthogonalize_many(inputs, **self.ns.kwargs()), group)
+        self._apply(idx, self._ns_many(inputs), group)
 
 
 class ShardedDMuon(ShardedDMuonSteps, DMuon):

@@ -9,13 +9,14 @@ docs/runtime.md and docs/fsdp.md.
 from __future__ import annotations
 
 import math
+import time
 import warnings
 import weakref
 
 import torch
 
 from ..errors import InputError, choice_error
-from ..newton_schulz import NSConfig, as_matrix
+from ..newton_schulz import NSConfig, as_matrix, orthogonalize, orthogonalize_many
 from ..optim import NONFINITE, Muon, adamw_step_, lr_scale, muon_apply_, muon_momentum_, nonfinite_names
 from ..params import route
 from ..plan.types import MatrixSpec, Plan
@@ -404,6 +405,22 @@ class DistributedMuonBase(torch.optim.Optimizer):
 
     def _muon_update(self, has_any: torch.Tensor, pending) -> None:
         raise NotImplementedError
+
+    def _ns(self, stack: torch.Tensor, method: str) -> torch.Tensor:
+        """One (batched) NS call with this optimizer's settings, timed into comm_stats.ns_s."""
+        start = time.perf_counter()
+        out = orthogonalize(stack, **{**self.ns.kwargs(), "method": method})
+        self.comm_stats.ns_s += time.perf_counter() - start
+        self.comm_stats.ns_calls += 1
+        return out
+
+    def _ns_many(self, matrices: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`orthogonalize_many` (one call per shape) with this optimizer's settings, timed likewise."""
+        start = time.perf_counter()
+        out = orthogonalize_many(matrices, **self.ns.kwargs())
+        self.comm_stats.ns_s += time.perf_counter() - start
+        self.comm_stats.ns_calls += len({(tuple(m.shape), m.dtype) for m in matrices})
+        return out
 
     def _adamw_update(self, has_any: torch.Tensor) -> None:
         """AdamW on what this rank updates: whole parameters (replicated or owned), its 1/N pieces, or the

@@ -31,16 +31,22 @@ class CommError(RuntimeError):
 
 @dataclass
 class CommStats:
-    """Counters since the last `reset()`: exposed wait, jobs run, payload bytes by kind."""
+    """Counters since the last `reset()`: exposed wait, jobs run, payload bytes by kind, and the compute
+    thread's time inside NS calls (`ns_s`: with wait_s, what a step's time is made of; the rest is the
+    optimizer's own overhead. CPU: wall time of the calls; CUDA: their launch time only)."""
 
     wait_s: float = 0.0  # time the compute thread spent blocked on communication handles
     jobs: int = 0  # communication jobs finished (each is one or a few collectives)
     payload_bytes: dict = field(default_factory=dict)  # kind -> estimated bytes this rank sent (see units.py)
+    ns_s: float = 0.0  # compute-thread seconds inside orthogonalize calls
+    ns_calls: int = 0
 
     def reset(self) -> None:
         self.wait_s = 0.0
         self.jobs = 0
         self.payload_bytes = {}
+        self.ns_s = 0.0
+        self.ns_calls = 0
 
     def add_bytes(self, kind: str, n: int) -> None:
         self.payload_bytes[kind] = self.payload_bytes.get(kind, 0) + int(n)

@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError
-from ..newton_schulz import orthogonalize, orthogonalize_many
-from ..optim import lr_scale, muon_apply_, muon_momentum_
+from ..optim import lr_scale, muon_apply_, muon_momentum_, muon_ns_input
 from .bytecount import label
 from .fsdp import chunk_rows, fsdp_owner_module, local_tensor, mesh_of
 from .planning import batch_method
@@ -166,26 +165,32 @@ class ShardedDMuonSteps(_ShardedMixin):
             self._wait_bcast(b)
         group, geo, plan = self.param_groups[0], self.geo, self.plan
         active = [i for i in range(self.n_muon) if has_any[i]]
-        inputs = self._momentum_inputs(active, group)
         on = set(active)
         buckets = [[i for i in b.members if i in on] for b in plan.buckets]
         mine = [[i for i in ms if geo.owner_coord(plan, i)[0] == geo.r] for ms in buckets]  # my replica's
         owned = [[i for i in ms if plan.owners[i] == self.rank] for ms in buckets]
         bucket_of = {i: k for k, ms in enumerate(buckets) for i in ms}
         dtypes = [self._dtype(ms) for ms in buckets]
-        # 1. every bucket's inputs to their owners, all queued now (FIFO on the communication thread)
+        # 1. every bucket's inputs to their owners, all queued now (FIFO on the communication thread); the
+        #    momentum update writes each NS input straight into its place in the send buffer (no packing copy)
         sends = []
         for k in range(len(buckets)):
             if not mine[k]:
                 sends.append(None)
                 continue
-            by_dest = [[inputs[i].reshape(-1) for i in mine[k] if geo.owner_coord(plan, i)[1] == s]
-                       for s in range(geo.S)]
-            in_splits = [sum(t.numel() for t in ts) for ts in by_dest]
+            dest = [[i for i in mine[k] if geo.owner_coord(plan, i)[1] == s] for s in range(geo.S)]
+            in_splits = [sum(geo.numel(i, geo.s) for i in ds) for ds in dest]
             out_splits = [sum(geo.numel(i, s) for i in owned[k]) for s in range(geo.S)]
-            sends.append(self._all_to_all(f"Muon inputs of bucket {k} to their owners", dtypes[k],
-                                          [t for ts in by_dest for t in ts], in_splits, out_splits))
-        # 2. the owner's batches, bucket by bucket; each bucket's rows go back as soon as it is complete
+            send = torch.empty(sum(in_splits), dtype=dtypes[k], device=self.device)
+            pos = 0
+            for i in (i for ds in dest for i in ds):
+                n = geo.numel(i, geo.s)
+                self._momentum_input(i, group, send.narrow(0, pos, n))
+                pos += n
+            sends.append(self._all_to_all(f"Muon inputs of bucket {k} to their owners", send, in_splits,
+                                          out_splits))
+        # 2. the owner's batches, bucket by bucket; each bucket's rows go back as soon as it is complete,
+        #    copied from the update straight into the return buffer
         updates: dict[int, torch.Tensor] = {}
         batches = [bt for bt in plan.batches_of(self.rank) if any(i in on for i in bt.members)]
         returns = []
@@ -196,15 +201,21 @@ class ShardedDMuonSteps(_ShardedMixin):
             if not mine[k]:
                 returns.append(None)
                 continue
-            rows = [updates[i].reshape(self.params[i].shape[0], -1) for i in owned[k]]
-            back = [r.narrow(0, sum(geo.rows[i][:s]), geo.rows[i][s]).reshape(-1)
-                    for s in range(geo.S) for i, r in zip(owned[k], rows, strict=True)]
+            in_splits, out_splits = sends[k].splits
+            back = torch.empty(sum(out_splits), dtype=dtypes[k], device=self.device)
+            pos = 0
+            for s in range(geo.S):
+                for i in owned[k]:
+                    rows, cols = geo.rows[i][s], geo.cols[i]
+                    if rows:
+                        lo = sum(geo.rows[i][:s])
+                        dst = back.narrow(0, pos, rows * cols).view(rows, cols)
+                        dst.copy_(updates[i].narrow(0, lo, rows))
+                    pos += rows * cols
             for i in owned[k]:
                 del updates[i]
-            h = sends[k]
-            in_splits, out_splits = h.splits
-            returns.append(self._all_to_all(f"Muon updates of bucket {k} to the shards", dtypes[k], back,
-                                            out_splits, in_splits))
+            returns.append(self._all_to_all(f"Muon updates of bucket {k} to the shards", back, out_splits,
+                                            in_splits))
         # 3. apply this replica's updates; HSDP: broadcast the new shards to the other replicas
         for k, ms in enumerate(buckets):
             if returns[k] is not None:
@@ -215,6 +226,21 @@ class ShardedDMuonSteps(_ShardedMixin):
             if geo.R > 1 and ms:
                 self._bcast[k] = self._broadcast_replicas(k, ms, dtypes[k])
 
+    def _momentum_input(self, i: int, group, out: torch.Tensor) -> None:
+        """Momentum on the local shard of matrix i (committed: the flags are agreed); its NS input is
+        written into `out` (flat, the shard's elements; any dtype: the wire's)."""
+        p = self.params[i]
+        mine = local_tensor(p)
+        st = self.state[p]
+        if "momentum_buffer" not in st:
+            st["momentum_buffer"] = torch.zeros_like(mine, memory_format=torch.preserve_format)
+        if not mine.numel():
+            return
+        g = local_tensor(p.grad).to(p.dtype)
+        buf = st["momentum_buffer"]
+        buf.mul_(group["momentum"]).add_(g)  # what muon_momentum_ does
+        muon_ns_input(g, buf, group["momentum"], group["nesterov"], out=out.view(mine.shape))
+
     def _dtype(self, members) -> torch.dtype:
         """What a bucket's all-to-alls carry: `comm_dtype` where set, else the members' promoted dtype."""
         if self.comm_dtype is not None:
@@ -224,10 +250,8 @@ class ShardedDMuonSteps(_ShardedMixin):
             dtype = self.params[i].dtype if n == 0 else torch.promote_types(dtype, self.params[i].dtype)
         return dtype
 
-    def _all_to_all(self, name: str, dtype, pieces, in_splits, out_splits):
-        send = torch.cat([t.to(dtype) for t in pieces]) if pieces else torch.empty(0, dtype=dtype,
-                                                                                  device=self.device)
-        recv = torch.empty(sum(out_splits), dtype=dtype, device=self.device)
+    def _all_to_all(self, name: str, send: torch.Tensor, in_splits, out_splits):
+        recv = torch.empty(sum(out_splits), dtype=send.dtype, device=self.device)
         group = self.geo.shard_group
 
         def job():
@@ -240,26 +264,33 @@ class ShardedDMuonSteps(_ShardedMixin):
         return h
 
     def _orthogonalize(self, bt, on, sends, bucket_of, owned, updates) -> None:
-        """Assemble the batch's full matrices from the received rows, one batched NS call."""
+        """Copy the received rows of the batch's matrices straight into their slots of the batch's stack
+        (tall members through a transposed view), one batched NS call; the updates are views of it."""
         geo, plan = self.geo, self.plan
         members = [i for i in bt.members if i in on]
-        fulls = []
-        for i in members:
+        dtype = self.params[members[0]].dtype
+        for i in members[1:]:
+            dtype = torch.promote_types(dtype, self.params[i].dtype)
+        stack = torch.empty((len(members), bt.rows, bt.cols), dtype=dtype, device=self.device)
+        flips = []
+        for slot, i in zip(stack.unbind(0), members, strict=True):
             k = bucket_of[i]
             recv = sends[k].wait()
-            # recv = concat over sources s of (concat over owned[k] of rows_s(i) x cols)
-            pos, parts = 0, []
+            rows_i, cols = self.params[i].shape[0], geo.cols[i]
+            flip = (rows_i, cols) != (bt.rows, bt.cols)
+            full = slot.mT if flip else slot
+            # recv = concat over sources s of (concat over owned[k] of rows_s(j) x cols(j))
+            pos, row = 0, 0
             for s in range(geo.S):
                 for j in owned[k]:
                     n = geo.numel(j, s)
-                    if j == i:
-                        parts.append(recv.narrow(0, pos, n))
+                    if j == i and n:
+                        r = geo.rows[i][s]
+                        full.narrow(0, row, r).copy_(recv.narrow(0, pos, n).view(r, cols))
+                        row += r
                     pos += n
-            p = self.params[i]
-            fulls.append(torch.cat(parts).view(p.shape[0], -1).to(p.dtype))
-        flips = [tuple(x.shape) != (bt.rows, bt.cols) for x in fulls]
-        stack = torch.stack([x.mT if f else x for x, f in zip(fulls, flips, strict=True)])
-        out = orthogonalize(stack, **{**self.ns.kwargs(), "method": batch_method(plan, bt)})
+            flips.append(flip)
+        out = self._ns(stack, batch_method(plan, bt))
         self.ns_matrices += len(members)
         for i, u, f in zip(members, out.unbind(0), flips, strict=True):
             updates[i] = u.mT if f else u
@@ -330,7 +361,7 @@ class ShardedNaiveSteps(_ShardedMixin):
                                        shape=torch.Size((p.shape[0], self.geo.cols[i])),
                                        stride=(self.geo.cols[i], 1))
                 fulls.append(d.full_tensor().to(p.dtype))
-        updates = orthogonalize_many(fulls, **self.ns.kwargs())
+        updates = self._ns_many(fulls)
         self.ns_matrices = getattr(self, "ns_matrices", 0) + len(fulls)
         s = self.geo.s
         for i, u in zip(idx, updates, strict=True):
