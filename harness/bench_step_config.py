@@ -16,6 +16,7 @@ STRATEGIES = ("dmuon", "naive", "adamw")
 LAYOUTS = ("ddp", "fsdp2-owner", "fsdp2-sharded")
 MEMORY = ("keep", "free")
 OVERLAP = ("on", "off", "both")
+NS_DTYPES = ("default", "bf16", "fp16", "fp32")
 METRICS = ("step_s", "forward_s", "backward_s", "optimizer_s", "exposed_comm_s", "optimizer_cpu_s")
 
 
@@ -46,22 +47,33 @@ class StepConfig:
     memory: str = "keep"
     exact_memory: bool = False
     speed_probe: bool = False
+    ns_methods: tuple[str, ...] = ("auto",)  # NSConfig.method of the Muon strategies, one variant each
+    ns_dtypes: tuple[str, ...] = ("default",)  # NSConfig.dtype ('default': None, the device's default)
+    comm_dtype: str | None = None  # DMuon / NaiveMuon comm_dtype
     notes: list[str] = field(default_factory=list)
 
-    def variants(self) -> list[tuple[str, bool, str]]:
-        """(strategy, overlap, exchange) of every block; the exchange mode varies for dmuon only."""
+    def variants(self) -> list[tuple[str, bool, str, str, str]]:
+        """(strategy, overlap, exchange, ns method, ns dtype) of every block; the exchange mode varies
+        for dmuon only, the NS settings for the Muon strategies only (adamw runs no NS)."""
         overlaps = {"on": (True,), "off": (False,), "both": (True, False)}[self.overlap]
-        return [(s, ov, ex) for s in self.strategies for ov in overlaps
-                for ex in (self.exchanges if s == "dmuon" else self.exchanges[:1])]
+        return [(s, ov, ex, m, d) for s in self.strategies for ov in overlaps
+                for ex in (self.exchanges if s == "dmuon" else self.exchanges[:1])
+                for m in (self.ns_methods if s != "adamw" else self.ns_methods[:1])
+                for d in (self.ns_dtypes if s != "adamw" else self.ns_dtypes[:1])]
+
+    def ns_config(self, method: str, dtype: str):
+        from dmuon import NSConfig
+
+        return NSConfig(method=method, dtype=None if dtype == "default" else dtype)
 
 
 def parse_scale(text) -> float:
     try:
         value = float(Fraction(str(text)))
     except (ValueError, ZeroDivisionError):
-        raise InputError(f"width scale {text!r} is not a number; accepted: e.g. 0.0625 or 1/16") from None
+        raise InputError(f"width_scale {text!r} is not a number; accepted: e.g. 0.0625 or 1/16") from None
     if not value > 0:
-        raise InputError(f"width scale must be > 0, got {text!r}")
+        raise InputError(f"width_scale must be > 0, got {text!r}")
     return value
 
 
@@ -80,6 +92,17 @@ def check_config(cfg: StepConfig) -> None:
     for s in cfg.strategies:
         if s not in STRATEGIES:
             raise choice_error("strategy", s, STRATEGIES)
+    from dmuon.newton_schulz import METHODS as NS_METHODS
+    from dmuon.runtime.base import COMM_DTYPES
+
+    for m in cfg.ns_methods or ("",):
+        if m not in NS_METHODS:
+            raise choice_error("ns method", m, NS_METHODS)
+    for d in cfg.ns_dtypes or ("",):
+        if d not in NS_DTYPES:
+            raise choice_error("ns dtype", d, NS_DTYPES)
+    if cfg.comm_dtype is not None and cfg.comm_dtype not in COMM_DTYPES:
+        raise choice_error("comm dtype", cfg.comm_dtype, tuple(COMM_DTYPES))
     if cfg.overlap not in OVERLAP:
         raise choice_error("overlap", cfg.overlap, OVERLAP)
     if cfg.device not in ("auto", "cpu", "cuda"):
@@ -134,5 +157,5 @@ def threads_for(cfg: StepConfig, local_world: int) -> int:
     return cfg.threads or max(1, (os.cpu_count() or 1) // local_world)
 
 
-__all__ = ["LAYOUTS", "MEMORY", "METRICS", "OVERLAP", "STRATEGIES", "StepConfig", "check_config",
+__all__ = ["LAYOUTS", "MEMORY", "METRICS", "NS_DTYPES", "OVERLAP", "STRATEGIES", "StepConfig", "check_config",
            "parse_scale", "threads_for", "use_cuda"]

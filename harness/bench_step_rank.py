@@ -139,7 +139,7 @@ def run_variant(cfg: StepConfig, variant: tuple[str, bool, str], rank: int, worl
     from simulator.benchmodel import bench_optimizer, build_bench_model, synthetic_batch
     from simulator.workload import load_workload
 
-    strategy, overlap, exchange = variant
+    strategy, overlap, exchange, ns_method, ns_dtype = variant
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     _trim_heap()
@@ -151,7 +151,8 @@ def run_variant(cfg: StepConfig, variant: tuple[str, bool, str], rank: int, worl
                                        else (float("nan"),) * 3)
     opt = bench_optimizer(strategy, model, overlap=overlap, exchange=exchange, layout=cfg.layout,
                           memory=cfg.memory, node_size=cfg.node_size, timeout_s=min(cfg.timeout_s, 600.0),
-                          balancer=cfg.balancer, profile=cfg.profile)
+                          balancer=cfg.balancer, profile=cfg.profile, ns=cfg.ns_config(ns_method, ns_dtype),
+                          comm_dtype=cfg.comm_dtype)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     prof = None
@@ -187,15 +188,19 @@ def run_variant(cfg: StepConfig, variant: tuple[str, bool, str], rank: int, worl
         skew = align()
         t2 += skew
         c2 = time.thread_time()
+        w2 = opt.comm_stats.wait_s
         opt.step()
         c3 = time.thread_time()
         t3 = now()
+        w3 = opt.comm_stats.wait_s
         opt.zero_grad(set_to_none=True)
         t4 = now()
         if it >= cfg.warmup:
             records.append(dict(step_s=t4 - t0 - skew, forward_s=t1 - t0, backward_s=t2 - skew - t1,
                                 optimizer_s=t3 - t2,
                                 exposed_comm_s=opt.comm_stats.wait_s, optimizer_cpu_s=c3 - c2,
+                                optimizer_ns_s=opt.comm_stats.ns_s, optimizer_wait_s=w3 - w2,
+                                ns_calls=opt.comm_stats.ns_calls,
                                 peak_mem_bytes=(torch.cuda.max_memory_allocated(device) if cuda
                                                 else _peak_rss() - base_rss),
                                 loss=float(loss.detach()), load_1m=os.getloadavg()[0], probe_s=probe_s,
@@ -206,7 +211,8 @@ def run_variant(cfg: StepConfig, variant: tuple[str, bool, str], rank: int, worl
     if prof is not None:
         prof.__exit__(None, None, None)
         os.makedirs(cfg.profile_trace, exist_ok=True)
-        name = f"{strategy}-overlap_{'on' if overlap else 'off'}-{exchange}{tag}-rank{rank}.json"
+        name = (f"{strategy}-overlap_{'on' if overlap else 'off'}-{exchange}-ns_{ns_method}_{ns_dtype}{tag}"
+                f"-rank{rank}.json")
         prof.export_chrome_trace(os.path.join(cfg.profile_trace, name))
     opt.synchronize()
     info = dict(opt_state_bytes=opt.state_bytes,
@@ -252,15 +258,25 @@ def rank_main(cfg: StepConfig, rank: int, world: int, local_rank: int) -> list[d
     return [aggregate(cfg, v, [g[k] for g in gathered], world, device) for k, v in enumerate(variants)]
 
 
-def aggregate(cfg: StepConfig, variant: tuple[str, bool, str], per_rank: list[list[dict]], world: int,
-              device) -> dict:
-    """Max over ranks per step, then the median over steps."""
+def aggregate(cfg: StepConfig, variant: tuple[str, bool, str, str, str], per_rank: list[list[dict]],
+              world: int, device) -> dict:
+    """Max over ranks per step, then the median over steps. optimizer_over_ns_comm: per step, on the
+    rank whose step() took longest, optimizer_s over its NS calls + its communication waits inside
+    step() (1.0: nothing else; the excess is the optimizer's own overhead), median over steps."""
     import torch
 
     steps = len(per_rank[0])
-    strategy, overlap, exchange = variant
+    strategy, overlap, exchange, ns_method, ns_dtype = variant
     row = dict(ranks=world, strategy=strategy, overlap=overlap, exchange=exchange, layout=cfg.layout,
-               memory=cfg.memory)
+               memory=cfg.memory, ns_method=ns_method, ns_dtype=ns_dtype, comm_dtype=cfg.comm_dtype or "")
+    for key in ("optimizer_ns_s", "optimizer_wait_s", "ns_calls"):
+        row[key] = statistics.median(max(r[i][key] for r in per_rank) for i in range(steps))
+    accounted = []
+    for i in range(steps):
+        slow = max(per_rank, key=lambda r, i=i: r[i]["optimizer_s"])[i]
+        inside = slow["optimizer_ns_s"] + slow["optimizer_wait_s"]
+        accounted.append(slow["optimizer_s"] / inside if inside > 0 else math.nan)
+    row["optimizer_over_ns_comm"] = statistics.median(accounted)
     for key in METRICS + ("comm_bytes_per_step", "opt_comm_bytes_per_step", "fsdp_comm_bytes_per_step",
                           "peak_mem_bytes"):
         per_step = [max(r[i][key] for r in per_rank) for i in range(steps)]

@@ -15,6 +15,11 @@ Per timed step (after --warmup steps) each rank records, on its compute thread:
                   CPU-side waits: the compute stream's waits for the communication stream are inside
                   the phase times)
   optimizer_cpu_s CPU time of the compute thread inside step() (unaffected by CPU oversubscription)
+  optimizer_ns_s  the compute thread's time inside NS calls during step() (`CommStats.ns_s`), and
+  optimizer_wait_s its waits for communication inside step(); optimizer_over_ns_comm = optimizer_s /
+                  (the two) on the slowest rank: 1.0 means the step is nothing but NS and collectives
+--ns-method / --ns-dtype (comma lists: one variant each, for dmuon and naive) set NSConfig; --comm-dtype
+the dtype gradients travel in. Ratios ns_<a>_over_<b>_* compare one variant's NS time in two dtypes.
 
 Variants run in blocks, alternating over --rounds rounds (naive, dmuon, naive, dmuon, ...) so that a
 drift in machine load hits all of them alike; each block builds a fresh model and optimizer (same seed),
@@ -61,27 +66,45 @@ torchrun); this module prints and stores the rows.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from .bench_step_config import StepConfig, check_config, parse_scale
 from .bench_step_launch import launch, run_torchrun, under_torchrun
 
 
+def _ns_key(r: dict) -> tuple[str, str]:
+    return r.get("ns_method", "auto"), r.get("ns_dtype", "default")
+
+
+def _div(a: float, b: float) -> float:
+    return a / b if b else math.nan
+
+
 def ratios(rows: list[dict]) -> dict[str, float]:
-    """Side-by-side ratios of this run (same ranks, same model). Keys name the DMuon exchange mode only
-    when several were run."""
+    """Side-by-side ratios of this run (same ranks, same model). Keys name the DMuon exchange mode and
+    the NS method / dtype only when several were run; naive is compared at the same NS settings.
+    ns_<d1>_over_<d2>_...: the same strategy's NS time (optimizer_ns_s) and optimizer time in two NS
+    dtypes. A ratio whose denominator is 0 (e.g. bytes at 1 rank) is NaN."""
     out = {}
     several = len({r["exchange"] for r in rows if r["strategy"] == "dmuon"}) > 1
+    several_ns = len({_ns_key(r) for r in rows if r["strategy"] != "adamw"}) > 1
     for d in (r for r in rows if r["strategy"] == "dmuon"):
         tag = ("overlap_on" if d["overlap"] else "overlap_off") + (f"_{d['exchange']}" if several else "")
-        n = next((r for r in rows if r["strategy"] == "naive" and r["overlap"] == d["overlap"]), None)
+        if several_ns:
+            tag += "_ns_{}_{}".format(*_ns_key(d))
+        n = next((r for r in rows if r["strategy"] == "naive" and r["overlap"] == d["overlap"]
+                  and _ns_key(r) == _ns_key(d)), None)
         a = next((r for r in rows if r["strategy"] == "adamw" and r["overlap"] == d["overlap"]), None)
+        if "optimizer_over_ns_comm" in d:
+            out[f"dmuon_optimizer_over_ns_comm_{tag}"] = d["optimizer_over_ns_comm"]
         if n:
             out[f"naive_over_dmuon_optimizer_s_{tag}"] = n["optimizer_s"] / d["optimizer_s"]
             out[f"naive_over_dmuon_optimizer_s_min_{tag}"] = n["optimizer_s_min"] / d["optimizer_s_min"]
             out[f"naive_over_dmuon_optimizer_cpu_s_{tag}"] = n["optimizer_cpu_s"] / d["optimizer_cpu_s"]
             out[f"naive_over_dmuon_step_s_{tag}"] = n["step_s"] / d["step_s"]
-            out[f"dmuon_over_naive_comm_bytes_{tag}"] = d["comm_bytes_per_step"] / n["comm_bytes_per_step"]
+            out[f"dmuon_over_naive_comm_bytes_{tag}"] = _div(d["comm_bytes_per_step"],
+                                                             n["comm_bytes_per_step"])
             if d["layout"] == "fsdp2-owner":  # Muon-matrix bytes: DMuon's own vs naive's total less the
                 adamw = d["fsdp_comm_bytes_per_step"]  # AdamW part FSDP2 moves in both
                 naive_muon = n["comm_bytes_per_step"] - adamw
@@ -89,6 +112,19 @@ def ratios(rows: list[dict]) -> dict[str, float]:
                 out[f"dmuon_over_naive_muon_comm_bytes_{tag}"] = own / naive_muon if naive_muon > 0 else 0.0
         if a:
             out[f"dmuon_over_adamw_step_s_{tag}"] = d["step_s"] / a["step_s"]
+    dtypes = sorted({r.get("ns_dtype", "default") for r in rows if r["strategy"] != "adamw"})
+    for r in rows:  # NS dtypes side by side: the same variant in each pair of dtypes
+        for other in dtypes:
+            if r["strategy"] == "adamw" or other == r.get("ns_dtype") or other < r.get("ns_dtype", ""):
+                continue
+            o = next((x for x in rows if x["strategy"] == r["strategy"] and x["overlap"] == r["overlap"]
+                      and x["exchange"] == r["exchange"] and x.get("ns_method") == r.get("ns_method")
+                      and x.get("ns_dtype") == other), None)
+            if o is not None:
+                tag = f"{r['strategy']}_{r.get('ns_method', 'auto')}"
+                pair = f"{other}_over_{r['ns_dtype']}"
+                out[f"ns_{pair}_ns_s_{tag}"] = _div(o["optimizer_ns_s"], r["optimizer_ns_s"])
+                out[f"ns_{pair}_optimizer_s_{tag}"] = _div(o["optimizer_s"], r["optimizer_s"])
     for r in rows:
         if r["overlap"]:
             off = next((x for x in rows if (x["strategy"], x["exchange"], x["overlap"])
@@ -123,14 +159,17 @@ def print_table(rows: list[dict]) -> None:
                     f"({r0['backend']}, "
                     f"{r0['threads_per_rank']} threads/rank, {r0['cpu_cores']} cores); medians of "
                     f"{r0['steps']} steps")
-    cols = ["strategy", "layout", "memory", "overlap", "exchange", "step ms", "fwd ms", "bwd ms", "opt ms",
-            "exposed comm ms", "opt cpu ms", "comm MB/step", "opt state MB", "peak mem MB"]
+    cols = ["strategy", "layout", "memory", "overlap", "exchange", "ns", "step ms", "fwd ms", "bwd ms",
+            "opt ms", "opt NS ms", "opt wait ms", "exposed comm ms", "opt cpu ms", "comm MB/step",
+            "opt state MB", "peak mem MB"]
     for c in cols:
         t.add_column(c, justify="right")
     for r in rows:
-        t.add_row(r["strategy"], r["layout"], r["memory"], "on" if r["overlap"] else "off", r["exchange"],
+        ns = "-" if r["strategy"] == "adamw" else "{} {}".format(*_ns_key(r))
+        t.add_row(r["strategy"], r["layout"], r["memory"], "on" if r["overlap"] else "off", r["exchange"], ns,
                   *[f"{r[k] * 1e3:.1f}" for k in ("step_s", "forward_s", "backward_s", "optimizer_s",
-                                                   "exposed_comm_s", "optimizer_cpu_s")],
+                                                   "optimizer_ns_s", "optimizer_wait_s", "exposed_comm_s",
+                                                   "optimizer_cpu_s")],
                   f"{r['comm_bytes_per_step'] / 1e6:.2f}", f"{r['opt_state_bytes'] / 1e6:.2f}",
                   f"{r['peak_mem_bytes'] / 1e6:.0f}")
     console = Console(width=200)
@@ -146,7 +185,10 @@ def _split(text: str) -> tuple[str, ...]:
 def register(app, bench) -> None:
     import typer
 
-    @bench.command("step")
+    from .options import option_command
+
+    # the workload calls --layers blocks
+    @bench.command("step", cls=option_command(blocks="layers"))
     def step_cmd(
         ranks: int = typer.Option(2, help="Processes to spawn (ignored under torchrun: WORLD_SIZE)."),
         strategy: str = typer.Option("dmuon", help="dmuon | naive | adamw, or a comma-separated list run "
@@ -181,6 +223,12 @@ def register(app, bench) -> None:
         exact_memory: bool = typer.Option(False, "--exact-memory", help="CPU: return freed tensors to the OS "
                                           "at once (tighter peak_mem_bytes, ~2x slower allocation; see "
                                           "docs)."),
+        ns_method: str = typer.Option("auto", help="auto | standard | gram (NSConfig.method of dmuon and "
+                                      "naive), or a comma-separated list (one variant each)."),
+        ns_dtype: str = typer.Option("default", help="default | bf16 | fp16 | fp32 (NSConfig.dtype; default: "
+                                     "fp32 on CPU, bf16/fp16 on CUDA), or a comma-separated list."),
+        comm_dtype: str = typer.Option(None, help="bf16 | fp16 | fp32: the dtype gradients (and the sharded "
+                                       "layout's all-to-alls) travel in (default: the parameters')."),
         speed_probe: bool = typer.Option(False, "--speed-probe", help="Time the model's forward + backward "
                                          "one NS call and one AdamW pass before each block (columns probe_s, "
                                          "probe_ns_s, probe_ew_s: the machine's speed then)."),
@@ -193,7 +241,8 @@ def register(app, bench) -> None:
                          phase_barrier=phase_barrier, balancer=balancer, exchanges=_split(exchange),
                          node_size=node_size, profile=profile, device=device, threads=threads, seed=seed,
                          timeout_s=timeout_s, profile_trace=profile_trace, layout=layout, memory=memory,
-                         exact_memory=exact_memory, speed_probe=speed_probe)
+                         exact_memory=exact_memory, speed_probe=speed_probe, ns_methods=_split(ns_method),
+                         ns_dtypes=_split(ns_dtype), comm_dtype=comm_dtype)
         if under_torchrun():
             cfg.ranks = int(os.environ["WORLD_SIZE"])
             check_config(cfg)

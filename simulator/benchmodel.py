@@ -218,10 +218,11 @@ def shard_for(model, strategy: str, layout: str, memory: str) -> str:
 
 def bench_optimizer(strategy: str, model, *, overlap: bool, exchange: str, layout: str = "ddp",
                     memory: str = "keep", node_size: int | None = None, timeout_s: float = 600.0,
-                    balancer: str = "lpt", profile: str | None = None):
+                    balancer: str = "lpt", profile: str | None = None, ns=None, comm_dtype=None):
     """The optimizer `harness bench step` runs for `strategy` on `model` (after `shard_for` applies the
     layout): dmuon -> DMuon, naive -> NaiveMuon, adamw -> DMuon with no Muon matrices (every parameter
-    on replicated AdamW with bucketed async all-reduce, DDP-like)."""
+    on replicated AdamW with bucketed async all-reduce, DDP-like). ns (a dmuon.NSConfig) and comm_dtype go
+    to the Muon strategies."""
     from dmuon.distributed import DMuon, NaiveMuon
 
     common = dict(overlap=overlap, node_size=node_size, timeout_s=timeout_s, exchange=exchange,
@@ -231,4 +232,4 @@ def bench_optimizer(strategy: str, model, *, overlap: bool, exchange: str, layou
     if strategy == "adamw":
         return DMuon(model, muon_predicate=lambda name, p: False, warn_no_muon=False, shard_adamw=False,
                      **common)
-    return (DMuon if strategy == "dmuon" else NaiveMuon)(model, **common)
+    return (DMuon if strategy == "dmuon" else NaiveMuon)(model, ns=ns, comm_dtype=comm_dtype, **common)

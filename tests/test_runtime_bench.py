@@ -43,6 +43,30 @@ def test_bench_step_json_on_two_ranks(tmp_path):
     assert csv_path.read_text().count("\n") == 3  # header + 2 rows
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_bench_step_ns_settings_side_by_side():
+    cmd = [sys.executable, "-m", "harness.cli", "bench", "step", "--ranks", "2", "--strategy", "dmuon,naive",
+           "--width-scale", "1/32", "--layers", "1", "--seq-len", "16", "--micro-batch", "1", "--steps", "2",
+           "--warmup", "1", "--rounds", "1", "--device", "cpu", "--json", "--ns-method", "standard",
+           "--ns-dtype", "fp32,bf16", "--comm-dtype", "bf16", "--layout", "fsdp2-sharded"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    rows = out["rows"]
+    assert [(r["strategy"], r["ns_method"], r["ns_dtype"], r["comm_dtype"]) for r in rows] == [
+        ("dmuon", "standard", "fp32", "bf16"), ("dmuon", "standard", "bf16", "bf16"),
+        ("naive", "standard", "fp32", "bf16"), ("naive", "standard", "bf16", "bf16")]
+    for r in rows:
+        assert r["optimizer_ns_s"] > 0 and r["ns_calls"] >= 1
+        assert 0 <= r["optimizer_wait_s"] <= r["optimizer_s"]
+        assert r["optimizer_over_ns_comm"] >= 1.0  # NS and waits happen inside step()
+    for key in ("ns_fp32_over_bf16_ns_s_dmuon_standard", "ns_fp32_over_bf16_optimizer_s_naive_standard",
+                "naive_over_dmuon_optimizer_s_overlap_on_ns_standard_bf16",
+                "dmuon_optimizer_over_ns_comm_overlap_on_ns_standard_fp32"):
+        assert out["ratios"][key] > 0, key
+
+
 @pytest.mark.parametrize("args,text", [
     (["--ranks", "0"], "ranks must be an integer >= 1"),
     (["--strategy", "sgd"], "unknown strategy 'sgd'"),
@@ -51,6 +75,9 @@ def test_bench_step_json_on_two_ranks(tmp_path):
     (["--width-scale", "x"], "width scale"),
     (["--balancer", "greedy"], "unknown balancer"),
     (["--ranks", "4", "--node-size", "3"], "does not divide"),
+    (["--ns-method", "newton"], "'newton'; accepted: auto, standard, gram"),
+    (["--ns-dtype", "fp8"], "'fp8'; accepted: default, bf16, fp16, fp32"),
+    (["--comm-dtype", "int8"], "'int8'; accepted: bf16, fp16, fp32"),
 ])
 def test_bench_step_bad_input_exits_2(args, text, capsys):
     assert main(["bench", "step", *args]) == 2
