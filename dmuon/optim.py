@@ -54,15 +54,17 @@ def lr_scale(shape, adjust_lr: str = "match_rms_adamw") -> float:
 
 def muon_momentum_(grad: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
     """Update the momentum buffer in place (buf = momentum * buf + grad) and return the NS input:
-    grad + momentum * buf (Nesterov) or buf itself (do not modify the returned tensor)."""
-    buf.mul_(momentum).add_(grad)
+    grad + momentum * buf (Nesterov) or buf itself (do not modify the returned tensor). One fused pass
+    (grad + momentum * buf, written over buf), bitwise what `momentum_update` returns."""
+    torch.add(grad, buf, alpha=momentum, out=buf)
     return muon_ns_input(grad, buf, momentum, nesterov)
 
 
-def momentum_update(grad: torch.Tensor, buf: torch.Tensor, momentum: float) -> torch.Tensor:
-    """The updated momentum buffer as a new tensor (`buf` untouched): bitwise what `muon_momentum_`
-    leaves in `buf`."""
-    return torch.mul(buf, momentum).add_(grad)
+def momentum_update(grad: torch.Tensor, buf: torch.Tensor, momentum: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """The updated momentum buffer, momentum * buf + grad, as a new tensor or in `out` (`buf` untouched):
+    bitwise what `muon_momentum_` leaves in `buf` (one fused pass)."""
+    return torch.add(grad, buf, alpha=momentum, out=out)
 
 
 def muon_ns_input(grad: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool,

@@ -238,7 +238,7 @@ class ShardedDMuonSteps(_ShardedMixin):
             return
         g = local_tensor(p.grad).to(p.dtype)
         buf = st["momentum_buffer"]
-        buf.mul_(group["momentum"]).add_(g)  # what muon_momentum_ does
+        torch.add(g, buf, alpha=group["momentum"], out=buf)  # what muon_momentum_ does
         muon_ns_input(g, buf, group["momentum"], group["nesterov"], out=out.view(mine.shape))
 
     def _dtype(self, members) -> torch.dtype:

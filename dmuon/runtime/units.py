@@ -278,9 +278,12 @@ class OwnerUnit(_Unit):
         if self.reduce_handle is not None:
             self._reduced = self.reduce_handle.wait()
 
-    def launch_publish(self, name: str) -> Handle:
+    def launch_publish(self, name: str) -> Handle | None:
         """Copy this rank's (already updated) pieces into its send chunk and publish; the job copies
-        every other rank's pieces into the parameters."""
+        every other rank's pieces into the parameters. One rank alone has nothing to publish: None."""
+        if self.pub_groups.world_size == 1:
+            self._reduced = None
+            return None
         if self.transient:  # every element is written by the collectives: no need to zero
             cap, groups = self.layout.chunk_cap, self.pub_groups
             buf = torch.empty(self.layout.total, dtype=self.dtype, device=self.device)
