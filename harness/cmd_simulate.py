@@ -2,7 +2,10 @@
 
 Prints forward / backward / optimizer / step time, exposed communication, tokens/s, bytes on the wire
 and the NS makespan for adamw, naive and dmuon (or the one `--strategy` names), then the profile and
-which inputs were measured, fitted or modelled. `--json` prints the same as JSON (one object per
+which inputs were measured, fitted or modelled. The model is `--workload` (catalog, TOML, CSV) or
+`--model` (a Hugging Face config.json: simulator.hf_config); the hardware `--gpu` (a profile) or
+`--cluster` (a cluster file: simulator.cluster_file), which --gpu, --gpus-per-node and --nic-gbps
+override. `--json` prints the same as JSON (one object per
 strategy, a list when several). `--trace FILE` writes a Chrome-trace timeline (Perfetto) per strategy
 (FILE itself for one strategy, FILE with the strategy before the suffix for several).
 """
@@ -43,6 +46,18 @@ def trace_path(base: Path, strategy: str, several: bool) -> Path:
     if not several:
         return base
     return base.with_name(f"{base.stem}.{strategy}{base.suffix or '.json'}")
+
+
+def gpu_of(gpu: str | None, cluster: str | None):
+    """SimConfig's gpu for --gpu / --cluster: the profile name (default a800); with a cluster file its
+    own GPU profile, or the --gpu profile given explicitly (loaded here, so that even --gpu a800, the
+    default's name, replaces the file's)."""
+    from simulator.api import SimConfig
+    from simulator.hardware import load_profile
+
+    if cluster is None:
+        return gpu or SimConfig.gpu
+    return SimConfig.gpu if gpu is None else load_profile(gpu)
 
 
 def run_simulations(configs, trace: str | None):
@@ -105,10 +120,17 @@ def register(app, bench) -> None:
 
     @app.command("simulate")
     def simulate_cmd(
-        workload: str = typer.Option("qwen2.5-7b", help="Catalog workload or a .toml / .csv file."),
+        workload: str = typer.Option(None, help="Catalog workload or a .toml / .csv file (default "
+                                                "qwen2.5-7b)."),
+        model: str = typer.Option(None, help="A Hugging Face config.json (a path, a folder holding one, or "
+                                             "a model in experiments/models/) instead of --workload."),
+        cluster: str = typer.Option(None, help="Cluster file: experiments/clusters/<name> or a .toml path "
+                                               "(GPU profile, GPUs per node, NVLink, NICs, rails); --gpu, "
+                                               "--gpus-per-node, --nic-gbps override it."),
         gpus: int = typer.Option(8, help="Data-parallel ranks (GPUs)."),
         gpus_per_node: int = typer.Option(None, help="Ranks per node (default: the profile's, 8 for GPUs)."),
-        gpu: str = typer.Option("a800", help="Hardware profile: a800 | h100 | h200 | cpu | <path>.toml."),
+        gpu: str = typer.Option(None, help="Hardware profile: a800 | h100 | h200 | cpu | <path>.toml "
+                                           "(default a800, or the --cluster file's)."),
         strategy: str = typer.Option(ALL, help="adamw | naive | dmuon | all (side by side)."),
         layout: str = typer.Option("fsdp-keep", help="fsdp-keep | fsdp-free | hsdp-keep | hsdp-free | ddp | "
                                                      "sharded."),
@@ -142,8 +164,13 @@ def register(app, bench) -> None:
 
         if trace and not Path(trace).parent.is_dir():
             raise InputError(f"trace directory {str(Path(trace).parent)!r} does not exist")
+        if workload is not None and model is not None:
+            raise InputError("give --workload or --model, not both")
+        workload = workload or SimConfig.workload
+        hardware = gpu_of(gpu, cluster)
         configs = [
-            SimConfig(workload=workload, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, strategy=s,
+            SimConfig(workload=workload, model=model, cluster=cluster, gpus=gpus, gpus_per_node=gpus_per_node,
+                      gpu=hardware, strategy=s,
                       layout=layout, seq_len=seq_len, micro_batch=micro_batch, gram=gram,
                       symmetric_kernels=symmetric_kernels, batching=batching, balancer=balancer,
                       overlap=overlap, hierarchical=hierarchical, nic_gbps=nic_gbps,

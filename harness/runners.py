@@ -93,9 +93,8 @@ class SimulateRunner:
         )
 
     def run_group(self, group: list[dict], ctx: dict):
-        from simulator.api import SimConfig, run
+        from simulator.api import SimConfig, profile_of, run
         from simulator.costs import load_cost
-        from simulator.hardware import load_profile
 
         names = {f.name for f in fields(SimConfig)} - set(_SIM_SKIP)
         for s in group:
@@ -111,11 +110,13 @@ class SimulateRunner:
                 nodes=res.settings["nodes"],
                 ranks_per_node=res.settings["ranks_per_node"],
                 profile_description=res.provenance.get("profile", ""),
-                cost_source=load_cost(load_profile(cfg.gpu).cost_profiles).name,
+                cost_source=load_cost(profile_of(cfg).cost_profiles).name,
                 notes="; ".join(dict.fromkeys(res.notes)),
                 kind=self.kind,
                 sim_wall_s=wall,
             )
+            if cfg.model is not None:  # the model's name, so tables and figures group by it
+                row["workload"] = res.workload
             if _traced(s, ctx.get("traces", ())):
                 row["trace_file"] = _write_trace(built, res, s, Path(ctx["out_dir"]))
             yield row
@@ -161,6 +162,7 @@ class PlanRunner:
     lead = ("workload", "gpus", "balancer")
     settings = {
         "workload": "qwen2.5-7b",
+        "model": None,  # a Hugging Face config.json; replaces workload (simulator.hf_config)
         "gpus": 8,
         "profile": "a800",
         "balancer": "lpt",
@@ -187,14 +189,15 @@ class PlanRunner:
 
         from dmuon.plan.build import build_plan
         from simulator.costs import load_cost
-        from simulator.workload import load_workload
+        from simulator.workload import resolve_workload
 
         for s in group:
             cost = load_cost(s["profile"])
+            workload = resolve_workload(s["workload"], s.get("model"))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
                 plan = build_plan(
-                    load_workload(s["workload"]).muon_matrices,
+                    workload.muon_matrices,
                     s["gpus"],
                     cost,
                     balancer=s["balancer"],
@@ -227,6 +230,8 @@ class PlanRunner:
                 notes="; ".join(plan.notes),
                 kind=self.kind,
             )
+            if s.get("model") is not None:
+                row["workload"] = workload.name
             yield row
 
 

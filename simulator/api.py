@@ -45,7 +45,13 @@ class SimConfig:
     gpus_per_node: int | None = _f(None, "ranks per node (None: the profile's node size); gpus must be "
                                          "<= it (one node) or a multiple of it")
     gpu: object = _f("a800", "hardware profile: a name in simulator/profiles/ (a800, h100, h200, cpu), a "
-                             ".toml path, or a simulator.hardware.Profile")
+                             ".toml path, or a simulator.hardware.Profile; with `cluster`, anything but the "
+                             "default 'a800' replaces the cluster file's GPU profile")
+    model: str | None = _f(None, "a Hugging Face config.json (path, folder holding one, or a model in "
+                                 "experiments/models/); replaces `workload` (simulator.hf_config)")
+    cluster: str | None = _f(None, "a cluster file (experiments/clusters/<name> or a .toml path: GPU "
+                                   "profile, GPUs per node, NVLink, NICs, rails); gpus_per_node, nic_gbps "
+                                   "and overlap_slowdown, where set, override it (simulator.cluster_file)")
     strategy: str = _f("dmuon", "adamw | naive | dmuon")
     layout: str = _f("fsdp-keep", "fsdp-keep | fsdp-free | hsdp-keep | hsdp-free | ddp | sharded")
     seq_len: int = _f(2048, "tokens per sequence")
@@ -211,6 +217,25 @@ def node_shape(gpus: int, gpus_per_node: int) -> tuple[int, int]:
     return gpus // gpus_per_node, gpus_per_node
 
 
+def profile_of(cfg: SimConfig):
+    """The hardware profile `cfg` runs on: its cluster file (simulator.cluster_file) or its gpu profile,
+    then the config's nic_gbps and overlap_slowdown overrides."""
+    from .hardware import Profile, load_profile
+
+    if cfg.cluster is not None:
+        from .cluster_file import load_cluster
+
+        gpu = None if isinstance(cfg.gpu, str) and cfg.gpu == SimConfig.gpu else cfg.gpu
+        profile = load_cluster(cfg.cluster, gpu)
+    else:
+        profile = cfg.gpu if isinstance(cfg.gpu, Profile) else load_profile(cfg.gpu)
+    if cfg.nic_gbps is not None:
+        profile = profile.with_nic_gbps(cfg.nic_gbps)
+    if cfg.overlap_slowdown is not None:
+        profile = profile.with_overlap_slowdown(cfg.overlap_slowdown)
+    return profile
+
+
 def simulate(cfg: SimConfig) -> SimResult:
     """Simulate `cfg` (2 steps, the second reported). Deterministic: same config -> same result."""
     return run(cfg)[0]
@@ -218,22 +243,15 @@ def simulate(cfg: SimConfig) -> SimResult:
 
 def run(cfg: SimConfig):
     """(SimResult, the finished simulator.step.Built) — the trace writer needs the second."""
-    from .hardware import load_profile
     from .metrics import measure
     from .setup import make_spec
     from .step import build
 
     validate_config(cfg)
-    from .workload import Workload, load_workload
+    from .workload import resolve_workload
 
-    workload = cfg.workload if isinstance(cfg.workload, Workload) else load_workload(cfg.workload)
-    from .hardware import Profile
-
-    profile = cfg.gpu if isinstance(cfg.gpu, Profile) else load_profile(cfg.gpu)
-    if cfg.nic_gbps is not None:
-        profile = profile.with_nic_gbps(cfg.nic_gbps)
-    if cfg.overlap_slowdown is not None:
-        profile = profile.with_overlap_slowdown(cfg.overlap_slowdown)
+    workload = resolve_workload(cfg.workload, cfg.model)
+    profile = profile_of(cfg)
     per_node_cap = cfg.gpus_per_node or profile.gpus_per_node
     nodes, per_node = node_shape(cfg.gpus, per_node_cap)
     cost = cfg.cost if cfg.cost is not None else load_cost(profile.cost_profiles)

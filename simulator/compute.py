@@ -2,12 +2,16 @@
 
 Per layer l with weight matrices W (rows x cols), per GPU and micro-step, T = micro_batch x seq_len:
 
-    matmul FLOPs   2 x sum(rows x cols) x T   over the matrices that are multiplied: every matrix except
-                   embedding lookups (a matrix whose name contains "embed" costs nothing), plus one
+    matmul FLOPs   2 x sum(rows x cols x uses) x T   over the matrices that are multiplied: every matrix
+                   except embedding lookups (a matrix whose name contains "embed" costs nothing), where
+                   uses = ParamSpec.matmuls_per_token (1 for catalog rows; top_k / experts for a routed
+                   expert of a config.json model, 0 for its norm and bias vectors), plus one
                    output-head matmul for an embedding tied to the head (its note says "tied") when the
                    workload has no separate head matrix, charged to the last layer (where it runs)
     attention      4 x micro_batch x seq_len^2 x d_q x causal, causal = 0.5 (a flash-style kernel skips
-                   the masked half), once per query projection in the layer; d_q = rows of a q-like
+                   the masked half), once per query projection in the layer; d_q = the matrix's
+                   `attn_width` where set (config.json models: heads x head_dim, or for MLA heads x
+                   (qk + v head dims) / 2), else rows of a q-like
                    matrix (q_proj, q, query), model width (cols) of a fused qkv matrix, rows of the first
                    of each group of four "..._qkvo" matrices (q, k, v, o stored as four)
     forward FLOPs  matmul + attention;  backward FLOPs = 2 x forward
@@ -76,8 +80,8 @@ def layer_flops(workload: Workload, seq_len: int, micro_batch: int) -> list[Laye
                 if not has_head and "tied" in p.note.lower():
                     tied_head += 2.0 * p.numel * tokens
                 continue
-            mm += 2.0 * p.numel * tokens
-            d_q = _query_width(p)
+            mm += 2.0 * p.numel * tokens * p.matmuls_per_token
+            d_q = p.attn_width or _query_width(p)
             if d_q:
                 attn += 4.0 * micro_batch * seq_len * seq_len * d_q * CAUSAL_FRACTION
         out.append(LayerCompute(layer, mm, attn))

@@ -27,7 +27,9 @@ beside the node's gathers and reduce-scatters):
                     matrix: all-gather of the full gradient (not overlapped with the previous NS,
                     as in the published FSDP2+Muon) and standard NS (bf16, Jordan) on every rank,
                     keeping its own shard (naive_batching: each matrix carries an equal share of its
-                    shape's one batched NS call, as dmuon.NaiveMuon runs them)
+                    shape's one batched NS call, as dmuon.NaiveMuon runs them); above
+                    NAIVE_MERGE_ABOVE matrices the matrices of one shape are one gather and one NS op
+                    of their summed time (the same timing: see _naive_runs)
              dmuon: each owner runs its plan batches in the plan's order (the batch's share of one
                     momentum pass over the owner's elements + the batch's cost-table NS time), each
                     once the buckets holding its members have arrived, then the AdamW pass;
@@ -54,6 +56,7 @@ from .engine import Cluster, Op
 LAYOUTS = ("fsdp-keep", "fsdp-free", "hsdp-keep", "hsdp-free", "ddp", "sharded")
 STRATEGIES = ("adamw", "naive", "dmuon")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+NAIVE_MERGE_ABOVE = 4096  # Muon matrices above which naive's same-shape runs are simulated as one op each
 
 
 @dataclass
@@ -113,6 +116,10 @@ class _Programs:
         self.free = lay.endswith("-free")
         self.sharded = lay == "sharded" and spec.strategy == "dmuon"
         self.shard_size = {None: 1, "world": n, "intra": p}[self.shard]
+        # per-layer and total Muon elements, summed once (MoE workloads have ~10^5 matrices)
+        self.layer_muon_numel = [sum(spec.muon_numel[i] for i in ms) for ms in spec.layer_muon]
+        self.muon_total = sum(spec.muon_numel)
+        self.naive_runs = self._naive_runs()
         self._prepare_plan()
 
     # ---- groups and collectives ------------------------------------------------------------------
@@ -124,7 +131,9 @@ class _Programs:
         return self.inter, rank % self.s.per_node
 
     def coll(self, rank: int, key: tuple, group: str, kind: str, size_bytes: float, *, muon_fraction: float,
-             max_share: float = 0.0, step: int = 0):
+             max_share: float = 0.0, step: int = 0, repeat: int = 1):
+        """The collective `key` of rank's group instance (created once per instance); repeat: it stands for
+        that many back-to-back collectives of `size_bytes` (their summed time and bytes)."""
         g, inst = self._instance(group, rank)
         full = (key, group, inst)
         c = self.colls.get(full)
@@ -132,11 +141,32 @@ class _Programs:
             n = g.size
             cost = collective_time_s(kind, size_bytes, g, self.s.network, hierarchical=self.s.hierarchical,
                                      max_share_bytes=max_share)
-            c = self.c.new_collective("/".join(str(k) for k in key), kind, n, cost,
-                                      bytes_per_rank=bytes_per_rank(kind, size_bytes, n),
+            c = self.c.new_collective("/".join(str(k) for k in key), kind, n, cost * repeat,
+                                      bytes_per_rank=bytes_per_rank(kind, size_bytes, n) * repeat,
                                       muon_fraction=muon_fraction, group=f"{group}{inst}", step=step)
             self.colls[full] = c
         return c
+
+    def _naive_runs(self) -> list[tuple[int, int]]:
+        """naive's per-matrix chain (gather, NS, gather, NS, ...) as (matrix, count) runs: one matrix each,
+        or, above NAIVE_MERGE_ABOVE matrices (MoE workloads: ~10^5 experts), the matrices of each (shape,
+        NS time) as one gather and one NS op of their summed time, in first-seen order. Exact: the chain is
+        serial, so its end does not depend on the order of its members, nothing else runs on the rank
+        meanwhile and every rank runs it alike; only the trace shows one op per shape."""
+        s = self.s
+        if s.strategy != "naive":
+            return []
+        n = len(s.muon_numel)
+        if n <= NAIVE_MERGE_ABOVE:
+            return [(i, 1) for i in range(n)]
+        runs: dict[tuple, list[int]] = {}
+        for i in range(n):
+            key = (s.muon_shape[i], s.ns_naive_s[i])
+            if key in runs:
+                runs[key][1] += 1
+            else:
+                runs[key] = [i, 1]
+        return [(i, k) for i, k in runs.values()]
 
     # ---- dmuon plan views --------------------------------------------------------------------------
     def _prepare_plan(self) -> None:
@@ -276,7 +306,7 @@ class _Programs:
         # every pass over gradients a rank reads is preceded by the runtime's gradient preparation (sum ->
         # mean in place, one-pass non-finite check: the cost table's grad_prep), priced with the pass
         if s.strategy == "adamw":
-            adam_numel += sum(s.muon_numel) * local
+            adam_numel += self.muon_total * local
             units = sum(1 for l in range(len(s.layer_adamw_numel)) if self._layer_numel(l))
             dur = self._adamw_s(adam_numel, self._adamw_tensors() + len(s.muon_numel), units)
             last = prev["adam"] = cm(r, "adamw", dur, phase="opt", step=step, deps=(red["last"],))
@@ -285,18 +315,20 @@ class _Programs:
                 last = cm(r, "adamw", self._adamw_s(adam_numel, self._adamw_tensors(), self._adamw_layers()),
                           phase="opt", step=step, deps=(red["last"],))
             prev["adam"] = last
-            muon_local = sum(s.muon_numel) * local
+            muon_local = self.muon_total * local
             muon_layers = sum(1 for ms in s.layer_muon if ms)
             last = cm(r, "momentum", s.elementwise_s(muon_local, "muon_momentum", len(s.muon_numel))
                       + s.elementwise_s(muon_local, "grad_prep", muon_layers), phase="opt", step=step,
                       deps=(red["last"],))
-            for i, numel in enumerate(s.muon_numel):
+            for i, k in self.naive_runs:
+                numel = s.muon_numel[i]
                 deps = (last,)
                 if self.shard is not None:
                     col = self.coll(r, ("ag", step, "opt", i), self.shard, "all_gather", numel * s.grad_bytes,
-                                    muon_fraction=1.0, step=step)
+                                    muon_fraction=1.0, step=step, repeat=k)
                     deps = (c.collective(col, r, phase="opt", step=step, deps=(last,)),)
-                last = cm(r, f"ns{i}", s.ns_naive_s[i], phase="opt", step=step, deps=deps)
+                last = cm(r, f"ns{i}" if k == 1 else f"ns{i}x{k}", s.ns_naive_s[i] * k, phase="opt",
+                          step=step, deps=deps)
         elif self.sharded:
             last = prev["adam"] = self._sharded_optimizer(r, step, adam_numel, red)
         else:
@@ -343,7 +375,7 @@ class _Programs:
         return self.s.layer_adamw_numel[l] + self._layer_muon(l)
 
     def _layer_muon(self, l: int) -> int:
-        return sum(self.s.muon_numel[i] for i in self.s.layer_muon[l])
+        return self.layer_muon_numel[l]
 
     def _local_fraction(self) -> float:
         return 1.0 / self.shard_size

@@ -22,7 +22,8 @@ Custom workloads (what-if questions about your own model), TOML:
     component = "lm"             # optional (default "model")
 
 or CSV with the catalog's columns (`matrix,rows,cols` required; `component,count,optimizer,note,workload`
-optional). No torch, no simpy: importable anywhere.
+optional), or a Hugging Face config.json (`simulator.hf_config`: every weight tensor of the model, MoE
+experts one ParamSpec each). No torch, no simpy: importable anywhere.
 """
 
 from __future__ import annotations
@@ -63,6 +64,13 @@ class ParamSpec:
     optimizer: str  # "muon" | "adamw"
     block: int | None = None  # index of the repeated block within its component; None for singles
     note: str = ""  # the catalog / file row's note (e.g. "tied with lm_head", "ASSUMPTION: ...")
+    # times per token the forward pass multiplies by this matrix (simulator.compute charges 2 x numel x
+    # this FLOPs per token): 1 for dense layers, top_k / experts for a routed expert, 0 for a vector
+    # (norm weight, bias) that is no matmul, 2 for a head shared by the model and one MTP module
+    matmuls_per_token: float = 1.0
+    # the attention width an attention's query projection prices its score and value products with
+    # (simulator.compute); 0: derived from the matrix name (q_proj: rows), as for catalog workloads
+    attn_width: float = 0.0
 
     @property
     def numel(self) -> int:
@@ -113,8 +121,8 @@ class Workload:
         if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks <= 0):
             raise WorkloadError(f"blocks must be a positive integer, got {blocks!r}")
 
-        def dim(d: int) -> int:
-            return max(multiple, multiple * round(d * width_scale / multiple))
+        def dim(d: int) -> int:  # a vector's 1 (norm weights, biases) stays 1
+            return 1 if d == 1 else max(multiple, multiple * round(d * width_scale / multiple))
 
         kept = [p for p in self.params if blocks is None or p.block is None or p.block < blocks]
         renumber = {old: new for new, old in enumerate(sorted({p.layer for p in kept}))}
@@ -239,7 +247,11 @@ def catalog_names() -> tuple[str, ...]:
 
 
 def load_workload(name_or_path: str | Path) -> Workload:
-    """A catalog workload by name, or a custom workload from a .toml / .csv file."""
+    """A catalog workload by name, a custom workload from a .toml / .csv file, or a model from a Hugging
+    Face config.json (a .json path, a folder holding config.json, or a model shipped in
+    experiments/models/: simulator.hf_config)."""
+    from .hf_config import load_model, model_names, model_path
+
     text = str(name_or_path)
     if text in _catalog():
         rows, notes = _catalog()[text]
@@ -249,7 +261,23 @@ def load_workload(name_or_path: str | Path) -> Workload:
         if not path.is_file():
             raise WorkloadError(f"workload file {text!r} does not exist")
         return _load_toml(path) if path.suffix.lower() == ".toml" else _load_csv(path)
-    raise choice_error("workload", text, list(catalog_names()) + ["<path>.toml", "<path>.csv"])
+    if model_path(text) is not None:
+        return load_model(text)
+    raise choice_error("workload", text, list(catalog_names()) + list(model_names())
+                       + ["<path>.toml", "<path>.csv", "<path>/config.json"])
+
+
+def resolve_workload(workload, model=None) -> Workload:
+    """The workload a configuration names: `model` (a Hugging Face config.json path, folder or shipped
+    model name) when given, else `workload` (a Workload, a catalog name or a file)."""
+    if model is not None:
+        from .hf_config import load_model
+
+        if not isinstance(model, (str, Path)) or not str(model).strip():
+            raise WorkloadError(f"model must be a config.json path, a folder holding one or a shipped "
+                                f"model's name, got {model!r}")
+        return load_model(model)
+    return workload if isinstance(workload, Workload) else load_workload(workload)
 
 
 def _load_toml(path: Path) -> Workload:
