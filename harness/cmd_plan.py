@@ -240,6 +240,8 @@ def register(app, bench) -> None:
     @app.command("plan")
     def plan_cmd(
         workload: str = typer.Option(None, help="Catalog name or .toml/.csv file (--compare: comma list)."),
+        model: str = typer.Option(None, help="A Hugging Face config.json (path, folder or a model in "
+                                             "experiments/models/) instead of --workload."),
         ranks: str = typer.Option(None, help="Number of ranks N (--compare: comma list)."),
         balancer: str = typer.Option("lpt", help=" | ".join(BALANCERS)),
         profile: str = typer.Option(
@@ -281,7 +283,8 @@ def register(app, bench) -> None:
         from dmuon.errors import InputError
 
         if compare:
-            wls = _csv_list(workload, "--workload") or list(DEFAULT_COMPARE_WORKLOADS)
+            wls = (_csv_list(workload, "--workload") + _csv_list(model, "--model")
+                   or list(DEFAULT_COMPARE_WORKLOADS))
             ns = _csv_list(ranks, "--ranks", int) or list(DEFAULT_COMPARE_RANKS)
             if any(n < 1 for n in ns):
                 raise InputError(f"--ranks must be positive integers, got {ns}")
@@ -302,8 +305,11 @@ def register(app, bench) -> None:
                     rows, f"NS makespan per balancer, profile {profile}, {method} {dtype or 'bf16'}"
                 )
             return
+        if workload is not None and model is not None:
+            raise InputError("give --workload or --model, not both")
+        workload = model or workload
         if workload is None or ranks is None:
-            raise InputError("harness plan needs --workload and --ranks (or --compare)")
+            raise InputError("harness plan needs --workload (or --model) and --ranks (or --compare)")
         try:
             n = int(ranks)
         except ValueError:
