@@ -13,6 +13,10 @@ class InputError(ValueError):
 
 
 def choice_error(what: str, got: object, accepted) -> InputError:
-    """An InputError for a value outside a fixed set, listing the accepted values."""
+    """An InputError for a value outside a fixed set, listing the accepted values. The error carries
+    `got` and `accepted`, so a caller (the harness CLI) can name the option the value came from."""
+    accepted = tuple(accepted)
     options = ", ".join(str(a) for a in accepted)
-    return InputError(f"unknown {what} {got!r}; accepted: {options}")
+    err = InputError(f"unknown {what} {got!r}; accepted: {options}")
+    err.got, err.accepted = got, accepted
+    return err

@@ -1,7 +1,8 @@
 """The `harness` command: one typer app; each command lives in its own `harness.cmd_*` module.
 
 Every module in `COMMAND_MODULES` defines `register(app, bench)` adding its commands to the main
-app or to the `bench` sub-app. Heavy imports (torch, simpy, pulp) happen inside the commands so
+app or to the `bench` sub-app; each command is a `harness.options.OptionCommand`, so that bad input
+names the option the user typed. Heavy imports (torch, simpy, pulp) happen inside the commands so
 `harness --help` stays fast.
 """
 
@@ -15,6 +16,7 @@ import typer
 from dmuon.errors import InputError
 
 from .errors import RunFailed
+from .options import OptionCommand
 
 COMMAND_MODULES: list[str] = [
     "harness.cmd_plan",
@@ -36,6 +38,10 @@ app.add_typer(bench, name="bench")
 
 for _name in COMMAND_MODULES:
     importlib.import_module(_name).register(app, bench)
+for _group in (app, bench):  # every command's InputErrors name its options as typed (harness.options)
+    for _info in _group.registered_commands:
+        if not (isinstance(_info.cls, type) and issubclass(_info.cls, OptionCommand)):
+            _info.cls = OptionCommand  # typer's default TyperCommand
 
 
 def main(argv: list[str] | None = None) -> int:

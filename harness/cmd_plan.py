@@ -237,7 +237,11 @@ def register(app, bench) -> None:
     from dmuon.plan.balance import PLAN_METHODS
     from dmuon.plan.build import BALANCERS
 
-    @app.command("plan")
+    from .options import option_command
+
+    # the planner calls --ranks world_size, --time-limit time_limit_s, --scale width_scale
+    @app.command("plan", cls=option_command(world_size="ranks", time_limit_s="time_limit",
+                                             width_scale="scale"))
     def plan_cmd(
         workload: str = typer.Option(None, help="Catalog name or .toml/.csv file (--compare: comma list)."),
         model: str = typer.Option(None, help="A Hugging Face config.json (path, folder or a model in "
@@ -318,6 +322,9 @@ def register(app, bench) -> None:
         from dmuon.plan.build import build_plan
         from dmuon.plan.cost import CostTable
 
+        if memory_cap_gb is not None and not 0 < memory_cap_gb < float("inf"):
+            raise InputError(f"--memory-cap-gb must be a positive number of GB (or left out), "
+                             f"got {memory_cap_gb!r}")
         wl = load_matrices(workload, scale, blocks)
         cap = None if memory_cap_gb is None else memory_cap_gb * 1e9
         cost = CostTable.load(profile)

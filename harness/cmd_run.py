@@ -253,10 +253,15 @@ def register(app, bench) -> None:
         import json
         import time
 
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-            from dmuon.errors import InputError
+        from dmuon.errors import InputError
 
+        from .cmd_plan import _csv_list
+
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
             raise InputError(f"--repeats must be an integer >= 1, got {repeats!r}")
+        rank_counts = tuple(_csv_list(ranks, "--ranks", int))  # checked before any work starts
+        if measure and (not rank_counts or any(n < 1 for n in rank_counts)):
+            raise InputError(f"--ranks must be a comma list of positive integers, got {ranks!r}")
 
         import pandas as pd
 
@@ -279,17 +284,13 @@ def register(app, bench) -> None:
         try:
             rows += v.headline_checks(read_results(paper_csv), f"from {paper_csv}")
         except KeyError as e:
-            from dmuon.errors import InputError
-
             raise InputError(f"{paper_csv} lacks the column {e.args[0]!r}: it is not the paper experiment's "
                              "results table; give --paper-results results/paper/results.csv (harness run "
                              "paper writes it)") from None
         bench_csv = out_dir / "bench_rows.csv"
         if measure:
-            from .cmd_plan import _csv_list
-
             bench = v.measure_bench(
-                tuple(_csv_list(ranks, "--ranks", int)),
+                rank_counts,
                 progress=lambda s: print(s, file=sys.stderr, flush=True),
                 repeats=repeats,
             )

@@ -38,7 +38,7 @@ def test_default_prints_all_strategies_side_by_side(capsys):
     (["--gpu", "tpu"], "unknown gpu profile 'tpu'; accepted:"),
     (["--layout", "zero4"], "unknown layout 'zero4'; accepted:"),
     (["--workload", "nope"], "unknown workload 'nope'; accepted:"),
-    (["--nic-gbps", "-1"], "nic_gbps must be a positive number"),
+    (["--nic-gbps", "-1"], "--nic-gbps must be a positive number"),
     (["--strategy", "lion"], "unknown strategy 'lion'; accepted: adamw, naive, dmuon, all"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(capsys, args, match):
