@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 
 from .hardware import Profile
-from .workload import ParamSpec, Workload
+from .workload_spec import ParamSpec, Workload
 
 CAUSAL_FRACTION = 0.5
 _Q_NAMES = re.compile(r"^(q_proj|q|query|wq)$")

@@ -58,7 +58,7 @@ from pathlib import Path
 
 from dmuon.errors import InputError
 
-from .workload import MAX_COUNT, MAX_DIM, ParamSpec, Workload, WorkloadError
+from .workload_spec import MAX_COUNT, MAX_DIM, ParamSpec, Workload, WorkloadError
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "experiments" / "models"
 FAMILIES = ("llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3",
