@@ -72,7 +72,7 @@ def test_bench_step_ns_settings_side_by_side():
     (["--strategy", "sgd"], "unknown strategy 'sgd'"),
     (["--workload", "gpt5"], "unknown workload 'gpt5'"),
     (["--workload", "pi0"], "decoder-only"),
-    (["--width-scale", "x"], "width scale"),
+    (["--width-scale", "x"], "--width-scale 'x' is not a number"),
     (["--balancer", "greedy"], "unknown balancer"),
     (["--ranks", "4", "--node-size", "3"], "does not divide"),
     (["--ns-method", "newton"], "'newton'; accepted: auto, standard, gram"),
