@@ -115,7 +115,7 @@ def test_cli_plan_table_and_compare(capsys):
     [
         (["--balancer", "greedy"], "unknown balancer 'greedy'; accepted: round_robin, lpt, milp"),
         (["--profile", "tpu"], "unknown profile 'tpu'; accepted:"),
-        (["--ranks", "0"], "world_size must be a positive integer"),
+        (["--ranks", "0"], "--ranks must be a positive integer"),
         (["--ranks", "eight"], "--ranks must be a positive integer"),
         (["--workload", "gpt5"], "unknown workload 'gpt5'"),
         (["--method", "svd"], "unknown method 'svd'"),
