@@ -18,6 +18,17 @@ must run two (or more) of them.
 
 An assignment is, per rank and class, the list of batch sizes it runs (`Loads`); which concrete
 matrices fill those slots is decided in `build.py` (layer order).
+
+Split batches (max_split > 1; `split.py` prices them). A *piece type* (s, k, b) is one member's share of
+a batch of b matrices of class s split over an aligned group of k ranks; it is offered only where it is
+faster than the unsplit call of the same b matrices and than every smaller split of them (otherwise
+the unsplit batch on one member of the group would be no slower for anyone: splitting cannot pay).
+Every rank belongs to at most one split batch. The lower bound then becomes (`lower_bound_terms`):
+    largest call   max_s  min(min_call(s), min_p T_p)          over the piece types p of s
+    area           the smallest T with sum_s count(s) area_s(T) <= N T  (`split.area_bound`): the
+                   cheapest rank-seconds per matrix, k T_p / b or T(s, b) / b, over calls of <= T
+    pigeonhole, top-k   as above, over the classes that have no piece type (their matrices stay whole)
+which is a theorem for every plan with splits (and with max_split = 1 the same terms as before).
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from dataclasses import dataclass, field
 
 from ..errors import InputError, choice_error
 from .flops import METHODS
+from .split import area_bound, check_max_split, links_for, split_levels, split_price
 from .types import MatrixSpec
 
 AUTO_METHOD = "auto"
@@ -66,14 +78,33 @@ class ShapeClass:
         return min(self.times_s.values())
 
 
+@dataclass(frozen=True)
+class PieceType:
+    """One member's share of a split batch: b matrices of class `cls` over an aligned group of k ranks."""
+
+    cls: int
+    k: int
+    batch: int
+    compute_s: float
+    comm_s: float
+    method: str
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+
 @dataclass
 class WorkModel:
-    """The balancing input: shape classes, rank count, optional memory cap."""
+    """The balancing input: shape classes, rank count, optional memory cap, split piece types."""
 
     matrices: tuple[MatrixSpec, ...]
     world_size: int
     classes: tuple[ShapeClass, ...]
     memory_cap_bytes: float | None = None
+    pieces: tuple[PieceType, ...] = ()
+    max_split: int = 1
+    links_source: str = ""
     _split_cache: dict = field(default_factory=dict, repr=False)
     _lb_terms: dict[str, float] | None = field(default=None, repr=False)
 
@@ -91,14 +122,26 @@ class WorkModel:
         """
         if self._lb_terms is None:
             n_ranks = self.world_size
-            work = sum(c.count * c.unit_s for c in self.classes)
-            terms = {"work/N": work / n_ranks, "largest call": max(c.min_call_s for c in self.classes)}
-            for s, c in enumerate(self.classes):
+            splittable = {p.cls for p in self.pieces}
+            whole = [s for s in range(len(self.classes)) if s not in splittable]
+            if self.pieces:
+                fastest = [min([c.min_call_s] + [p.time_s for p in self.pieces if p.cls == s])
+                           for s, c in enumerate(self.classes)]
+                options = [(c.count, [(t, 1, b) for b, t in c.times_s.items()]
+                            + [(p.time_s, p.k, p.batch) for p in self.pieces if p.cls == s])
+                           for s, c in enumerate(self.classes)]
+                terms = {"area/N (split-aware)": area_bound(options, n_ranks),
+                         "largest call (split-aware)": max(fastest)}
+            else:
+                work = sum(c.count * c.unit_s for c in self.classes)
+                terms = {"work/N": work / n_ranks, "largest call": max(c.min_call_s for c in self.classes)}
+            for s in whole:
+                c = self.classes[s]
                 q = -(-c.count // n_ranks)
                 if q > 1:
                     terms[f"pigeonhole {c.n}x{c.m}"] = self.cover_s(s, q)
-            order = sorted(range(len(self.classes)), key=lambda s: (-self.classes[s].min_call_s, s))
-            total = sum(c.count for c in self.classes)
+            order = sorted(whole, key=lambda s: (-self.classes[s].min_call_s, s))
+            total = sum(self.classes[s].count for s in whole)
             for k in range(1, TOP_K_MAX + 1):
                 if k * n_ranks + 1 > total:
                     break
@@ -163,8 +206,12 @@ def build_work_model(
     batching: bool = True,
     max_batch: int = 8,
     memory_cap_bytes: float | None = None,
+    max_split: int = 1,
+    links=None,
 ) -> WorkModel:
-    """Group matrices into shape classes and price every batch size with the cost table."""
+    """Group matrices into shape classes and price every batch size with the cost table; with
+    max_split > 1 also the split piece types (groups of 2, 4, ... <= max_split ranks, priced by
+    `split.split_price` with `links`, default the cost table device's `split.LINKS` entry)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_RANKS:
         raise InputError(f"world_size must be a positive integer (at most {MAX_RANKS}), got {world_size!r}")
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
@@ -201,9 +248,39 @@ def build_work_model(
             )
         )
         classes.append(ShapeClass(n, m, tuple(members), times, meths, sizes, n * m * STATE_BYTES_PER_ELEMENT))
-    model = WorkModel(matrices, world_size, tuple(classes), memory_cap_bytes)
+    check_max_split(max_split)
+    pieces: tuple[PieceType, ...] = ()
+    links_source = ""
+    if max_split > 1 and world_size > 1:
+        if memory_cap_bytes is not None:
+            raise InputError("max_split > 1 with a memory cap is not supported (the per-rank model has no "
+                             "split batches); accepted: max_split=1 with memory_cap_bytes, or no cap")
+        links = links_for(cost, links)
+        links_source = getattr(links, "source", "") or type(links).__name__
+        pieces = _price_pieces(tuple(classes), cost, method, dtype, max_split, world_size, links)
+    model = WorkModel(matrices, world_size, tuple(classes), memory_cap_bytes, pieces, max_split, links_source)
     _check_memory(model)
     return model
+
+
+def _price_pieces(classes, cost, method, dtype, max_split, world_size, links) -> tuple[PieceType, ...]:
+    """Every useful piece type (see the module docstring), per class, group size and batch size."""
+    out = []
+    cands = getattr(cost, "runnable_methods", METHODS) if method == AUTO_METHOD else (method,)
+    for s, cls in enumerate(classes):
+        for b in cls.times_s:
+            beat = cls.times_s[b]  # the unsplit call of the same b matrices
+            for k in split_levels(max_split, world_size, cls.m):
+                ranks = tuple(range(k))
+                priced = []
+                for mt in cands:
+                    pr = split_price(cost, cls.n, cls.m, b, k, mt, dtype, links, ranks)
+                    priced.append((pr.time_s, METHODS.index(mt), mt, pr))
+                t, _, mt, pr = min(priced)
+                if t < beat:
+                    out.append(PieceType(s, k, b, pr.compute_s, pr.comm_s, mt))
+                    beat = t
+    return tuple(out)
 
 
 def _check_memory(model: WorkModel) -> None:
@@ -283,20 +360,27 @@ def round_robin(model: WorkModel) -> tuple[Loads, tuple[int, ...]]:
     return loads, tuple(owners)
 
 
-def lpt_for_cap(model: WorkModel, max_size: int) -> Loads | None:
+def _counts(model: WorkModel, counts) -> list[int]:
+    return [c.count for c in model.classes] if counts is None else list(counts)
+
+
+def lpt_for_cap(model: WorkModel, max_size: int, counts=None, initial=None) -> Loads | None:
     """LPT with batches of at most `max_size`: each class split at least work, batches longest first, each
-    to the least-loaded rank with memory room (ties: lowest rank). None if the memory cap blocks it."""
+    to the least-loaded rank with memory room (ties: lowest rank). None if the memory cap blocks it.
+    counts: matrices per class to place (default: all); initial: per-rank load already there (split
+    batches)."""
     jobs = []
-    for s, cls in enumerate(model.classes):
-        for b in model.best_split(s, cls.count, max_size):
-            jobs.append((-cls.times_s[b], s, -b))
+    for s, count in enumerate(_counts(model, counts)):
+        for b in model.best_split(s, count, max_size) if count else ():
+            jobs.append((-model.classes[s].times_s[b], s, -b))
     jobs.sort()
     n_ranks = model.world_size
-    load = [0.0] * n_ranks
+    load = [0.0] * n_ranks if initial is None else list(initial)
     used = [0] * n_ranks
     loads: Loads = [{} for _ in range(n_ranks)]
     cap = model.memory_cap_bytes
-    heap = [(0.0, r) for r in range(n_ranks)]  # (load, rank): least loaded, lowest rank first
+    heap = [(load[r], r) for r in range(n_ranks)]  # (load, rank): least loaded, lowest rank first
+    heapq.heapify(heap)
     for neg_t, s, neg_b in jobs:
         b, need = -neg_b, model.classes[s].state_bytes * -neg_b
         if cap is None:
@@ -314,24 +398,27 @@ def lpt_for_cap(model: WorkModel, max_size: int) -> Loads | None:
     return loads
 
 
-def lpt_marginal(model: WorkModel) -> Loads | None:
+def lpt_marginal(model: WorkModel, counts=None, initial=None) -> Loads | None:
     """LPT over single matrices (largest T(s, 1) first), each to the rank whose load grows least, where
     adding a matrix of class s to a rank holding k of them costs cover(k + 1) - cover(k): batching
     economies make small matrices gather on the ranks that already run their class. None if the memory
     cap blocks it."""
     n_ranks = model.world_size
+    todo = _counts(model, counts)
     counts = [[0] * len(model.classes) for _ in range(n_ranks)]
-    load, used = [0.0] * n_ranks, [0] * n_ranks
+    load, used = [0.0] * n_ranks if initial is None else list(initial), [0] * n_ranks
     cap = model.memory_cap_bytes
-    order = sorted(((-c.times_s[1], s) for s, c in enumerate(model.classes) for _ in range(c.count)))
+    order = sorted(((-c.times_s[1], s) for s, c in enumerate(model.classes) for _ in range(todo[s])))
+    split = [[model.split_cost_s(s, k) for k in range(todo[s] + 1)] for s in range(len(model.classes))]
     for _, s in order:
         need = model.classes[s].state_bytes
         best_key, best = None, -1
+        costs = split[s]
         for r in range(n_ranks):
             if cap is not None and used[r] + need > cap:
                 continue
             k = counts[r][s]
-            new = load[r] + model.split_cost_s(s, k + 1) - model.split_cost_s(s, k)
+            new = load[r] + costs[k + 1] - costs[k]
             if best_key is None or (new, r) < best_key:
                 best_key, best = (new, r), r
         if best < 0:
@@ -342,20 +429,21 @@ def lpt_marginal(model: WorkModel) -> Loads | None:
     return [{s: list(model.best_split(s, k)) for s, k in enumerate(row) if k} for row in counts]
 
 
-def lpt(model: WorkModel) -> Loads:
+def lpt(model: WorkModel, counts=None, initial=None) -> Loads:
     """Greedy LPT: over batches with every batch-size cap 1..max usable size, and over single matrices
     with marginal batching costs (`lpt_marginal`); the best makespan wins (ties: less total work, then
-    candidate order). Each rank then re-batches what it holds."""
+    candidate order). Each rank then re-batches what it holds. counts / initial: as `lpt_for_cap`."""
     top = max(max(c.sizes) for c in model.classes)
     best_key, best = None, None
-    candidates = [lambda cap=cap: lpt_for_cap(model, cap) for cap in range(1, top + 1)]
-    candidates.append(lambda: lpt_marginal(model))
+    candidates = [lambda cap=cap: lpt_for_cap(model, cap, counts, initial) for cap in range(1, top + 1)]
+    candidates.append(lambda: lpt_marginal(model, counts, initial))
+    base = [0.0] * model.world_size if initial is None else initial
     for idx, make in enumerate(candidates):
         loads = make()
         if loads is None:
             continue
         loads = rebatch(model, loads)
-        per_rank = [rank_load_s(model, r) for r in loads]
+        per_rank = [rank_load_s(model, r) + b for r, b in zip(loads, base, strict=True)]
         key = (max(per_rank), sum(per_rank), idx)
         if best_key is None or key < best_key:
             best_key, best = key, loads

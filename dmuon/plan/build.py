@@ -17,6 +17,11 @@ are the NS shape (n, m) = (min, max); members of shape (m, n) are transposed by 
 
 Buckets: bucket_numel = 0 -> one bucket per layer; else consecutive layers are merged until a bucket
 holds >= bucket_numel elements (the last may be smaller). Members in forward order.
+
+Split batches (max_split > 1, off by default): LPT and MILP may give a batch a group of k owners
+(`splitbal`, priced by `split`); each split batch is one more slot holder next to the ranks when
+matrices are mapped to slots (so split matrices are spread over the layers like everyone's), and
+becomes one Batch with `group` = its ranks and owner = the group's lead. Round-robin never splits.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import warnings
 from collections.abc import Sequence
 
 from ..errors import InputError, choice_error
-from .balance import Loads, WorkModel, build_work_model, lpt, rank_load_s, round_robin
+from .balance import Loads, WorkModel, build_work_model, round_robin
+from .splitbal import Job, loads_s, split_lpt
 from .types import Batch, Bucket, MatrixSpec, Plan
 
 BALANCERS = ("round_robin", "lpt", "milp")
@@ -47,6 +53,8 @@ def build_plan(
     anti_affinity: bool = False,
     time_limit_s: float = 10.0,
     seed: int = 0,
+    max_split: int = 1,
+    links=None,
 ) -> Plan:
     """Owners, batches and buckets for `matrices` on `world_size` ranks, priced by `cost` (a CostTable).
 
@@ -58,6 +66,9 @@ def build_plan(
         input gives the same plan.
     time_limit_s: wall-clock safety net of the MILP balancer (all its phases): sized never to decide on
         the project's workloads; if it stops a phase, a note says so (that plan may differ between runs).
+    max_split: the largest owner group of one batch (split NS; groups of 2, 4, ... up to it); 1 (the
+        default) = one owner per batch, as before. links: the collectives' cost (`split.LinkModel` or an
+        object with all_reduce_s / all_gather_s); None = the cost table device's `split.LINKS` entry.
     """
     if balancer not in BALANCERS:
         raise choice_error("balancer", balancer, BALANCERS)
@@ -82,27 +93,34 @@ def build_plan(
         batching=batching,
         max_batch=max_batch,
         memory_cap_bytes=memory_cap_bytes,
+        max_split=max_split,
+        links=links,
     )
     notes: list[str] = []
     gap = 0.0
     owners: tuple[int, ...] | None = None
+    jobs: tuple[Job, ...] = ()
     if balancer == "round_robin":
         loads, owners = round_robin(model)
     elif balancer == "lpt":
-        loads = lpt(model)
+        loads, jobs = split_lpt(model)
     else:
         from .milp import solve_milp
 
         result = solve_milp(model, time_limit_s=time_limit_s, seed=seed)
-        loads, gap = result.loads, result.gap
+        loads, gap, jobs = result.loads, result.gap, result.jobs
         notes += result.notes
         if result.fallback:
             warnings.warn(result.notes[-1], RuntimeWarning, stacklevel=2)
+    holders = list(loads) + [{model.pieces[j.piece].cls: [model.pieces[j.piece].batch]} for j in jobs]
     if owners is None:
-        owners = map_slots(model, loads, anti_affinity=anti_affinity)
-    batches = make_batches(model, loads, owners)
+        holder_of = map_slots(model, holders, anti_affinity=anti_affinity)
+    else:
+        holder_of = owners
+    batches = make_batches(model, holders, holder_of, jobs)
+    owners = tuple(h if h < model.world_size else jobs[h - model.world_size].ranks[0] for h in holder_of)
     solve_time_s = time.perf_counter() - t_start
-    per_rank = [rank_load_s(model, r) for r in loads]
+    per_rank = loads_s(model, (loads, jobs))
     makespan = max(per_rank)
     lb = model.lower_bound_s
     terms = model.lower_bound_terms()
@@ -112,6 +130,15 @@ def build_plan(
         gap = (makespan - lb) / makespan if makespan > 0 else 0.0
     if not batching:
         notes.append("batching off: every matrix is its own NS call")
+    if model.max_split > 1:
+        ks = sorted({model.pieces[j.piece].k for j in jobs})
+        notes.append(
+            f"splits: {len(jobs)} split batches ({sum(model.pieces[j.piece].batch for j in jobs)} matrices"
+            f", groups of {', '.join(map(str, ks))} ranks); {len(model.pieces)} piece types <= {max_split} "
+            f"ranks offered; collectives: {model.links_source}"
+            if jobs else f"splits: none chosen ({len(model.pieces)} piece types <= {max_split} ranks "
+            "offered: splitting would not lower the makespan)"
+        )
     return Plan(
         world_size=world_size,
         matrices=model.matrices,
@@ -127,12 +154,14 @@ def build_plan(
         solve_time_s=solve_time_s,
         gap=max(0.0, gap),
         notes=tuple(notes),
+        max_split=max_split,
     )
 
 
 def map_slots(model: WorkModel, loads: Loads, *, anti_affinity: bool = False) -> tuple[int, ...]:
-    """Concrete owner of every matrix from per-rank class slots (see the module docstring)."""
-    n_ranks = model.world_size
+    """Concrete holder (a rank, or N + j for split job j) of every matrix from per-holder class slots
+    (see the module docstring)."""
+    n_ranks = len(loads)
     slots = [[sum(loads[r].get(s, ())) for r in range(n_ranks)] for s in range(len(model.classes))]
     for s, cls in enumerate(model.classes):
         if sum(slots[s]) != cls.count:
@@ -161,11 +190,13 @@ def map_slots(model: WorkModel, loads: Loads, *, anti_affinity: bool = False) ->
     return tuple(owners)
 
 
-def make_batches(model: WorkModel, loads: Loads, owners: Sequence[int]) -> tuple[Batch, ...]:
-    """Cut each rank's matrices of each class into its batch sizes (see the module docstring)."""
+def make_batches(model: WorkModel, loads: Loads, owners: Sequence[int], jobs=()) -> tuple[Batch, ...]:
+    """Cut each holder's matrices of each class into its batch sizes (see the module docstring); holder
+    N + j is split job j (one batch on its group)."""
     out = []
+    n_ranks = model.world_size
     for s, cls in enumerate(model.classes):
-        for r in range(model.world_size):
+        for r in range(len(loads)):
             sizes = sorted(loads[r].get(s, ()), reverse=True)
             mine = sorted(
                 (i for i in cls.members if owners[i] == r), key=lambda i: (-model.matrices[i].layer, -i)
@@ -176,6 +207,12 @@ def make_batches(model: WorkModel, loads: Loads, owners: Sequence[int]) -> tuple
             for b in sizes:
                 members = tuple(sorted(mine[pos : pos + b], key=lambda i: (model.matrices[i].layer, i)))
                 pos += b
+                if r >= n_ranks:
+                    job = jobs[r - n_ranks]
+                    p = model.pieces[job.piece]
+                    out.append(Batch(owner=job.ranks[0], rows=cls.n, cols=cls.m, members=members,
+                                     time_s=p.time_s, method=p.method, group=job.ranks, comm_s=p.comm_s))
+                    continue
                 out.append(
                     Batch(
                         owner=r,

@@ -16,6 +16,13 @@ feasible iff N configurations of cost <= T cover every class. For a trial T:
           fails the MILP over the generated configurations (pulp + HiGHS): min sum_p y_p C_p s.t. cover,
           sum_p y_p <= N, y integer, exact cost <= T. Once the smallest feasible T is found, the same MILP
           at that makespan minimizes the total work (lexicographic: makespan first, then work).
+Split batches (`WorkModel.pieces`): a configuration may also hold one piece p = (s, k, b) (one member's
+share of b matrices of s split over k ranks, `splitbal`), costing T_p more. In the LP such a rank covers
+b / k matrices of s (a relaxation); in the integer program a piece configuration is chosen in whole
+groups of k ranks (g groups use k g ranks and cover b g matrices of s, plus k g times its whole ones),
+and each group becomes an aligned block of ranks (`split.place_groups`); the pricing knapsack adds the
+best piece on top of the residual's table (one more stage). The bound is then one for plans in which
+every rank is in at most one split batch, which is every plan `build_plan` makes.
 The size of every model is independent of N (256 ranks cost what 8 do). numpy, highspy and pulp are
 imported inside `configuration_search`.
 
@@ -30,8 +37,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .balance import Loads, WorkModel, rank_load_s
-from .milp import Budget, new_highs, new_var, stopped_by_clock
+from .balance import WorkModel
+from .solver import Budget, new_highs, new_var, stopped_by_clock
+from .split import place_groups
+from .splitbal import Assignment, Job, loads_s, makespan_s, trim_jobs, trim_surplus
 
 GRID = 2000  # pricing grid steps per trial makespan
 BISECTION_REL_TOL = 2e-4
@@ -40,23 +49,46 @@ PLAN_MAX_TRIALS = 16  # trial makespans of the plan bisection
 TRIAL_MAX_NODES = 10  # branch-and-bound nodes of a trial's configuration MILP (does T admit a plan?)
 IP_MAX_NODES = 200  # branch-and-bound nodes of the final (least total work) configuration MILP
 
+# A configuration is a tuple: k(s) for every class s, then piece index + 1 (0: no piece).
+
 
 @dataclass
 class ConfigResult:
-    loads: Loads | None  # None: no integer plan found in time
+    assignment: Assignment | None  # None: no integer plan found in time
     bound_s: float  # proven lower bound on the makespan (0 if none proven)
     notes: list[str] = field(default_factory=list)
 
 
 class _Pool:
-    """Generated configurations (count vectors) with their exact costs."""
+    """Generated configurations with their exact costs, and what one group of each covers."""
 
     def __init__(self, model: WorkModel):
         self.model = model
+        self.n_classes = len(model.classes)
         self.configs: dict[tuple[int, ...], float] = {}
 
+    def piece(self, k: tuple[int, ...]):
+        return self.model.pieces[k[-1] - 1] if k[-1] else None
+
+    def width(self, k: tuple[int, ...]) -> int:
+        p = self.piece(k)
+        return p.k if p else 1
+
     def cost(self, k: tuple[int, ...]) -> float:
-        return sum(self.model.cover_s(s, ks) for s, ks in enumerate(k) if ks)
+        p = self.piece(k)
+        return sum(self.model.cover_s(s, ks) for s, ks in enumerate(k[:-1]) if ks) + (p.time_s if p else 0.0)
+
+    def group_cover(self, k: tuple[int, ...]) -> list[int]:
+        """Matrices of each class one group (width ranks) of configuration k covers."""
+        w, p = self.width(k), self.piece(k)
+        out = [w * ks for ks in k[:-1]]
+        if p:
+            out[p.cls] += p.batch
+        return out
+
+    def rank_cover(self, k: tuple[int, ...]) -> list[float]:
+        """Per rank (the LP's coefficients): whole matrices + b / k of a piece's class."""
+        return [c / self.width(k) for c in self.group_cover(k)]
 
     def add(self, k: tuple[int, ...]) -> None:
         if any(k) and k not in self.configs:
@@ -75,10 +107,11 @@ def _grid_cost(cover_s_k: float, unit: float, rounding: str) -> int:
 
 
 def _price(
-    np, cover: list[list[float]], duals: list[float], t_s: float, counts: list[int], rounding: str
+    np, model, cover, duals: list[float], t_s: float, counts: list[int], rounding: str
 ) -> tuple[float, tuple]:
-    """max sum_s duals[s] k(s) s.t. sum_s grid_cost(cover(s, k(s))) <= GRID with unit T / GRID: costs
-    rounded down (a relaxation of C(k) <= T, for bounds) or up (only truly feasible configurations)."""
+    """max sum_s duals[s] cover(s) over configurations of grid cost <= GRID (unit T / GRID; costs rounded
+    down: a relaxation of C(k) <= T, for bounds; or up: only truly feasible configurations). A knapsack
+    over classes, then one stage for the piece (at most one per rank) on top of the residual's table."""
     unit = t_s / GRID
     best = np.zeros(GRID + 1)  # best[c] = max value with grid cost <= c (non-decreasing in c)
     choices = []
@@ -97,46 +130,61 @@ def _price(
                 choice = np.where(better, k, choice)
             best = new
         choices.append(choice)
-    c = GRID
-    value = float(best[c])
+    c, value, piece = GRID, float(best[GRID]), 0
+    for i, p in enumerate(model.pieces):
+        pi = duals[p.cls]
+        w = _grid_cost(p.time_s, unit, rounding)
+        if pi > 1e-12 and counts[p.cls] > 0 and w <= GRID:
+            v = float(best[GRID - w]) + pi * p.batch / p.k
+            if v > value + 1e-12:
+                c, value, piece = GRID - w, v, i + 1
     k = [0] * len(duals)
     for s in range(len(duals) - 1, -1, -1):
         ks = int(choices[s][c])
         if ks:
             k[s] = ks
             c -= _grid_cost(cover[s][ks], unit, rounding)
-    return value, tuple(k)
+    return value, (*k, piece)
 
 
 @dataclass
 class _LP:
     status: str  # "needs_more" | "fits" | "limit" (CG_MAX_ROUNDS reached) | "timeout" (wall clock)
     value: float = math.inf  # ranks the LP needs
-    columns: dict[tuple, float] = field(default_factory=dict)  # configuration -> LP multiplicity
+    columns: dict[tuple, float] = field(default_factory=dict)  # configuration -> LP multiplicity (ranks)
+
+
+def _seed_column(pool: _Pool, cover, s: int, demand: int, unit: float, rounding: str):
+    """A column covering class s alone within T: the most whole matrices, else the piece type with the
+    least rank-seconds per matrix; None if neither fits (one matrix of s exceeds T)."""
+    n = pool.n_classes
+    ks = max((j for j in range(1, demand + 1) if _grid_cost(cover[s][j], unit, rounding) <= GRID), default=0)
+    if ks:
+        return tuple(ks if j == s else 0 for j in range(n)) + (0,)
+    fits = [i for i, p in enumerate(pool.model.pieces)
+            if p.cls == s and _grid_cost(p.time_s, unit, rounding) <= GRID]
+    if not fits:
+        return None
+    i = min(fits, key=lambda i: (pool.model.pieces[i].k * pool.model.pieces[i].time_s
+                                 / pool.model.pieces[i].batch, i))
+    return (0,) * n + (i + 1,)
 
 
 def _column_generation(
-    np,
-    highspy,
-    pool: _Pool,
-    cover,
-    demands: list[int],
-    n_ranks: int,
-    t_s: float,
-    budget: Budget,
-    *,
-    rounding: str,
-    stop_when_fits: bool,
+    np, highspy, pool: _Pool, cover, demands: list[int], n_ranks: int, t_s: float, budget: Budget, *,
+    rounding: str, stop_when_fits: bool,
 ) -> _LP:
-    """Configuration LP  min sum y  s.t. sum_p k_p y_p >= demands  at makespan T, by column generation.
-    status "needs_more": the LP needs more than n_ranks (with floor rounding: a proof that T is
-    infeasible); "fits": an LP solution with <= n_ranks (with stop_when_fits, possibly not optimal);
+    """Configuration LP  min sum y  s.t. sum_p cover_p y_p >= demands  at makespan T, by column generation
+    (y in ranks). status "needs_more": the LP needs more than n_ranks (with floor rounding: a proof that
+    T is infeasible); "fits": an LP solution with <= n_ranks (with stop_when_fits, possibly not optimal);
     "limit": CG_MAX_ROUNDS pricing rounds did not settle it; "timeout": the wall-clock safety net."""
     unit = t_s / GRID
-    classes = range(len(demands))
+    model = pool.model
 
     def grid_cost(k):
-        return sum(_grid_cost(cover[s][ks], unit, rounding) for s, ks in enumerate(k) if ks)
+        p = pool.piece(k)
+        return (sum(_grid_cost(cover[s][ks], unit, rounding) for s, ks in enumerate(k[:-1]) if ks)
+                + (_grid_cost(p.time_s, unit, rounding) if p else 0))
 
     h = new_highs(highspy)
     h.setOptionValue("threads", 1)
@@ -147,23 +195,20 @@ def _column_generation(
     cols: list[tuple] = []
 
     def add_col(k):
-        idx = np.array([s for s in classes if k[s]], dtype=np.int32)
-        h.addCol(1.0, 0.0, inf, len(idx), idx, np.array([float(k[s]) for s in idx]))
+        cov = pool.rank_cover(k)
+        idx = np.array([s for s in range(len(demands)) if cov[s]], dtype=np.int32)
+        h.addCol(1.0, 0.0, inf, len(idx), idx, np.array([float(cov[s]) for s in idx]))
         cols.append(k)
 
     for k in pool.configs:
-        if grid_cost(k) <= GRID:
+        if grid_cost(k) <= GRID and (not pool.piece(k) or demands[pool.piece(k).cls]):
             add_col(k)
-    for s in classes:  # one single-class column per class with demand keeps the LP feasible
+    for s in range(len(demands)):  # one single-class column per class with demand keeps the LP feasible
         if not demands[s]:
             continue
-        ks = max(
-            (j for j in range(1, demands[s] + 1) if _grid_cost(cover[s][j], unit, rounding) <= GRID),
-            default=0,
-        )
-        if ks == 0:
-            return _LP("needs_more")  # one matrix of s alone exceeds T
-        k = tuple(ks if j == s else 0 for j in classes)
+        k = _seed_column(pool, cover, s, demands[s], unit, rounding)
+        if k is None:
+            return _LP("needs_more")  # one matrix of s exceeds T, whole or split
         pool.add(k)
         add_col(k)
     rounds = 0
@@ -176,7 +221,7 @@ def _column_generation(
         if stop_when_fits and lp <= n_ranks + 1e-9:
             return _LP("fits", lp)
         duals = [max(0.0, d) for d in sol.row_dual]
-        value, k = _price(np, cover, duals, t_s, demands, rounding)
+        value, k = _price(np, model, cover, duals, t_s, demands, rounding)
         if value <= 1.0 + 1e-9:  # LP optimal
             if lp > n_ranks + 1e-9:
                 return _LP("needs_more", lp)
@@ -192,73 +237,91 @@ def _column_generation(
         add_col(k)
 
 
-def _dive(np, highspy, model: WorkModel, pool: _Pool, cover, t_s: float, budget: Budget) -> Loads | None:
-    """Residual rounding: solve the LP, fix the columns it uses at least once (else its largest one),
-    subtract what they cover, repeat on what is left; None if the ranks run out."""
+def _dive(np, highspy, model: WorkModel, pool: _Pool, cover, t_s: float, budget: Budget) -> Assignment | None:
+    """Residual rounding: solve the LP, fix the columns it uses at least once (piece configurations: in
+    whole groups; else its largest one), subtract what they cover, repeat on what is left; None if the
+    ranks run out."""
     demands = [c.count for c in model.classes]
     ranks_left = model.world_size
     fixed: list[tuple] = []
     while any(demands):
-        lp = _column_generation(
-            np,
-            highspy,
-            pool,
-            cover,
-            demands,
-            ranks_left,
-            t_s,
-            budget,
-            rounding="ceil",
-            stop_when_fits=False,
-        )
+        lp = _column_generation(np, highspy, pool, cover, demands, ranks_left, t_s, budget, rounding="ceil",
+                                stop_when_fits=False)
         if lp.status != "fits" or not lp.columns:
             return None
-        take = {k: math.floor(y + 1e-6) for k, y in lp.columns.items() if y >= 1 - 1e-6}
+        take = {k: math.floor(y / pool.width(k) + 1e-6) for k, y in lp.columns.items()
+                if y >= pool.width(k) * (1 - 1e-6)}
         if not take:
-            k = max(lp.columns, key=lambda c: (lp.columns[c], c))
-            take = {k: 1}
+            fitting = [k for k in lp.columns if pool.width(k) <= ranks_left]
+            if not fitting:
+                return None
+            take = {max(fitting, key=lambda c: (lp.columns[c], c)): 1}
         before = len(fixed)
         for k, copies in sorted(take.items()):
-            copies = min(copies, ranks_left)
-            useful = min(copies, max(-(-demands[s] // k[s]) for s in range(len(k)) if k[s]))
-            for _ in range(useful):
-                fixed.append(k)
-                demands = [max(0, d - ks) for d, ks in zip(demands, k, strict=True)]
-            ranks_left -= useful
+            w, cov = pool.width(k), pool.group_cover(k)
+            copies = min(copies, ranks_left // w)
+            useful = min(copies, max(-(-demands[s] // cov[s]) for s in range(len(cov)) if cov[s]))
+            fixed += [k] * useful
+            demands = [max(0, d - useful * c) for d, c in zip(demands, cov, strict=True)]
+            ranks_left -= useful * w
         if len(fixed) == before or ranks_left < 0 or (any(demands) and ranks_left == 0):
             return None  # no progress (degenerate LP) or out of ranks
-    return _realize(model, fixed)
+    return _realize(model, pool, fixed)
 
 
-def _realize(model: WorkModel, configs: list[tuple]) -> Loads | None:
-    """Configurations -> per-rank batch sizes (empty ranks appended), surplus slots dropped."""
-    from .milp import trim_surplus
-
-    if len(configs) > model.world_size:
+def _realize(model: WorkModel, pool: _Pool, configs: list[tuple]) -> Assignment | None:
+    """One group per entry of `configs` -> per-rank batch sizes and split jobs (aligned blocks first, then
+    the plain ranks), surplus dropped."""
+    widths = [pool.width(k) for k in configs]
+    if sum(widths) > model.world_size:
         return None
-    ranks: Loads = [
-        {s: list(model.best_split(s, model.cover_count(s, ks))) for s, ks in enumerate(k) if ks}
-        for k in configs
-    ]
-    ranks += [{} for _ in range(model.world_size - len(ranks))]
-    return trim_surplus(model, ranks)
+    split = [i for i, k in enumerate(configs) if pool.piece(k)]
+    blocks = place_groups([widths[i] for i in split])
+    ranks_of = dict(zip(split, blocks, strict=True))
+    nxt = sum(widths[i] for i in split)
+    per_rank: list[tuple | None] = [None] * model.world_size
+    jobs = []
+    for i, k in enumerate(configs):
+        if i in ranks_of:
+            jobs.append(Job(k[-1] - 1, ranks_of[i]))
+            for r in ranks_of[i]:
+                per_rank[r] = k
+        else:
+            per_rank[nxt] = k
+            nxt += 1
+    loads = [{s: list(model.best_split(s, model.cover_count(s, ks))) for s, ks in enumerate(k[:-1]) if ks}
+             if k else {} for k in per_rank]
+    trimmed = trim_jobs(model, jobs)
+    if trimmed is None:
+        return None
+    counts = [c.count for c in model.classes]
+    for j in trimmed:
+        counts[model.pieces[j.piece].cls] -= model.pieces[j.piece].batch
+    bg = [0.0] * model.world_size
+    for j in trimmed:
+        for r in j.ranks:
+            bg[r] += model.pieces[j.piece].time_s
+    loads = trim_surplus(model, loads, counts, bg)
+    return None if loads is None else (loads, trimmed)
 
 
-def _integer_plan(
-    pulp, model: WorkModel, pool: _Pool, t_s: float, budget: Budget, solver_cls, *, max_nodes: int
-):
-    """Cheapest (total work) choice of <= N configurations of exact cost <= T covering every class, as
-    far as `max_nodes` branch-and-bound nodes get; None if there is none (or none was found)."""
+def _integer_plan(pulp, model: WorkModel, pool: _Pool, t_s: float, budget: Budget, solver_cls, *,
+                  max_nodes: int) -> Assignment | None:
+    """Cheapest (total work) choice of configuration groups (<= N ranks) of exact cost <= T covering every
+    class, as far as `max_nodes` branch-and-bound nodes get; None if there is none (or none was found)."""
     cols = sorted(k for k, c in pool.configs.items() if c <= t_s * (1 + 1e-12))
     if not cols or budget.expired("configuration MILP"):
         return None
+    n_ranks = model.world_size
     prob = pulp.LpProblem("dmuon_configurations", pulp.LpMinimize)
-    y = [new_var(pulp, prob, f"y_{i}", 0, model.world_size, "Integer") for i in range(len(cols))]
+    y = [new_var(pulp, prob, f"y_{i}", 0, n_ranks // pool.width(k), "Integer") for i, k in enumerate(cols)]
     scale = max(t_s, 1e-30)
-    prob += pulp.lpSum(pool.configs[k] / scale * v for k, v in zip(cols, y, strict=True))
-    prob += pulp.lpSum(y) <= model.world_size, "ranks"
+    prob += pulp.lpSum(pool.width(k) * pool.configs[k] / scale * v for k, v in zip(cols, y, strict=True))
+    prob += pulp.lpSum(pool.width(k) * v for k, v in zip(cols, y, strict=True)) <= n_ranks, "ranks"
+    covers = [pool.group_cover(k) for k in cols]
     for s, cls in enumerate(model.classes):
-        prob += pulp.lpSum(k[s] * v for k, v in zip(cols, y, strict=True) if k[s]) >= cls.count, f"cover_{s}"
+        covered = pulp.lpSum(c[s] * v for c, v in zip(covers, y, strict=True) if c[s])
+        prob += covered >= cls.count, f"cover_{s}"
     limits = {"timeLimit": budget.left_s(), "mip_max_nodes": max_nodes}
     prob.solve(solver_cls(None, msg=False, threads=1, gapRel=1e-6, **limits))
     if stopped_by_clock(prob.solverModel):
@@ -266,29 +329,40 @@ def _integer_plan(
     if prob.solverModel.getInfo().primal_solution_status == 0:
         return None
     configs = [k for k, v in zip(cols, y, strict=True) for _ in range(round(v.varValue or 0.0))]
-    return _realize(model, configs)
+    return _realize(model, pool, configs)
 
 
-def configuration_search(model: WorkModel, start: Loads, *, budget: Budget, solver_cls) -> ConfigResult:
+def _start_configs(model: WorkModel, start: Assignment) -> list[tuple]:
+    loads, jobs = start
+    piece = [0] * model.world_size
+    for j in jobs:
+        for r in j.ranks:
+            piece[r] = j.piece + 1
+    return [(*(sum(r.get(s, ())) for s in range(len(model.classes))), piece[i]) for i, r in enumerate(loads)]
+
+
+def _total(model: WorkModel, a: Assignment) -> float:
+    return sum(loads_s(model, a))
+
+
+def configuration_search(model: WorkModel, start: Assignment, *, budget: Budget, solver_cls) -> ConfigResult:
     """Lower bound and plan from the configuration model (see the module docstring)."""
     import highspy
     import numpy as np
     import pulp
 
     pool = _Pool(model)
-    for r in start:
-        pool.add(tuple(sum(r.get(s, ())) for s in range(len(model.classes))))
+    for k in _start_configs(model, start):
+        pool.add(k)
     cover = _cover_table(model)
-    start_mk = max(rank_load_s(model, r) for r in start)
+    start_mk = makespan_s(model, start)
     lo, hi = model.lower_bound_s, start_mk  # lo: infeasible or unproven; hi: an LP-feasible makespan
     proven = 0.0
     counts = [c.count for c in model.classes]
 
     def lp_says(t_s):
-        return _column_generation(
-            np, highspy, pool, cover, counts, model.world_size, t_s, budget, rounding="floor",
-            stop_when_fits=True,
-        ).status
+        return _column_generation(np, highspy, pool, cover, counts, model.world_size, t_s, budget,
+                                  rounding="floor", stop_when_fits=True).status
 
     # bound: bisection on T for the configuration LP
     verdict = lp_says(lo)
@@ -312,16 +386,17 @@ def configuration_search(model: WorkModel, start: Loads, *, budget: Budget, solv
     ]
     # plan: complete column generation with exact-safe (rounded-up) costs at a trial T, then the integer
     # program; bisection between the first trial (just above the LP bound) and the start's makespan
-    best: Loads | None = None
+    best: Assignment | None = None
     fail, ok = None, start_mk
-    trial = min(start_mk, hi * (1 + len(model.classes) / GRID))  # floor rounding hid <= 1 step per class
+    steps = len(model.classes) + (1 if model.pieces else 0)  # floor rounding hid <= 1 step per stage
+    trial = min(start_mk, hi * (1 + steps / GRID))
     for _ in range(PLAN_MAX_TRIALS):
         plan = _dive(np, highspy, model, pool, cover, trial, budget)
         if plan is None:
             plan = _integer_plan(pulp, model, pool, trial, budget, solver_cls, max_nodes=TRIAL_MAX_NODES)
         if plan is not None:
-            mk = max(rank_load_s(model, r) for r in plan)
-            if best is None or mk < max(rank_load_s(model, r) for r in best):
+            mk = makespan_s(model, plan)
+            if best is None or mk < makespan_s(model, best):
                 best = plan
             ok = min(ok, mk)
         else:
@@ -330,14 +405,11 @@ def configuration_search(model: WorkModel, start: Loads, *, budget: Budget, solv
             break
         trial = 0.5 * (fail + ok)
     if best is not None:
-        mk = max(rank_load_s(model, r) for r in best)
+        mk = makespan_s(model, best)
         # lexicographic second step: least total work among plans with this makespan
         lean = _integer_plan(pulp, model, pool, mk, budget, solver_cls, max_nodes=IP_MAX_NODES)
-        if (
-            lean is not None
-            and max(rank_load_s(model, r) for r in lean) <= mk * (1 + 1e-9)
-            and sum(rank_load_s(model, r) for r in lean) < sum(rank_load_s(model, r) for r in best)
-        ):
+        if (lean is not None and makespan_s(model, lean) <= mk * (1 + 1e-9)
+                and _total(model, lean) < _total(model, best)):
             best = lean
         notes.append(
             f"configurations: integer plan makespan {mk * 1e3:.3f} ms from {len(pool.configs)} configurations"

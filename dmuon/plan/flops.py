@@ -17,28 +17,38 @@ DEFAULT_RESTARTS = (2,)
 def ns_flops(rows: int, cols: int, method: str = "standard", *, steps: int = 5,
              restarts: tuple[int, ...] = DEFAULT_RESTARTS, batch: int = 1) -> float:
     """FLOPs of orthogonalizing `batch` matrices of shape (rows, cols) with `method`."""
+    local, replicated = ns_flops_parts(rows, cols, method, steps=steps, restarts=restarts)
+    return batch * (local + replicated)
+
+
+def ns_flops_parts(rows: int, cols: int, method: str = "standard", *, steps: int = 5,
+                   restarts: tuple[int, ...] = DEFAULT_RESTARTS, parts: int = 1) -> tuple[float, float]:
+    """(local, replicated) FLOPs of one matrix when its long side is split into `parts` column blocks
+    (`dmuon.orthogonalize_distributed`): local = the n x n x (m / parts) products of the widest block
+    (X X^T, Q X, B X: proportional to the block width ceil(m / parts)), replicated = the n x n x n
+    polynomial work every rank of the group repeats. parts = 1: the two add up to `ns_flops`."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; accepted: {', '.join(METHODS)}")
-    if min(rows, cols) <= 0 or steps < 0 or batch <= 0:
-        raise ValueError("rows, cols, batch must be positive and steps >= 0, got "
-                         f"{(rows, cols, batch, steps)}")
+    if min(rows, cols) <= 0 or steps < 0 or parts <= 0:
+        raise ValueError("rows, cols, parts must be positive and steps >= 0, got "
+                         f"{(rows, cols, parts, steps)}")
     n, m = float(min(rows, cols)), float(max(rows, cols))
+    width = float(-(-int(m) // parts))
     sym = method.endswith("_sym")
-    gram_xxt = (1.0 if sym else 2.0) * n * n * m  # X X^T, n x n output
+    gram_xxt = (1.0 if sym else 2.0) * n * n * width  # X X^T, n x n output
     nnn = (1.0 if sym else 2.0) * n ** 3  # one symmetric n x n x n product
-    full_qx = 2.0 * n * n * m  # Q X or B X: general output, never symmetric
+    full_qx = 2.0 * n * n * width  # Q X or B X: general output, never symmetric
     if method.startswith("standard"):
-        per_step = gram_xxt + nnn + full_qx
-        return batch * steps * per_step
+        return steps * (gram_xxt + full_qx), steps * nnn
     restart_set = {r for r in restarts if 0 < r < steps}
-    total = gram_xxt  # R = X X^T
+    local, products = gram_xxt, 0  # R = X X^T
     for t in range(steps):
         if t in restart_set:
-            total += full_qx + gram_xxt  # X <- Q X ; R <- X X^T
-        total += nnn  # Z = b R + c R^2
+            local += full_qx + gram_xxt  # X <- Q X ; R <- X X^T
+        products += 1  # Z = b R + c R^2
         if t != 0 and t not in restart_set:
-            total += nnn  # Q <- Q Z + a Q  (first step after a (re)start: Q = Z + a I, free)
+            products += 1  # Q <- Q Z + a Q  (first step after a (re)start: Q = Z + a I, free)
         if t + 1 < steps and (t + 1) not in restart_set:
-            total += 2 * nnn  # RZ = R Z + a R ; R = Z RZ + a RZ
-    total += full_qx  # X <- Q X
-    return batch * total
+            products += 2  # RZ = R Z + a R ; R = Z RZ + a RZ
+    local += full_qx  # X <- Q X
+    return local, products * nnn

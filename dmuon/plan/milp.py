@@ -1,10 +1,13 @@
 """The MILP balancer: batching and owner assignment as integer programs (pulp + HiGHS).
 
 Pipeline (`solve_milp`), never worse than its LPT start:
-  1. start = LPT (`balance.lpt`); if it meets the combinatorial lower bound it is optimal: done.
+  1. start = LPT (`balance.lpt`; with split piece types `splitbal.split_lpt`, which keeps the unsplit LPT
+     plan unless splitting lowers its makespan); if it meets the combinatorial lower bound it is
+     optimal: done.
   2. without a memory cap: the configuration model (`colgen`): identical ranks aggregated exactly; gives
      a proven lower bound (configuration LP) and a plan (column generation + diving + MILP over
-     configurations). Its size does not grow with N.
+     configurations). Its size does not grow with N. With split piece types it decides which matrices
+     are split k ways and which ranks run what in one model (a configuration may hold one piece).
   3. with a memory cap (the configuration model has no memory dimension): the per-rank model (below),
      warm-started from LPT; its HiGHS dual bound is a proven bound. With more ranks than
      MAX_EXACT_VARS allows, the ranks are aggregated into groups instead (see "Scale").
@@ -36,51 +39,18 @@ wrong solution -> LPT, with a RuntimeWarning (from build_plan) and a note in the
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import sys
-import time
 from dataclasses import dataclass, field
 
-from .balance import Loads, WorkModel, lpt, rank_load_s, rebatch
+from .balance import Loads, WorkModel, rank_load_s, rebatch
+from .colgen import configuration_search
+from .solver import Budget, new_var, stopped_by_clock, warm_highs
+from .splitbal import Assignment, Job, makespan_s, split_lpt, trim_surplus
 
 MAX_EXACT_VARS = 6000  # x variables of the exact (per-rank) model; above: rank groups
 PER_RANK_MAX_NODES = 300  # branch-and-bound nodes per phase of the per-rank model (memory cap only)
 GAP_TOLERANCE = 1e-3  # a plan this close to a proven bound is not searched further
 TIME_SHARE = 0.93  # of build_plan's time limit that the solvers may use (the rest: model building)
-
-
-class Budget:
-    """The wall-clock safety net of one solve: phases ask `expired(phase)` at their loop heads and give
-    HiGHS `left_s()` as its time limit. Work limits end every phase first on the project's workloads;
-    `stopped` names the phases the clock ended (their results may differ between runs)."""
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-        self.deadline = time.perf_counter() + seconds
-        self.stopped: list[str] = []
-
-    @property
-    def timed_out(self) -> bool:
-        return bool(self.stopped)
-
-    def left_s(self) -> float:
-        return max(0.0, self.deadline - time.perf_counter())
-
-    def expired(self, phase: str, *, force: bool = False) -> bool:
-        if force or time.perf_counter() >= self.deadline:
-            if phase not in self.stopped:
-                self.stopped.append(phase)
-            return True
-        return False
-
-
-def stopped_by_clock(highs) -> bool:
-    """Whether a highspy.Highs run ended at its time limit."""
-    import highspy
-
-    return highs.getModelStatus() == highspy.HighsModelStatus.kTimeLimit
 
 
 @dataclass
@@ -90,49 +60,15 @@ class MilpResult:
     bound_s: float  # best proven lower bound on the makespan
     notes: list[str] = field(default_factory=list)
     fallback: bool = False
-
-
-@contextlib.contextmanager
-def _quiet_stdout():
-    """Silence C-level stdout (HiGHS prints a banner when its first model is created)."""
-    try:
-        sys.stdout.flush()
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):
-        yield
-        return
-    saved = os.dup(fd)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), fd)
-            yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, fd)
-        os.close(saved)
-
-
-def new_highs(highspy):
-    """A silent highspy.Highs (the banner of the first model in a process goes to C stdout)."""
-    with _quiet_stdout():
-        h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    return h
-
-
-def new_var(pulp, prob, name: str, low, up, cat: str):
-    """A pulp variable attached to `prob` (PuLP >= 3.3 API; plain LpVariable on older PuLP)."""
-    if hasattr(prob, "add_variable"):
-        return prob.add_variable(name, low, up, cat=cat)
-    return pulp.LpVariable(name, low, up, cat=cat)
+    jobs: tuple[Job, ...] = ()  # split batches (see splitbal)
 
 
 def _fallback(model: WorkModel, why: str, notes: list[str]) -> MilpResult:
-    loads = lpt(model)
+    loads, jobs = split_lpt(model)
     notes.append(f"MILP fell back to LPT: {why}")
-    mk = max(rank_load_s(model, r) for r in loads)
+    mk = makespan_s(model, (loads, jobs))
     lb = model.lower_bound_s
-    return MilpResult(loads, (mk - lb) / mk if mk > 0 else 0.0, lb, notes, fallback=True)
+    return MilpResult(loads, (mk - lb) / mk if mk > 0 else 0.0, lb, notes, fallback=True, jobs=jobs)
 
 
 def _makespan(model: WorkModel, loads: Loads) -> float:
@@ -151,28 +87,26 @@ def solve_milp(
     except ImportError as e:
         return _fallback(model, f"no MILP solver ({e.name} is not installed)", notes)
     budget = Budget(TIME_SHARE * time_limit_s)  # the rest covers model building and the plan around it
-    start = lpt(model)
-    start_mk = _makespan(model, start)
+    start: Assignment = split_lpt(model)
+    start_mk = makespan_s(model, start)
     best, best_mk = start, start_mk
     bound = model.lower_bound_s
     if start_mk <= bound * (1 + 1e-9):
         notes.append("MILP: the LPT start meets the lower bound, so it is optimal; no solve needed")
-        return MilpResult(start, 0.0, bound, notes)
+        return MilpResult(start[0], 0.0, bound, notes, jobs=start[1])
     n_ranks = model.world_size
     per_rank_vars = sum(len(c.sizes) for c in model.classes)
     exact = n_ranks * per_rank_vars <= max_exact_vars
-    solver_cls = _warm_highs(pulp, seed)
+    solver_cls = warm_highs(pulp, seed)
     how = []
     if model.memory_cap_bytes is None:
-        from .colgen import configuration_search
-
         cfg = configuration_search(model, start, budget=budget, solver_cls=solver_cls)
         notes += cfg.notes
         bound = max(bound, cfg.bound_s)
-        if cfg.loads is not None and _makespan(model, cfg.loads) < best_mk:
-            best, best_mk = cfg.loads, _makespan(model, cfg.loads)
+        if cfg.assignment is not None and makespan_s(model, cfg.assignment) < best_mk:
+            best, best_mk = cfg.assignment, makespan_s(model, cfg.assignment)
         how.append("configuration model")
-    elif best_mk > bound * (1 + GAP_TOLERANCE):
+    elif best_mk > bound * (1 + GAP_TOLERANCE):  # a memory cap: never split pieces (build_work_model)
         groups = [1] * n_ranks
         if not exact:
             g = max(1, max_exact_vars // per_rank_vars)
@@ -182,19 +116,19 @@ def solve_milp(
                 f"{min(groups)}-{max(groups)} ranks running the same batches (memory cap set)"
             )
         solver = _Solver(pulp, solver_cls, model, groups, model.lower_bound_s, budget)
-        sol1 = solver.solve(best if exact else None, phase=1)
+        sol1 = solver.solve(best[0] if exact else None, phase=1)
         if sol1 is not None:
             loads1, bound1 = sol1
             bound = max(bound, bound1)
             if _makespan(model, loads1) <= best_mk * (1 + 1e-12):
-                best, best_mk = loads1, _makespan(model, loads1)
-            sol2 = solver.solve(best, phase=2, makespan_cap_s=best_mk) if exact else None
+                best, best_mk = (loads1, ()), _makespan(model, loads1)
+            sol2 = solver.solve(best[0], phase=2, makespan_cap_s=best_mk) if exact else None
             if sol2 is not None and _makespan(model, sol2[0]) <= best_mk * (1 + 1e-9):
-                best = sol2[0]
+                best = (sol2[0], ())
         notes.append(solver.last_status or "per-rank model: not run (wall-clock limit)")
         how.append("per-rank model" if exact else "grouped per-rank model")
-    best = rebatch(model, best)
-    mk = _makespan(model, best)
+    best = (rebatch(model, best[0]), best[1])
+    mk = makespan_s(model, best)
     if mk > start_mk:
         best, mk = start, start_mk
     gap = max(0.0, (mk - bound) / mk) if mk > 0 else 0.0
@@ -207,7 +141,7 @@ def solve_milp(
             f"MILP: the wall-clock limit ({time_limit_s:g} s) stopped {', '.join(budget.stopped)} before "
             "its work limit, so this plan may differ between runs (a larger time_limit_s avoids it)"
         )
-    return MilpResult(best, gap, bound, notes)
+    return MilpResult(best[0], gap, bound, notes, jobs=best[1])
 
 
 class _Solver:
@@ -322,65 +256,3 @@ class _Solver:
             else 0.0
         )
         return out, bound
-
-
-def trim_surplus(model: WorkModel, loads: Loads) -> Loads | None:
-    """Drop slots beyond each class's count (grouped model), from the most loaded ranks first, shrinking
-    batches; None if the slots do not cover every matrix."""
-    loads = [{s: sorted(v, reverse=True) for s, v in r.items() if v} for r in loads]
-    for s, cls in enumerate(model.classes):
-        surplus = sum(sum(r.get(s, ())) for r in loads) - cls.count
-        if surplus < 0:
-            return None
-        while surplus > 0:
-            r = max(
-                (r for r in range(len(loads)) if loads[r].get(s)),
-                key=lambda r: (rank_load_s(model, loads[r]), -r),
-            )
-            sizes = loads[r][s]
-            b = sizes.pop()  # the smallest batch of this class on that rank
-            drop = min(b, surplus)
-            if b - drop:
-                sizes.extend(model.best_split(s, b - drop))
-                sizes.sort(reverse=True)
-            surplus -= drop
-    return loads
-
-
-def _warm_highs(pulp, seed: int):
-    class WarmHiGHS(pulp.HiGHS):
-        """pulp's HiGHS with a MIP start, a fixed random seed and a silent banner."""
-
-        def __init__(self, start, **kwargs):
-            super().__init__(random_seed=seed, **kwargs)
-            self.start = start
-
-        def createAndConfigureSolver(self, lp):
-            with _quiet_stdout():
-                super().createAndConfigureSolver(lp)
-
-        def findSolutionValues(self, lp):
-            """pulp's status mapping, plus the HiGHS stops it does not know (node / solution limits):
-            the variable values are read either way; the status says whether a solution exists."""
-            from pulp import constants
-
-            try:
-                return super().findSolutionValues(lp)
-            except KeyError:
-                found = lp.solverModel.getInfo().primal_solution_status != 0
-                return (
-                    constants.LpStatusNotSolved,
-                    constants.LpSolutionIntegerFeasible if found else constants.LpSolutionNoSolutionFound,
-                )
-
-        def callSolver(self, lp):
-            if self.start:
-                import numpy as np
-
-                cols = [v for v in lp.variables() if v.name in self.start]
-                idx = np.array([v.index for v in cols], dtype=np.int32)
-                val = np.array([self.start[v.name] for v in cols], dtype=np.float64)
-                lp.solverModel.setSolution(len(cols), idx, val)
-            lp.solverModel.run()
-
-    return WarmHiGHS

@@ -5,6 +5,18 @@ executed by the real runtime (`dmuon.runtime`) and timed by the simulator (`simu
 executor re-derives owners, batches or buckets: they read them from here.
 
 Indices: every reference to a matrix is its index into `Plan.matrices`.
+
+Owner groups (split NS, `dmuon.orthogonalize_distributed`). A batch may be run by a group of k ranks
+(`Batch.group`, an aligned block of k consecutive ranks, k a power of two) that split its matrices'
+long side; `Batch.owner` is the group's lead (its first rank) and `Plan.owners[i]` stays the lead owner
+of matrix i, so code that knows only owners keeps working; `Plan.groups[i]` is the whole group (a
+1-tuple for unsplit matrices). A split batch's `time_s` is what every member spends (compute + the
+group's collectives, `comm_s` of it). Every rank is in at most one split batch, so groups never overlap
+and no rank orders the collectives of two groups. `Plan.loads_s` charges a split batch to every member;
+`batches_of(rank)` lists every batch the rank takes part in.
+
+JSON: a plan without groups serializes exactly as before (format_version 1, no group keys); one with
+groups writes format_version 2 with "group" / "comm_s" on its split batches and "max_split"; both load.
 """
 
 from __future__ import annotations
@@ -12,7 +24,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 1  # plans without groups (written as before)
+GROUPS_FORMAT_VERSION = 2  # plans with split batches
 
 
 @dataclass(frozen=True)
@@ -58,10 +71,17 @@ class Batch:
     members: tuple[int, ...]  # matrix indices
     time_s: float  # cost-table time of this batched call
     method: str = ""  # NS method of this call; "" = the plan's method (differs only for method "auto")
+    group: tuple[int, ...] = ()  # the ranks that split this batch (owner first); () = the owner alone
+    comm_s: float = 0.0  # the group's collectives, included in time_s (0 without a group)
 
     @property
     def size(self) -> int:
         return len(self.members)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks that run this batch: the group, or the owner alone."""
+        return self.group or (self.owner,)
 
 
 @dataclass(frozen=True)
@@ -97,22 +117,39 @@ class Plan:
     solve_time_s: float
     gap: float = 0.0  # proven relative optimality gap (MILP); 0 for exact or not applicable
     notes: tuple[str, ...] = field(default_factory=tuple)
+    max_split: int = 1  # the largest group the balancer could use (1 = no splitting)
 
     # ---- derived views -------------------------------------------------------------------
     @property
     def loads_s(self) -> tuple[float, ...]:
-        """Orthogonalization seconds per rank (sum of its batches' times)."""
+        """Orthogonalization seconds per rank (its batches' times; a split batch counts on every member)."""
         loads = [0.0] * self.world_size
         for b in self.batches:
-            loads[b.owner] += b.time_s
+            for r in b.ranks:
+                loads[r] += b.time_s
         return tuple(loads)
+
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """groups[i] = the ranks that orthogonalize matrix i (lead first; (owners[i],) when unsplit)."""
+        out = [(o,) for o in self.owners]
+        for b in self.batches:
+            if b.group:
+                for i in b.members:
+                    out[i] = b.group
+        return tuple(out)
+
+    @property
+    def split_batches(self) -> tuple[Batch, ...]:
+        return tuple(b for b in self.batches if b.group)
 
     @property
     def efficiency(self) -> float:
         return self.lower_bound_s / self.makespan_s if self.makespan_s > 0 else 1.0
 
     def batches_of(self, rank: int) -> tuple[Batch, ...]:
-        return tuple(b for b in self.batches if b.owner == rank)
+        """The batches `rank` runs, whole or as a member of their group, in plan order."""
+        return tuple(b for b in self.batches if rank in b.ranks)
 
     def owned_by(self, rank: int) -> tuple[int, ...]:
         return tuple(i for i, o in enumerate(self.owners) if o == rank)
@@ -120,7 +157,13 @@ class Plan:
     # ---- serialization -------------------------------------------------------------------
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["format_version"] = PLAN_FORMAT_VERSION
+        grouped = any(b.group for b in self.batches)
+        for b in d["batches"]:
+            if not b["group"]:
+                del b["group"], b["comm_s"]
+        if not grouped and self.max_split == 1:
+            del d["max_split"]
+        d["format_version"] = GROUPS_FORMAT_VERSION if grouped else PLAN_FORMAT_VERSION
         return d
 
     def to_json(self, **kwargs) -> str:
@@ -130,14 +173,15 @@ class Plan:
     def from_dict(cls, d: dict) -> Plan:
         d = dict(d)
         version = d.pop("format_version", PLAN_FORMAT_VERSION)
-        if version != PLAN_FORMAT_VERSION:
+        if version not in (PLAN_FORMAT_VERSION, GROUPS_FORMAT_VERSION):
             raise ValueError(f"plan format version {version} is not supported "
-                             f"(expected {PLAN_FORMAT_VERSION})")
+                             f"(expected {PLAN_FORMAT_VERSION} or {GROUPS_FORMAT_VERSION})")
         d["matrices"] = tuple(MatrixSpec(**m) for m in d["matrices"])
         d["owners"] = tuple(d["owners"])
         d["batches"] = tuple(
             Batch(owner=b["owner"], rows=b["rows"], cols=b["cols"], members=tuple(b["members"]),
-                  time_s=b["time_s"], method=b.get("method", "")) for b in d["batches"]
+                  time_s=b["time_s"], method=b.get("method", ""), group=tuple(b.get("group", ())),
+                  comm_s=b.get("comm_s", 0.0)) for b in d["batches"]
         )
         d["buckets"] = tuple(Bucket(index=b["index"], members=tuple(b["members"])) for b in d["buckets"])
         d["notes"] = tuple(d.get("notes", ()))
