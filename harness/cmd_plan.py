@@ -2,6 +2,7 @@
 
   harness plan --workload qwen2.5-7b --ranks 64 --balancer milp [--profile a800] [--json] [--out plan.json]
   harness plan --compare [--workload a,b] [--ranks 8,16] [--json]   round-robin / LPT / MILP side by side
+  harness plan ... --max-split 8 [--links dmuon|simulator]   owner groups: a batch split over <= 8 ranks
   harness profile --device cpu --workload qwen2.5-7b --scale 0.03125,0.0625,0.125 --out FILE
 
 Heavy imports (torch for `profile`, pulp/highspy for the MILP) happen inside the commands.
@@ -88,7 +89,13 @@ def plan_summary(plan, workload: str) -> dict:
             {"matrix": m.name, "owner": o} for m, o in zip(plan.matrices, plan.owners, strict=True)
         ],
         "notes": list(plan.notes),
-    }
+    } | (split_fields(plan) if plan.max_split > 1 else {})
+
+
+def split_fields(plan) -> dict:
+    from .plan_split import summary_fields
+
+    return summary_fields(plan)
 
 
 def _rank_rows(plan) -> list[tuple]:
@@ -130,14 +137,20 @@ def print_plan(plan, workload: str) -> None:
         f"efficiency {plan.efficiency:.3f}   proven gap {plan.gap:.2%}   solve {plan.solve_time_s:.2f} s   "
         f"buckets {len(plan.buckets)}"
     )
+    from .plan_split import print_groups
+
+    print_groups(plan, con)
     for n in plan.notes:
         con.print(f"note: {n}")
 
 
 def compare_rows(
-    workloads, ranks_list, profile: str, method: str, dtype: str, time_limit_s: float, progress=None
+    workloads, ranks_list, profile: str, method: str, dtype: str, time_limit_s: float, progress=None,
+    max_split: int = 1, links=None,
 ) -> list[dict]:
-    """Round-robin, LPT and MILP makespans side by side for every (workload, N)."""
+    """Round-robin, LPT and MILP makespans side by side for every (workload, N); with max_split > 1 the
+    balancers may split (round-robin never does), the bound is split-aware and the MILP without splits
+    is added (`plan_split.nosplit_fields`)."""
     import warnings
 
     from dmuon.plan.build import build_plan
@@ -155,8 +168,12 @@ def compare_rows(
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", RuntimeWarning)
                     plans[bal] = build_plan(
-                        mats, n, cost, balancer=bal, method=method, dtype=dtype, time_limit_s=time_limit_s
+                        mats, n, cost, balancer=bal, method=method, dtype=dtype, time_limit_s=time_limit_s,
+                        max_split=max_split, links=links,
                     )
+                    if bal == "milp" and max_split > 1:
+                        nosplit = build_plan(mats, n, cost, balancer=bal, method=method, dtype=dtype,
+                                             time_limit_s=time_limit_s)
             milp = plans["milp"]
             bound = milp.makespan_s * (1 - milp.gap)
             row = {
@@ -175,6 +192,10 @@ def compare_rows(
             row["milp_gap"] = milp.gap
             row["milp_vs_lpt"] = milp.makespan_s / plans["lpt"].makespan_s
             row["fallback"] = any("fell back" in x for x in milp.notes)
+            if max_split > 1:
+                from .plan_split import nosplit_fields
+
+                row |= nosplit_fields(milp, nosplit)
             rows.append(row)
             if progress:
                 progress(row)
@@ -202,7 +223,7 @@ def print_compare(rows: list[dict], title: str) -> None:
         "MILP/LPT",
         "LPT s",
         "MILP s",
-    )
+    ) + (("MILP k=1 ms", "splits", "k=1 / split") if "milp_nosplit_makespan_s" in (rows or [{}])[0] else ())
     for c in cols:
         t.add_column(c, justify="left" if c in ("workload", "LB reachable") else "right")
     for r in rows:
@@ -222,10 +243,13 @@ def print_compare(rows: list[dict], title: str) -> None:
             f"{r['milp_vs_lpt']:.4f}",
             f"{r['lpt_solve_s']:.2f}",
             f"{r['milp_solve_s']:.2f}",
+            *((f"{r['milp_nosplit_makespan_s'] * 1e3:.3f}", str(r["milp_split_batches"]),
+               f"{r['split_speedup']:.3f}") if "milp_nosplit_makespan_s" in r else ()),
         )
     Console().print(t)
     print(
-        "efficiency = lower bound / makespan, lower bound = max(work/N, largest call, pigeonhole terms); "
+        "efficiency = lower bound / makespan, lower bound = max(work/N, largest call, pigeonhole terms; "
+        "with splits the split-aware area bound); "
         "proven = the MILP's proven bound on the optimum (configuration LP / solver); 'LB reachable: no' = "
         "the proven bound exceeds the lower bound, so no plan reaches it."
     )
@@ -282,6 +306,13 @@ def register(app, bench) -> None:
             "--compare",
             help="Round-robin / LPT / MILP side by side for several workloads and rank counts.",
         ),
+        max_split: int = typer.Option(
+            1, help="Largest owner group of one batch (split NS over 2, 4, ... ranks); 1 = one owner."
+        ),
+        links: str = typer.Option(
+            "dmuon", help="Collectives pricing the splits: dmuon (alpha-beta, collectives.md) | simulator "
+            "(the simulator profile's network)."
+        ),
     ):
         """Owners, batches and buckets of a workload's Muon matrices on N ranks (per-rank loads)."""
         from dmuon.errors import InputError
@@ -301,7 +332,10 @@ def register(app, bench) -> None:
                         file=sys.stderr,
                     )
 
-            rows = compare_rows(wls, ns, profile, method, dtype, time_limit, progress)
+            from .plan_split import resolve_links
+
+            rows = compare_rows(wls, ns, profile, method, dtype, time_limit, progress, max_split,
+                                resolve_links(links, profile))
             if json_out:
                 print(json.dumps(rows, indent=1))
             else:
@@ -321,6 +355,8 @@ def register(app, bench) -> None:
         from dmuon.io import atomic_write_text
         from dmuon.plan.build import build_plan
         from dmuon.plan.cost import CostTable
+
+        from .plan_split import resolve_links
 
         if memory_cap_gb is not None and not 0 < memory_cap_gb < float("inf"):
             raise InputError(f"--memory-cap-gb must be a positive number of GB (or left out), "
@@ -343,6 +379,8 @@ def register(app, bench) -> None:
             memory_cap_bytes=cap,
             anti_affinity=anti_affinity,
             time_limit_s=time_limit,
+            max_split=max_split,
+            links=resolve_links(links, profile),
         )
         if out:
             atomic_write_text(out, plan.to_json(indent=1))

@@ -250,3 +250,109 @@ def test_bad_arguments_say_what_is_accepted():
         build_plan([], 2, A800)
     with pytest.raises(InputError, match="matrix names must be unique"):
         build_plan([MatrixSpec("a", 64, 64), MatrixSpec("a", 32, 64)], 2, A800)
+
+
+# ---- split batches (owner groups) ------------------------------------------------------------------
+SPLIT_SHAPES = [(4096, 16384), (3584, 18944), (2048, 8192), (1024, 4096), (256, 1024), (5120, 5120)]
+
+
+@st.composite
+def split_instances(draw):
+    kinds = draw(st.lists(st.sampled_from(SPLIT_SHAPES), min_size=1, max_size=3, unique=True))
+    counts = [draw(st.integers(1, 5)) for _ in kinds]
+    mats = [MatrixSpec(f"k{k}.{j}", r, c, j) for k, (r, c) in enumerate(kinds) for j in range(counts[k])]
+    return mats, draw(st.integers(1, 12)), draw(st.sampled_from([2, 4, 8, 16])), draw(st.integers(1, 4))
+
+
+def _check_groups(plan: Plan, ranks: int) -> None:
+    _check_plan(plan, ranks)
+    in_split = [0] * ranks
+    for b in plan.split_batches:
+        k, lead = len(b.group), b.group[0]
+        assert 2 <= k <= min(ranks, plan.max_split) and k & (k - 1) == 0  # a power of two
+        assert b.group == tuple(range(lead, lead + k)) and lead % k == 0  # an aligned block
+        assert b.owner == lead and 0 < b.comm_s < b.time_s
+        for r in b.group:
+            in_split[r] += 1
+        unsplit = A800.ns_time(b.rows, b.cols, b.size, b.method, plan.dtype).time_s
+        assert b.time_s < unsplit  # a split is only ever offered where it is faster than not splitting
+    assert max(in_split) <= 1  # every rank in at most one split batch
+    groups = plan.groups
+    assert len(groups) == len(plan.matrices)
+    for g, o in zip(groups, plan.owners, strict=True):
+        assert g and g[0] == o and all(0 <= r < ranks for r in g)
+    loads = [0.0] * ranks
+    for b in plan.batches:
+        for r in b.ranks:
+            loads[r] += b.time_s
+            assert b in plan.batches_of(r)
+    assert tuple(loads) == pytest.approx(plan.loads_s)
+    back = Plan.from_json(plan.to_json())
+    assert back == plan and back.groups == groups
+
+
+@given(split_instances())
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_split_plans_properties(inst):
+    mats, ranks, max_split, max_batch = inst
+    plain = build_plan(mats, ranks, A800, balancer="lpt", max_batch=max_batch)
+    lpt = build_plan(mats, ranks, A800, balancer="lpt", max_batch=max_batch, max_split=max_split)
+    milp = build_plan(mats, ranks, A800, balancer="milp", max_batch=max_batch, max_split=max_split,
+                      time_limit_s=2.0)
+    for plan in (lpt, milp):
+        _check_groups(plan, ranks)
+    assert lpt.makespan_s <= plain.makespan_s * (1 + 1e-12)  # splitting is taken only where it pays
+    assert milp.makespan_s <= lpt.makespan_s * (1 + 1e-9)
+    proven = milp.makespan_s * (1 - milp.gap)
+    assert milp.lower_bound_s * (1 - 1e-9) <= proven <= milp.makespan_s * (1 + 1e-12)
+    if not lpt.split_batches:
+        assert lpt.owners == plain.owners and lpt.batches == plain.batches
+
+
+def test_no_split_where_it_does_not_pay():
+    small = [MatrixSpec(f"s{i}", 256, 1024, i) for i in range(24)]
+    for ranks in (2, 4, 8):
+        for bal in ("lpt", "milp"):
+            plan = build_plan(small, ranks, A800, balancer=bal, max_split=8, time_limit_s=2)
+            assert not plan.split_batches and any("splits: none chosen" in n for n in plan.notes)
+            assert plan.owners == build_plan(small, ranks, A800, balancer=bal, time_limit_s=2).owners
+    two = [MatrixSpec(f"b{i}", 4096, 16384, i) for i in range(2)]  # one big matrix per rank: nothing to gain
+    assert not build_plan(two, 2, A800, balancer="milp", max_split=2).split_batches
+    tiny = [MatrixSpec("t", 64, 256)]  # a split call would cost more than the whole NS: never offered
+    assert not build_work_model(tiny, 4, A800, max_split=4).pieces
+
+
+def test_split_pays_for_one_dominant_matrix():
+    mats = [MatrixSpec("big", 4096, 16384, 0)] + [MatrixSpec(f"s{i}", 512, 2048, i + 1) for i in range(14)]
+    plain = build_plan(mats, 8, A800, balancer="milp")
+    split = build_plan(mats, 8, A800, balancer="milp", max_split=8)
+    _check_groups(split, 8)
+    assert split.makespan_s < 0.8 * plain.makespan_s and len(split.groups[0]) > 1
+    assert split.lower_bound_s < plain.lower_bound_s  # the split-aware bound is below the one-owner wall
+    lpt = build_plan(mats, 8, A800, balancer="lpt", max_split=8)
+    assert split.makespan_s <= lpt.makespan_s * (1 + 1e-9) and lpt.split_batches
+
+
+def test_split_lower_bound_terms():
+    from dmuon.plan.split import area_bound
+
+    # two classes: a (t=4 whole, or 2 ranks x 3), b (t=1): 3 ranks
+    opts = [(2, [(4.0, 1, 1), (3.0, 2, 1)]), (3, [(1.0, 1, 1)])]
+    assert area_bound(opts, 3) == pytest.approx(max(4.0, (2 * 4 + 3) / 3))  # T >= 4: area 11 / 3 < 4
+    assert area_bound(opts, 8) == pytest.approx(3.0)  # T = 3 needs 2 x 6 + 3 = 15 rank-seconds <= 24
+    mats = [MatrixSpec("big", 4096, 16384, 0)]
+    terms = build_work_model(mats, 8, A800, max_split=8).lower_bound_terms()
+    fastest = min(p.time_s for p in build_work_model(mats, 8, A800, max_split=8).pieces)
+    assert terms["largest call (split-aware)"] == pytest.approx(fastest)
+
+
+def test_split_bad_arguments():
+    mats = [MatrixSpec("a", 1024, 4096)]
+    with pytest.raises(InputError, match="max_split must be a positive integer"):
+        build_plan(mats, 2, A800, max_split=0)
+    with pytest.raises(InputError, match="max_split > 1 with a memory cap is not supported"):
+        build_plan(mats, 2, A800, max_split=2, memory_cap_bytes=1e12)
+    with pytest.raises(InputError, match="links must be a dmuon.plan.split.LinkModel"):
+        build_plan(mats, 2, A800, max_split=2, links=object())
+    with pytest.raises(InputError, match="no link model for device 'unit'"):
+        build_plan(mats, 2, _UnitCost({(1024, 4096): 1.0}), max_split=2)

@@ -130,3 +130,79 @@ def test_cli_plan_bad_input_exits_2_with_one_line(capsys, argv, message):
     assert main(args + argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+# ---- owner groups (split NS) -------------------------------------------------------------------------
+def test_plan_without_groups_serializes_as_before(qwen):
+    plan = build_plan(qwen, 8, A800, balancer="lpt")
+    d = plan.to_dict()
+    assert d["format_version"] == 1 and "max_split" not in d
+    assert all(set(b) == {"owner", "rows", "cols", "members", "time_s", "method"} for b in d["batches"])
+    assert plan.groups == tuple((o,) for o in plan.owners) and not plan.split_batches
+    assert Plan.from_dict(d) == plan
+
+
+def test_plan_with_groups_round_trips(qwen):
+    plan = build_plan(qwen, 256, A800, balancer="milp", max_split=8, time_limit_s=5)
+    assert plan.split_batches and plan.max_split == 8
+    d = plan.to_dict()
+    assert d["format_version"] == 2 and d["max_split"] == 8
+    assert sum("group" in b for b in d["batches"]) == len(plan.split_batches)
+    back = Plan.from_json(plan.to_json())
+    assert back == plan and back.groups == plan.groups
+    for i, g in enumerate(plan.groups):
+        assert g[0] == plan.owners[i]
+    with pytest.raises(ValueError, match="plan format version 3 is not supported"):
+        Plan.from_dict({**d, "format_version": 3})
+
+
+def test_split_pricing_model():
+    from dmuon.plan.flops import METHODS, ns_flops, ns_flops_parts
+    from dmuon.plan.split import LINKS, place_groups, split_price
+
+    for mt in METHODS:
+        local, rep = ns_flops_parts(512, 4096, mt)
+        assert local + rep == ns_flops(512, 4096, mt)
+        local4, rep4 = ns_flops_parts(512, 4096, mt, parts=3)
+        assert rep4 == rep and local4 == pytest.approx(local * 1366 / 4096)  # ceil(4096 / 3) = 1366
+    links = LINKS["a800"]
+    n, m, b = 1024, 16384, 2
+    tri = b * n * (n + 1) / 2 * 4
+    small = 2 * links.all_gather_s(64 * 4, range(4))
+    for mt, reduces in (("gram_sym", 2), ("standard_sym", 5)):
+        p = split_price(A800, n, m, b, 4, mt, "bf16", links, range(4))  # block 1024 x 4096: a real call
+        assert p.compute_s == pytest.approx(A800.ns_time(n, m // 4, b, mt, "bf16").time_s)
+        assert p.comm_s == pytest.approx(reduces * links.all_reduce_s(tri, range(4)) + small)
+    narrow = split_price(A800, 2048, 4096, 1, 4, "gram_sym", "bf16", links, range(4))  # 2048 x 1024 block
+    local, rep = ns_flops_parts(2048, 4096, "gram_sym", parts=4)
+    square = A800.ns_time(2048, 2048, 1, "gram_sym", "bf16").time_s
+    assert narrow.compute_s == pytest.approx(square * (local + rep) / ns_flops(2048, 2048, "gram_sym"))
+    # collectives.md ring all-reduce: base + 2 (k-1) alpha + 2 (k-1) / k S / B inside a node
+    s = 64e6
+    assert links.all_reduce_s(s, range(8)) == pytest.approx(8.4e-6 + 14 * 3.4e-6 + 14 / 8 * s / 64e9)
+    two_nodes = 8.4e-6 + 14 * 3.4e-6 + 14 / 8 * s / 64e9 + 2 * (14e-6 + s / 8 / 2 / 12.5e9)
+    assert links.all_reduce_s(s, range(16)) == pytest.approx(two_nodes)  # intra RS + inter AR + intra AG
+    assert links.all_reduce_s(s, [3]) == 0.0
+    blocks = place_groups([2, 8, 4, 2])
+    assert blocks == [tuple(range(12, 14)), tuple(range(0, 8)), tuple(range(8, 12)), tuple(range(14, 16))]
+
+
+def test_cli_plan_max_split(capsys):
+    args = ["plan", "--workload", "qwen2.5-7b", "--ranks", "256", "--balancer", "lpt", "--json"]
+    assert main(args + ["--max-split", "8"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["max_split"] == 8 and len(d["split_batches"]) == 84 and d["efficiency"] > 0.99
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert "split_batches" not in plain and d["makespan_s"] < 0.8 * plain["makespan_s"]
+    assert main(["plan", "--compare", "--workload", "wall-wm", "--ranks", "256", "--max-split", "8",
+                 "--time-limit", "2", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["milp_makespan_s"] <= row["lpt_makespan_s"] * (1 + 1e-9) and row["milp_split_batches"] > 0
+    assert row["split_speedup"] > 1.05 and row["milp_nosplit_makespan_s"] > row["milp_makespan_s"]
+    assert main(args + ["--max-split", "8", "--links", "simulator"]) == 0
+    assert json.loads(capsys.readouterr().out)["split_batches"]
+    assert main(args + ["--max-split", "8", "--links", "nccl"]) == 2
+    assert "unknown links 'nccl'; accepted: dmuon, simulator" in capsys.readouterr().err
+    assert main(["plan", "--workload", "pi0", "--ranks", "16", "--max-split", "4"]) == 0
+    assert "note: splits:" in capsys.readouterr().out

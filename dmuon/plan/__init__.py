@@ -5,7 +5,9 @@
 
 Modules: types (Plan, Batch, Bucket, MatrixSpec), flops (NS FLOP counts), cost (CostTable), fit
 (efficiency curves), profile_io (profile CSV), profile (the profiler; torch inside), balance
-(work model, round-robin, LPT), milp + colgen (the MILP balancer), build (build_plan).
+(work model, round-robin, LPT), split (pricing of split NS over owner groups: LinkModel, LINKS),
+splitbal (assignments with split batches, LPT with splits), solver (HiGHS helpers), milp + colgen (the
+MILP balancer), build (build_plan; max_split= turns owner groups on).
 """
 
 from .build import BALANCERS, build_plan

@@ -111,7 +111,7 @@ def links_for(cost, links=None):
             raise InputError("links must be a dmuon.plan.split.LinkModel or an object with "
                              "all_reduce_s(size_bytes, ranks) and all_gather_s(size_bytes, ranks)")
         return links
-    device = str(getattr(cost, "device", "")).lower()
+    device = str(getattr(cost, "device", None) or getattr(cost, "name", type(cost).__name__)).lower()
     for name, model in LINKS.items():
         if device.startswith(name):
             return model
