@@ -25,7 +25,6 @@ profile CSV (`profile_io`) plus datasheet figures (`profiles/hardware.csv`):
 
 from __future__ import annotations
 
-import csv
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -35,13 +34,15 @@ from pathlib import Path
 from ..errors import InputError, choice_error
 from .fit import MIN_FIT_POINTS, Curve, fit_curve
 from .flops import METHODS, ns_flops
+from .hardware import HARDWARE_CSV, PROFILES_DIR, ROOFLINE_SUFFIX, Hardware, available_profiles, hardware
+from .hardware import _profile_files as _profile_files
 from .profile_io import DTYPE_BYTES, DTYPES, ELEMENTWISE_OPS, NS_OP, ProfileRow, read_profile
 
-PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
-HARDWARE_CSV = PROFILES_DIR / "hardware.csv"
+__all__ = ["HARDWARE_CSV", "PROFILES_DIR", "ROOFLINE_SUFFIX", "CostAnswer", "CostTable", "Hardware",
+           "available_profiles", "hardware"]
+
 KERNEL_FAMILY = {"standard": "dense", "gram": "dense", "standard_sym": "sym", "gram_sym": "sym"}
 ELEMENTWISE_ACCESSES = {"muon_momentum": 7, "adamw": 7, "grad_prep": 3}  # reads + writes per element
-ROOFLINE_SUFFIX = "-roofline"
 
 
 @dataclass(frozen=True)
@@ -51,42 +52,6 @@ class CostAnswer:
     time_s: float
     measured: bool  # True: a profile point returned as measured; False: modelled
     detail: str  # e.g. "a800 profile: measured", "a800 roofline fit (eff 0.61)"
-
-
-@dataclass(frozen=True)
-class Hardware:
-    device: str
-    peaks_flops: dict[str, float]
-    hbm_bytes_per_s: float
-    profile: str  # profile CSV file name expected in PROFILES_DIR ("" = none planned: datasheet roofline)
-    source: str
-
-
-@lru_cache(maxsize=1)
-def hardware() -> dict[str, Hardware]:
-    """Datasheet figures of the GPUs the project knows (profiles/hardware.csv)."""
-    out = {}
-    with open(HARDWARE_CSV, newline="") as f:
-        for r in csv.DictReader(f):
-            peaks = {d: float(r[f"{d}_flops"]) for d in DTYPES}
-            out[r["device"]] = Hardware(
-                r["device"], peaks, float(r["hbm_bytes_per_s"]), r["profile"], r["source"]
-            )
-    return out
-
-
-def _profile_files() -> dict[str, Path]:
-    return {p.stem: p for p in sorted(PROFILES_DIR.glob("*.csv")) if p.name != HARDWARE_CSV.name}
-
-
-def available_profiles() -> list[str]:
-    """Names `CostTable.load` accepts right now (besides a path to a profile CSV)."""
-    names = set(_profile_files())
-    for dev, hw in hardware().items():
-        if not hw.profile:
-            names.add(dev)
-        names.add(dev + ROOFLINE_SUFFIX)
-    return sorted(names)
 
 
 def _dtype_class(dtype: str, peaks: dict[str, float]) -> tuple:
