@@ -14,22 +14,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("dmuon", "simulator", "harness", "experiments")
 SIZE_DIRS = ("dmuon", "simulator", "harness", "experiments", "scripts", "tests")
 MAX_LINES = 500
 
-# Known circles that other sessions are removing right now: dmuon/plan/milp.py <-> colgen.py belong to
-# another helper, who is removing this one. Each entry is the set of modules of one cycle; the lead
-# empties this list once they are gone. Any other cycle fails the test.
-KNOWN_CYCLES_BEING_REMOVED: list[frozenset[str]] = [
-    frozenset({"dmuon.plan.colgen", "dmuon.plan.milp"}),
-]
 
-# Files over MAX_LINES that the lead is changing right now (and will split); the lead empties this set.
-KNOWN_LONG_FILES_BEING_SPLIT: set[str] = set()
 
 
 def _module_name(path: Path) -> str:
@@ -145,17 +135,10 @@ def _cycle_path(comp: list[str], graph: dict[str, set[str]]) -> list[str]:
 
 def test_no_import_cycles():
     graph = import_graph()
-    known = set(KNOWN_CYCLES_BEING_REMOVED)
-    unexpected = [c for c in find_cycles(graph) if frozenset(c) not in known]
+    unexpected = find_cycles(graph)
     assert not unexpected, "import circles:\n" + "\n".join(
         " -> ".join(_cycle_path(c, graph)) for c in unexpected
     )
-
-
-@pytest.mark.parametrize("cycle", sorted(KNOWN_CYCLES_BEING_REMOVED, key=sorted), ids=str)
-@pytest.mark.xfail(reason="known circle being removed by another session", strict=False)
-def test_known_cycle_gone(cycle):
-    assert frozenset(cycle) not in {frozenset(c) for c in find_cycles(import_graph())}
 
 
 def _arrows_into(source_pkg: str, forbidden: tuple[str, ...]) -> list[str]:
@@ -191,6 +174,6 @@ def test_files_small_enough_to_read():
         for path in sorted((ROOT / d).rglob("*.py")):
             n = len(path.read_text().splitlines())
             rel = path.relative_to(ROOT).as_posix()
-            if n > MAX_LINES and rel not in KNOWN_LONG_FILES_BEING_SPLIT:
+            if n > MAX_LINES:
                 long[rel] = n
     assert not long, f"files over {MAX_LINES} lines: {long}"
