@@ -303,6 +303,8 @@ def test_split_plans_properties(inst):
         _check_groups(plan, ranks)
     assert lpt.makespan_s <= plain.makespan_s * (1 + 1e-12)  # splitting is taken only where it pays
     assert milp.makespan_s <= lpt.makespan_s * (1 + 1e-9)
+    whole = build_plan(mats, ranks, A800, balancer="milp", max_batch=max_batch, time_limit_s=2.0)
+    assert milp.makespan_s <= whole.makespan_s * (1 + 1e-9)  # allowing splits never makes the MILP worse
     proven = milp.makespan_s * (1 - milp.gap)
     assert milp.lower_bound_s * (1 - 1e-9) <= proven <= milp.makespan_s * (1 + 1e-12)
     if not lpt.split_batches:
@@ -331,6 +333,8 @@ def test_split_pays_for_one_dominant_matrix():
     assert split.lower_bound_s < plain.lower_bound_s  # the split-aware bound is below the one-owner wall
     lpt = build_plan(mats, 8, A800, balancer="lpt", max_split=8)
     assert split.makespan_s <= lpt.makespan_s * (1 + 1e-9) and lpt.split_batches
+    again = build_plan(mats, 8, A800, balancer="milp", max_split=8, seed=5)
+    assert again.batches == split.batches and again.owners == split.owners  # deterministic
 
 
 def test_split_lower_bound_terms():

@@ -345,8 +345,10 @@ def _total(model: WorkModel, a: Assignment) -> float:
     return sum(loads_s(model, a))
 
 
-def configuration_search(model: WorkModel, start: Assignment, *, budget: Budget, solver_cls) -> ConfigResult:
-    """Lower bound and plan from the configuration model (see the module docstring)."""
+def configuration_search(model: WorkModel, start: Assignment, *, budget: Budget, solver_cls,
+                         plan_below_s: float | None = None) -> ConfigResult:
+    """Lower bound and plan from the configuration model (see the module docstring). plan_below_s: search
+    a plan only if the LP bound comes out below it (the bound of a more restricted model)."""
     import highspy
     import numpy as np
     import pulp
@@ -384,6 +386,9 @@ def configuration_search(model: WorkModel, start: Assignment, *, budget: Budget,
         if proven > model.lower_bound_s
         else "configurations: the LP bound is no better than the combinatorial bound"
     ]
+    if plan_below_s is not None and proven >= plan_below_s * (1 - 2 * BISECTION_REL_TOL):
+        notes.append("configurations: split pieces do not lower the LP bound; no plan search with them")
+        return ConfigResult(None, proven, notes)
     # plan: complete column generation with exact-safe (rounded-up) costs at a trial T, then the integer
     # program; bisection between the first trial (just above the LP bound) and the start's makespan
     best: Assignment | None = None

@@ -6,8 +6,12 @@ Pipeline (`solve_milp`), never worse than its LPT start:
      optimal: done.
   2. without a memory cap: the configuration model (`colgen`): identical ranks aggregated exactly; gives
      a proven lower bound (configuration LP) and a plan (column generation + diving + MILP over
-     configurations). Its size does not grow with N. With split piece types it decides which matrices
-     are split k ways and which ranks run what in one model (a configuration may hold one piece).
+     configurations). Its size does not grow with N. With split piece types: first the model without
+     them (the plan max_split = 1 would give), then the model with them (a configuration may hold one
+     piece: it decides which matrices are split k ways and which ranks run what), started from the
+     better plan; its plan search runs only where the pieces lower the configuration LP bound below
+     the one without (elsewhere the LP says splitting gains nothing), so splits never make the MILP's
+     plan worse than without them and cost little where they cannot pay.
   3. with a memory cap (the configuration model has no memory dimension): the per-rank model (below),
      warm-started from LPT; its HiGHS dual bound is a proven bound. With more ranks than
      MAX_EXACT_VARS allows, the ranks are aggregated into groups instead (see "Scale").
@@ -40,9 +44,9 @@ wrong solution -> LPT, with a RuntimeWarning (from build_plan) and a note in the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from .balance import Loads, WorkModel, rank_load_s, rebatch
+from .balance import Loads, WorkModel, lpt, rank_load_s, rebatch
 from .colgen import configuration_search
 from .solver import Budget, new_var, stopped_by_clock, warm_highs
 from .splitbal import Assignment, Job, makespan_s, split_lpt, trim_surplus
@@ -87,7 +91,8 @@ def solve_milp(
     except ImportError as e:
         return _fallback(model, f"no MILP solver ({e.name} is not installed)", notes)
     budget = Budget(TIME_SHARE * time_limit_s)  # the rest covers model building and the plan around it
-    start: Assignment = split_lpt(model)
+    plain = lpt(model)
+    start: Assignment = split_lpt(model, plain)
     start_mk = makespan_s(model, start)
     best, best_mk = start, start_mk
     bound = model.lower_bound_s
@@ -99,7 +104,22 @@ def solve_milp(
     exact = n_ranks * per_rank_vars <= max_exact_vars
     solver_cls = warm_highs(pulp, seed)
     how = []
-    if model.memory_cap_bytes is None:
+    if model.memory_cap_bytes is None and model.pieces:
+        # 1. the plan without splits, exactly as with max_split = 1 (its bound holds for whole plans only)
+        whole = replace(model, pieces=(), max_split=1, _split_cache={}, _lb_terms=None)
+        cfg0 = configuration_search(whole, (plain, ()), budget=budget, solver_cls=solver_cls)
+        notes += [f"without splits: {n}" for n in cfg0.notes]
+        if cfg0.assignment is not None and makespan_s(model, cfg0.assignment) < best_mk:
+            best, best_mk = cfg0.assignment, makespan_s(model, cfg0.assignment)
+        # 2. with splits, from the better start; its plan search only where splitting lowers the LP bound
+        cfg = configuration_search(model, best, budget=budget, solver_cls=solver_cls,
+                                   plan_below_s=cfg0.bound_s if cfg0.bound_s > 0 else None)
+        notes += cfg.notes
+        bound = max(bound, cfg.bound_s)
+        if cfg.assignment is not None and makespan_s(model, cfg.assignment) < best_mk:
+            best, best_mk = cfg.assignment, makespan_s(model, cfg.assignment)
+        how.append("configuration models without and with splits")
+    elif model.memory_cap_bytes is None:
         cfg = configuration_search(model, start, budget=budget, solver_cls=solver_cls)
         notes += cfg.notes
         bound = max(bound, cfg.bound_s)
