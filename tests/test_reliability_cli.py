@@ -105,7 +105,7 @@ BAD = [
     (["simulate", "--workload", "{d}/binary.toml"], r"binary\.toml: malformed TOML"),
     (["simulate", "--trace", "/proc/x.json", "--workload", "{d}/tiny.toml", "--strategy", "adamw"],
      r"cannot use '/proc/x\.json'"),
-    (["plan"], r"harness plan needs --workload and --ranks \(or --compare\)"),
+    (["plan"], r"harness plan needs --workload \(or --model\) and --ranks \(or --compare\)"),
     (["plan", "--workload", "pi0", "--ranks", "0"], r"--ranks must be a positive integer .*got 0"),
     (["plan", "--workload", "pi0", "--ranks", "x"], r"--ranks must be a positive integer, got 'x'"),
     (["plan", "--workload", "pi0", "--ranks", "8", "--balancer", "x"], r"unknown balancer 'x'; accepted"),
