@@ -198,12 +198,17 @@ class CostTable:
             if not self._peaks:
                 raise InputError(f"profile {self.name!r} has no peak for any dtype (no matmul or NS rows, no "
                                  "datasheet); accepted: a profile CSV with measured rows or a known GPU")
-            base = max(self._peaks, key=lambda d: (DTYPE_BYTES[d], d))
+            base = self.widest_dtype
             how = (f"no {dtype} measurements in profile {self.name!r}: {dtype} priced at the measured {base} "
                    f"peak (modelled; `harness profile --dtype {dtype}` measures it)")
             self._assumed[dtype] = (self._peaks[base], how)
             _warn_once((self.name, dtype), how)
         return self._assumed[dtype][0]
+
+    @property
+    def widest_dtype(self) -> str:
+        """The measured (or datasheet) dtype with the widest elements: what a missing dtype is priced from."""
+        return max(self._peaks, key=lambda d: (DTYPE_BYTES[d], d))
 
     def assume_peak(self, dtype: str, flops: float, how: str) -> None:
         """Price `dtype`, which this profile did not measure, with the roofline at `flops` peak FLOP/s

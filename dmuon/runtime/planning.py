@@ -25,7 +25,6 @@ from ..plan.flops import ns_flops
 from ..plan.types import Plan
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp32"}
-DTYPE_BYTES_BY_NAME = {"bf16": 2, "fp16": 2, "fp32": 4}
 FLOP_COST_RATE = 1e11  # FLOP/s of the FLOP-count fallback (only ratios matter to the balancer)
 
 
@@ -101,7 +100,7 @@ def load_cost(profile: str | None, device: torch.device, dtype: str | None = Non
         table = CostTable.load(name)
     missing = dtype is not None and dtype not in table.dtypes and dtype not in table.assumed_dtypes()
     if missing and table.dtypes:
-        base = max(table.dtypes, key=lambda d: (DTYPE_BYTES_BY_NAME[d], d))
+        base = table.widest_dtype
         ratio = matmul_speed_ratio(dtype, base, device)
         table.assume_peak(dtype, table.peak_flops(base) * ratio,
                           f"no {dtype} measurements: priced at its {base} peak x {ratio:.2f}, the {dtype} / "
