@@ -1,0 +1,151 @@
+"""The optimizer part of the step programs (`simulator.step`): the dmuon plan's views (buckets, owners,
+batches per rank), each strategy's optimizer phase, the dmuon publication and the sharded layout's
+all_to_all exchange. A mixin of `simulator.step._Programs`: it uses the program's streams, collectives
+(`coll`) and elementwise pricing (`_adamw_s`, ...); see `simulator.step` for what each phase models."""
+
+from __future__ import annotations
+
+from .engine import Op
+
+
+class OptimizerPrograms:
+    """The optimizer phase of one rank's step program (mixed into `simulator.step._Programs`)."""
+
+    # ---- dmuon plan views --------------------------------------------------------------------------
+    def _prepare_plan(self) -> None:
+        s = self.s
+        self.dm = s.strategy == "dmuon"
+        if not self.dm:
+            return
+        plan = s.plan
+        mats = plan.matrices
+        self.bucket_of = [0] * len(mats)
+        self.bucket_layers: list[list[int]] = []
+        for b in plan.buckets:
+            for i in b.members:
+                self.bucket_of[i] = b.index
+            self.bucket_layers.append(sorted({mats[i].layer for i in b.members}))
+        self.n_buckets = len(plan.buckets)
+        self.layer_buckets: dict[int, list[int]] = {}
+        for b, layers in enumerate(self.bucket_layers):
+            for layer in layers:
+                self.layer_buckets.setdefault(layer, []).append(b)
+        self.bucket_numel = [sum(mats[i].numel for i in b.members) for b in plan.buckets]
+        self.owned = [dict() for _ in plan.buckets]  # bucket -> {plan rank: numel}
+        for i, m in enumerate(mats):
+            d = self.owned[self.bucket_of[i]]
+            d[plan.owners[i]] = d.get(plan.owners[i], 0) + m.numel
+        self.max_owned = [max(d.values()) for d in self.owned]  # largest single owner's share
+        self.batches_of: dict[int, list] = {}
+        for k, bt in enumerate(plan.batches):  # the plan's order (build_plan: readiness order per owner)
+            bks = sorted({self.bucket_of[i] for i in bt.members})
+            numel = sum(mats[i].numel for i in bt.members)
+            self.batches_of.setdefault(bt.owner, []).append((k, bt, bks, numel))
+
+    def plan_rank(self, rank: int) -> int:
+        return rank % self.s.per_node if self.s.layout.startswith("hsdp") else rank
+
+    def _optimizer(self, r: int, step: int, prev: dict, red: dict) -> None:
+        s, c = self.s, self.c
+        cm = c.compute
+        last = cm(r, "opt_overhead", s.optimizer_overhead_s, phase="opt", step=step)
+        local = self._local_fraction()
+        adam_numel = sum(s.layer_adamw_numel) * local
+        # every pass over gradients a rank reads is preceded by the runtime's gradient preparation (sum ->
+        # mean in place, one-pass non-finite check: the cost table's grad_prep), priced with the pass
+        if s.strategy == "adamw":
+            adam_numel += self.muon_total * local
+            units = sum(1 for l in range(len(s.layer_adamw_numel)) if self._layer_numel(l))
+            dur = self._adamw_s(adam_numel, self._adamw_tensors() + len(s.muon_numel), units)
+            last = prev["adam"] = cm(r, "adamw", dur, phase="opt", step=step, deps=(red["last"],))
+        elif s.strategy == "naive":
+            if adam_numel:
+                last = cm(r, "adamw", self._adamw_s(adam_numel, self._adamw_tensors(), self._adamw_layers()),
+                          phase="opt", step=step, deps=(red["last"],))
+            prev["adam"] = last
+            muon_local = self.muon_total * local
+            muon_layers = sum(1 for ms in s.layer_muon if ms)
+            last = cm(r, "momentum", s.elementwise_s(muon_local, "muon_momentum", len(s.muon_numel))
+                      + s.elementwise_s(muon_local, "grad_prep", muon_layers), phase="opt", step=step,
+                      deps=(red["last"],))
+            for i, k in self.naive_runs:
+                numel = s.muon_numel[i]
+                deps = (last,)
+                if self.shard is not None:
+                    col = self.coll(r, ("ag", step, "opt", i), self.shard, "all_gather", numel * s.grad_bytes,
+                                    muon_fraction=1.0, step=step, repeat=k)
+                    deps = (c.collective(col, r, phase="opt", step=step, deps=(last,)),)
+                last = cm(r, f"ns{i}" if k == 1 else f"ns{i}x{k}", s.ns_naive_s[i] * k, phase="opt",
+                          step=step, deps=deps)
+        elif self.sharded:
+            last = prev["adam"] = self._sharded_optimizer(r, step, adam_numel, red)
+        else:
+            # the owner's batches first (their buckets arrive during backward), then the AdamW pass
+            # (the embeddings' gradients are the last to be reduced)
+            by_bucket: dict[int, list[Op]] = {}
+            mine = self.batches_of.get(self.plan_rank(r), ())
+            owned = sum(t[3] for t in mine)
+            n_owned = sum(len(t[1].members) for t in mine)
+            n_buckets = len({b for t in mine for b in t[2]})
+            momentum_s = (s.elementwise_s(owned, "muon_momentum", n_owned)  # one pass per step, pro rata
+                          + s.elementwise_s(owned, "grad_prep", n_buckets))
+            for k, bt, bks, numel in mine:
+                dur = bt.time_s * s.ns_stretch + momentum_s * numel / owned
+                last = cm(r, f"batch{k}", dur, phase="opt", step=step,
+                          deps=[red["bucket"][b] for b in bks if red["bucket"].get(b) is not None])
+                for b in bks:
+                    by_bucket.setdefault(b, []).append(last)
+            prev["pub_deps"] = {b: tuple(v) for b, v in by_bucket.items()}
+            if adam_numel:
+                last = cm(r, "adamw", self._adamw_s(adam_numel, self._adamw_tensors(), self._adamw_layers()),
+                          phase="opt", step=step, deps=(red["adamw_last"],))
+            prev["adam"] = last
+            if not s.overlap:
+                prev["pubs"] = {b: self._publish(r, b, step + 1, prev["pub_deps"].get(b, ()), phase="opt",
+                                                 op_step=step) for b in range(self.n_buckets)}
+        prev["opt_last"] = last
+
+    def _publish(self, r: int, b: int, step: int, deps, *, phase: str, tag: str = "pub",
+                 op_step: int | None = None) -> Op:
+        s, c = self.s, self.c
+        size = self.bucket_numel[b] * s.param_bytes
+        share = self.max_owned[b] * s.param_bytes
+        group = "intra" if self.shard == "intra" else "world"
+        col = self.coll(r, (tag, step, b), group, "broadcast", size, muon_fraction=1.0, max_share=share,
+                        step=step if op_step is None else op_step)
+        return c.collective(col, r, phase=phase, step=step if op_step is None else op_step, deps=tuple(deps))
+
+    def _sharded_optimizer(self, r: int, step: int, adam_numel: float, red: dict) -> Op:
+        s, c, cm = self.s, self.c, self.c.compute
+        n = s.n_ranks
+        last = None
+        if adam_numel:
+            last = cm(r, "adamw", self._adamw_s(adam_numel, self._adamw_tensors(), self._adamw_layers()),
+                      phase="opt", step=step, deps=(red["adamw_last"],))
+        to_owner: dict[int, Op] = {}
+        momentum_s = s.elementwise_s(sum(self.bucket_numel) / n, "muon_momentum",  # one pass, pro rata
+                                     len(s.muon_numel))
+        for b in range(self.n_buckets - 1, -1, -1):
+            local = self.bucket_numel[b] / n
+            mom = cm(r, f"momentum_b{b}", momentum_s * self.bucket_numel[b] / sum(self.bucket_numel),
+                     phase="opt", step=step,
+                     deps=(red["layer"].get(self.bucket_layers[b][0]),))
+            share = self.max_owned[b] * s.grad_bytes
+            col = self.coll(r, ("a2a_to", step, b), "world", "all_to_all", local * s.grad_bytes,
+                            muon_fraction=1.0, max_share=share, step=step)
+            to_owner[b] = c.collective(col, r, phase="opt", step=step, deps=(mom,))
+            last = mom
+        by_bucket: dict[int, list[Op]] = {}
+        for k, bt, bks, _numel in self.batches_of.get(r, ()):
+            op = cm(r, f"batch{k}", bt.time_s * s.ns_stretch, phase="opt", step=step,
+                    deps=[to_owner[b] for b in bks])
+            for b in bks:
+                by_bucket.setdefault(b, []).append(op)
+            last = op
+        for b in range(self.n_buckets - 1, -1, -1):
+            local = self.bucket_numel[b] / n
+            share = self.max_owned[b] * s.param_bytes
+            col = self.coll(r, ("a2a_back", step, b), "world", "all_to_all", local * s.param_bytes,
+                            muon_fraction=1.0, max_share=share, step=step)
+            last_comm = c.collective(col, r, phase="opt", step=step, deps=tuple(by_bucket.get(b, ())))
+        return last_comm if self.n_buckets else last
