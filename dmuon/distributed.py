@@ -23,7 +23,8 @@ from .newton_schulz import as_matrix
 from .optim import momentum_update, muon_ns_input
 from .runtime.base import BALANCERS, STATE_FORMAT, DistributedMuonBase
 from .runtime.fsdp_sharded import ShardedDMuonSteps, ShardedNaiveSteps
-from .runtime.planning import batch_method
+from .runtime.planning import batch_method, build_model_plan, check_given_plan, check_max_split
+from .runtime.split_exec import SplitExecutor
 
 __all__ = ["BALANCERS", "STATE_FORMAT", "DMuon", "NaiveMuon", "ShardedDMuon", "ShardedNaiveMuon"]
 
@@ -45,11 +46,47 @@ class DMuon(DistributedMuonBase):
     'fp16' | 'fp32'): the dtype gradients travel in to their owners (and, fsdp2-sharded, the NS inputs
     and updates of the all-to-alls); None = the parameters' dtype. Published weights always travel in
     the parameters' dtype, so every rank holds exactly the owner's weights.
+    max_split (1 .. world size; default 1): let the balancer give one batch a group of up to that many
+    owner ranks that split its NS (`dmuon.orthogonalize_distributed`) where that pays; plan (a
+    `dmuon.plan.types.Plan`, e.g. `Plan.from_json` of `harness plan --json`): execute this plan instead
+    of building one (same matrices and world size). Split batches: dmuon/runtime/split_exec.py.
     Use `no_sync()` for gradient accumulation and `synchronize()` before reading parameters outside
     forward. state_dict() is per rank (see docs/runtime.md).
     """
 
     owner_centric = True
+
+    def __init__(self, model, *, max_split: int = 1, plan=None, **kwargs):
+        self._max_split, self._given_plan = max_split, plan
+        super().__init__(model, **kwargs)
+        self._split = None
+        if self.plan is not None and self.plan.split_batches:
+            self._split = SplitExecutor(self.plan, self.groups, self.timeout_s, self.comm_stats)
+
+    def _build_plan(self, specs, balancer: str, profile: str | None, bucket_numel: int):
+        if self._given_plan is not None:
+            return check_given_plan(self._given_plan, specs, self.world_size)
+        max_split = check_max_split(self._max_split, self.world_size)
+        return build_model_plan(specs, self.world_size, self.ns, self.device, balancer=balancer,
+                                profile=profile, max_batch=self.max_batch, bucket_numel=bucket_numel,
+                                max_split=max_split)
+
+    def _ordered_batches(self) -> list:
+        """This rank's batches: its split batch first (the group's members wait for it), then plan order."""
+        mine = list(self.plan.batches_of(self.rank))
+        return sorted(mine, key=lambda b: not b.group)
+
+    def _stack_dtype(self, members) -> torch.dtype:
+        dtype = self.params[members[0]].dtype
+        for i in members[1:]:
+            dtype = torch.promote_types(dtype, self.params[i].dtype)
+        return dtype
+
+    def _split_run(self, batch, stack, members):
+        """Run a split batch on its group (the lead passes the stack and gets the polar factors)."""
+        kwargs = {**self.ns.kwargs(), "method": batch_method(self.plan, batch)}
+        return self._split.run(batch, stack, count=len(members), dtype=self._stack_dtype(members),
+                               device=self.device, ns_kwargs=kwargs)
 
     def _speculate(self) -> list:
         """Momentum and NS of this rank's batches, each as soon as its gradients have arrived, overlapping
@@ -60,13 +97,16 @@ class DMuon(DistributedMuonBase):
         if self.plan is None:
             return pending
         group = self.param_groups[0]
-        for batch in self.plan.batches_of(self.rank):
+        for batch in self._ordered_batches():
+            split = len(batch.group) > 1
+            if split and batch.owner != self.rank:  # a member of the group: its block only
+                self._split_run(batch, None, batch.members)
+                self._absorb_ready()
+                continue
             for i in batch.members:
                 self._absorb(self._where[i][0])
             members = [self.params[i] for i in batch.members]
-            dtype = members[0].dtype
-            for p in members[1:]:
-                dtype = torch.promote_types(dtype, p.dtype)
+            dtype = self._stack_dtype(batch.members)
             # the NS input of each member is written straight into its slot of the batch's stack (tall
             # members through a transposed view): no separate copy of the buffer or of the inputs
             stack = torch.empty((len(members), batch.rows, batch.cols), dtype=dtype, device=members[0].device)
@@ -82,7 +122,10 @@ class DMuon(DistributedMuonBase):
                 muon_ns_input(as_matrix(g), as_matrix(buf), group["momentum"], group["nesterov"], out=slot)
                 buffers.append(buf)
                 flips.append(flip)
-            out = self._ns(stack, batch_method(self.plan, batch))
+            if split:
+                out = self._split_run(batch, stack, batch.members)
+            else:
+                out = self._ns(stack, batch_method(self.plan, batch))
             updates = [u.mT if f else u for u, f in zip(out.unbind(0), flips, strict=True)]
             pending += list(zip(batch.members, buffers, updates, strict=True))
             self._absorb_ready()
@@ -116,7 +159,30 @@ class NaiveMuon(DistributedMuonBase):
 
 class ShardedDMuon(ShardedDMuonSteps, DMuon):
     """DMuon on FSDP2-sharded Muon matrices (layout 'fsdp2-sharded'; chosen by DMuon itself):
-    `dmuon.runtime.fsdp_sharded`."""
+    `dmuon.runtime.fsdp_sharded`. A split batch: its lead (the owner) receives the rows by the all-to-all
+    as usual and runs the group protocol of `split_exec` where the owner would call NS; the other members
+    join it from `_orthogonalize`."""
+
+    _split_now = None  # (batch, members) while the lead's stack is being orthogonalized
+
+    def _orthogonalize(self, bt, on, sends, bucket_of, owned, updates) -> None:
+        if len(bt.group) <= 1:
+            return super()._orthogonalize(bt, on, sends, bucket_of, owned, updates)
+        members = [i for i in bt.members if i in on]
+        if bt.owner != self.rank:
+            self._split_run(bt, None, members)
+            return None
+        self._split_now = (bt, members)
+        try:
+            return super()._orthogonalize(bt, on, sends, bucket_of, owned, updates)
+        finally:
+            self._split_now = None
+
+    def _ns(self, stack, method):
+        if self._split_now is None:
+            return super()._ns(stack, method)
+        bt, members = self._split_now
+        return self._split_run(bt, stack, members)
 
 
 class ShardedNaiveMuon(ShardedNaiveSteps, NaiveMuon):

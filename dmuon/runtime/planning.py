@@ -143,9 +143,11 @@ def matmul_speed_ratio(dtype: str, base: str, device: torch.device) -> float:
 
 
 def build_model_plan(specs, world_size: int, ns: NSConfig, device: torch.device, *, balancer: str,
-                     profile: str | None, max_batch: int, bucket_numel: int, priced: bool = True) -> Plan:
+                     profile: str | None, max_batch: int, bucket_numel: int, priced: bool = True,
+                     max_split: int = 1) -> Plan:
     """The Plan for these matrices, priced for what this NS config runs on this device (priced=False:
-    FLOP counts, for NaiveMuon, which uses only the plan's buckets)."""
+    FLOP counts, for NaiveMuon, which uses only the plan's buckets). max_split > 1: owner groups of up
+    to that many ranks where a split pays (`dmuon.plan.split`, the cost table device's link model)."""
     from ..plan.build import build_plan
 
     if not specs:
@@ -157,7 +159,35 @@ def build_model_plan(specs, world_size: int, ns: NSConfig, device: torch.device,
     dtype = DTYPE_NAMES[iteration_dtype(base, device, ns.dtype)]
     cost = ConfigCost(load_cost(profile, device, dtype) if priced else FlopCost(), ns, device)
     return build_plan(specs, world_size, cost, balancer=balancer, method=method, dtype=dtype, batching=True,
-                      max_batch=max_batch, bucket_numel=bucket_numel)
+                      max_batch=max_batch, bucket_numel=bucket_numel, max_split=max_split)
+
+
+def check_max_split(max_split, world_size: int) -> int:
+    """max_split of a distributed optimizer: an integer in [1, world size]."""
+    if isinstance(max_split, bool) or not isinstance(max_split, int) or not 1 <= max_split <= world_size:
+        raise InputError(f"max_split must be an integer from 1 (no splitting) to the number of ranks "
+                         f"({world_size}), got {max_split!r}")
+    return max_split
+
+
+def check_given_plan(plan, specs, world_size: int) -> Plan:
+    """A Plan passed to the optimizer (`plan=`) must be for these matrices on this many ranks."""
+    if not isinstance(plan, Plan):
+        raise InputError(f"plan must be a dmuon.plan.types.Plan (Plan.from_json of `harness plan --json`), "
+                         f"got {type(plan).__name__}")
+    if plan.world_size != world_size:
+        raise InputError(f"the plan is for {plan.world_size} ranks but the optimizer runs on {world_size}; "
+                         "accepted: a plan built for this world size")
+    want = [(s.name, s.rows, s.cols) for s in specs]
+    got = [(m.name, m.rows, m.cols) for m in plan.matrices]
+    if want != got:
+        diff = next(((w, g) for w, g in zip(want, got, strict=False) if w != g), None)
+        raise InputError(f"the plan's matrices differ from the model's Muon matrices ({len(got)} vs "
+                         f"{len(want)}; first difference {diff}); accepted: a plan of this model's matrices, "
+                         "in the optimizer's order")
+    if len(plan.owners) != len(want) or any(not 0 <= o < world_size for o in plan.owners):
+        raise InputError(f"the plan's owners must be one rank in [0, {world_size}) per matrix")
+    return plan
 
 
 def batch_method(plan: Plan, batch) -> str:

@@ -1,0 +1,146 @@
+"""Split batches at run time: the plan gives a batch a group of k > 1 owner ranks (`Batch.group`, lead
+first) and the group orthogonalizes it with `dmuon.orthogonalize_distributed`, each member one block of
+the long side.
+
+Who holds what. The lead is `Plan.owners[i]` of every member matrix, so the exchange units, the state
+dicts and the checkpoints see an ordinary owner: the lead receives the summed gradient, keeps the whole
+momentum, forms the NS input stack (B, n, m) (n <= m, the batch's NS shape) exactly as an unsplit owner
+does, and, once the group is done, applies the whole update and publishes the new weights as before.
+In between (`SplitExecutor.run`), within the group's own process group:
+  1. scatter: the lead sends member j its column block j of the stack (`split_sizes(m, k)` widths,
+     padded to the widest so one gloo/NCCL scatter carries them), in the stack's dtype;
+  2. NS: every member runs `orthogonalize_distributed` on its block (k-way all-reduces of the m x m
+     Gram products, upper triangles in fp32: see dmuon/split_ns.py);
+  3. gather: the lead collects the blocks of the polar factor and concatenates them.
+Extra bytes per split batch over the unsplit owner: 2 (k - 1) / k of the stack through the lead (one
+scatter, one gather), beside the Gram all-reduces the plan prices; the plan does not price these two
+(`dmuon.plan.split` counts the all-reduces only), see docs/runtime.md. A member that is not the lead
+needs no gradient, momentum or weight of the matrix (memory='free' works unchanged).
+
+Process groups: one per distinct `Batch.group`, created once at construction on every rank of the
+optimizer's group, in plan order, with the runtime's timeout (only the members when the optimizer runs
+on a subgroup of the world, as `groups.build_groups` does). Every rank is in at most one split batch
+(the plan's rule), so a rank never orders the collectives of two groups. Every wait has the timeout.
+
+`check_split_plan` rejects a plan whose groups cannot run (a rank outside the optimizer's group, k larger
+than it, a lead that is not the owner, a rank in two split batches, a long side shorter than k) with a
+one-line InputError before any collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InputError
+from ..plan.split import all_reduces_per_call
+from ..split_ns import orthogonalize_distributed, split_sizes
+
+
+def check_split_plan(plan, world_size: int) -> None:
+    """InputError naming what is accepted when a split batch of `plan` cannot run on `world_size` ranks."""
+    seen: dict[int, int] = {}
+    for j, b in enumerate(plan.batches):
+        if not b.group:
+            continue
+        g = tuple(b.group)
+        if len(g) > world_size:
+            raise InputError(f"plan batch {j} ({b.rows}x{b.cols}) has a group of {len(g)} ranks but the "
+                             f"optimizer runs on {world_size}; accepted: groups of 2 .. {world_size} ranks")
+        if len(g) < 2 or len(set(g)) != len(g) or any(not 0 <= r < world_size for r in g):
+            raise InputError(f"plan batch {j}: group {list(g)} is not a set of >= 2 distinct ranks in "
+                             f"[0, {world_size}); accepted: ranks of the optimizer's process group")
+        if g[0] != b.owner or any(plan.owners[i] != b.owner for i in b.members):
+            raise InputError(f"plan batch {j}: the group's first rank {g[0]} must be the batch's owner "
+                             f"{b.owner} and the owner of all its matrices; accepted: lead first")
+        long_side = max(b.rows, b.cols)
+        if long_side < len(g):
+            raise InputError(f"plan batch {j}: a {b.rows}x{b.cols} matrix has {long_side} columns along its "
+                             f"long side, fewer than its group of {len(g)}; accepted: k <= {long_side}")
+        for r in g:
+            if r in seen:
+                raise InputError(f"plan: rank {r} is in split batches {seen[r]} and {j}; accepted: every "
+                                 "rank in at most one split batch")
+            seen[r] = j
+
+
+class SplitExecutor:
+    """The process groups of a plan's split batches and the lead/member protocol (module docstring)."""
+
+    def __init__(self, plan, comm_groups, timeout_s: float, stats=None):
+        check_split_plan(plan, comm_groups.world_size)
+        self.rank, self.timeout_s, self.stats = comm_groups.rank, float(timeout_s), stats
+        self.pg: dict[tuple[int, ...], object] = {}
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        local_sync = comm_groups.world_size != dist.get_world_size()
+        for g in dict.fromkeys(tuple(b.group) for b in plan.batches if b.group):
+            if local_sync and self.rank not in g:
+                continue
+            pg = dist.new_group([comm_groups.global_rank(r) for r in g], timeout=timeout,
+                                use_local_synchronization=local_sync)
+            if self.rank in g:
+                self.pg[g] = pg
+
+    @staticmethod
+    def is_split(batch) -> bool:
+        return len(batch.group) > 1
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:
+            raise RuntimeError(f"rank {self.rank}: {what} failed or did not finish within {self.timeout_s:g} s "
+                               f"(a peer of the split group failed or never called): {e}") from e
+        if ok is False:
+            raise RuntimeError(f"rank {self.rank}: {what} did not finish within {self.timeout_s:g} s")
+
+    def run(self, batch, stack: torch.Tensor | None, *, count: int, dtype: torch.dtype, device,
+            ns_kwargs: dict) -> torch.Tensor | None:
+        """Orthogonalize the split batch on its group. The lead passes the NS input `stack`
+        (count, n, m) and gets the polar factors (same shape); a member passes None and gets None.
+        `count` / `dtype` must be what the lead's stack has (every rank derives them from the plan)."""
+        group = tuple(batch.group)
+        pg = self.pg[group]
+        k, me = len(group), group.index(self.rank)
+        lead = me == 0
+        n, m = batch.rows, batch.cols
+        sizes = split_sizes(m, k)
+        wmax = sizes[0]
+        name = f"split batch {batch.rows}x{batch.cols} x{count} on ranks {list(group)}"
+        start = time.perf_counter()
+        recv = torch.empty((count, n, wmax), dtype=dtype, device=device)
+        send = None
+        if lead:
+            if stack.shape != (count, n, m):
+                raise AssertionError(f"{name}: stack {tuple(stack.shape)}, expected {(count, n, m)}")
+            pad = torch.zeros((k, count, n, wmax), dtype=dtype, device=device)
+            lo = 0
+            for j, w in enumerate(sizes):
+                pad[j, :, :, :w].copy_(stack[:, :, lo:lo + w])
+                lo += w
+            send = list(pad.unbind(0))
+        self._wait(dist.scatter(recv, send, group_src=0, group=pg, async_op=True), f"{name}: scatter")
+        block = recv[:, :, :sizes[me]].contiguous()
+        out = orthogonalize_distributed(block, group=pg, tall=False, timeout_s=self.timeout_s, check=False,
+                                        **ns_kwargs)
+        back = torch.zeros((count, n, wmax), dtype=dtype, device=device)
+        back[:, :, :sizes[me]].copy_(out)
+        gathered = [torch.empty_like(back) for _ in range(k)] if lead else None
+        self._wait(dist.gather(back, gathered, group_dst=0, group=pg, async_op=True), f"{name}: gather")
+        if self.stats is not None:
+            self.stats.ns_s += time.perf_counter() - start
+            self.stats.ns_calls += 1
+            item = torch.empty(0, dtype=dtype).element_size()
+            blocks = count * n * wmax * item
+            self.stats.add_bytes("split_blocks", blocks * (k - 1) if lead else blocks)
+            method = str(ns_kwargs.get("method", "standard"))
+            calls = all_reduces_per_call(method, ns_kwargs.get("steps", 5), tuple(ns_kwargs.get("restart", ())))
+            tri = count * n * (n + 1) // 2 * 4  # fp32 upper triangles; ring all-reduce: 2 (k - 1) / k of it
+            self.stats.add_bytes("split_gram", int(calls * tri * 2 * (k - 1) / k))
+        if not lead:
+            return None
+        return torch.cat([g[:, :, :w] for g, w in zip(gathered, sizes, strict=True)], dim=-1)
+

@@ -1,0 +1,127 @@
+"""Scenarios of the split-batch runtime tests (helpers only: test_split_runtime.py uses them): DMuon running
+plans whose batches have owner groups (`Batch.group`), in the replicated, fsdp2-owner and fsdp2-sharded
+layouts, on test_fsdp_cases's model (uneven rows, a float64 block, a 5-row matrix) and against the same
+single-device reference.
+
+The test matrices are far too small for a split to pay, so the balancer (rightly) never splits them;
+`force_splits` turns a plan into one with groups (the heaviest batches first, each given its owner plus
+the next free ranks), which DMuon executes through `plan=`: the runtime is tested independently of the
+balancer's choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+
+import torch.distributed as dist
+from test_fsdp_cases import full_params, setup, train
+
+
+def force_splits(plan, k: int):
+    """`plan` with groups of k ranks on as many batches as the ranks allow (heaviest first)."""
+    used: set[int] = set()
+    batches = list(plan.batches)
+    for j in sorted(range(len(batches)), key=lambda j: (-batches[j].time_s, j)):
+        b = batches[j]
+        if b.owner in used or max(b.rows, b.cols) < k:
+            continue
+        others = [r for r in range(plan.world_size) if r != b.owner and r not in used][:k - 1]
+        if len(others) < k - 1:
+            continue
+        group = (b.owner, *others)
+        used |= set(group)
+        batches[j] = dataclasses.replace(b, group=group, comm_s=0.0)
+    return dataclasses.replace(plan, batches=tuple(batches))
+
+
+def split_setup(case: dict, world: int, k: int | None = None):
+    """(model, optimizer) of the case with a plan forced to groups of k (None / 1: the plain plan)."""
+    k = case.get("k") if k is None else k
+    if not k or k == 1:
+        return setup(case, world)
+    _, probe = setup({**case, "opts": {}}, world)
+    plan = force_splits(probe.plan, k)
+    probe.close()
+    return setup({**case, "opts": {**case.get("opts", {}), "plan": plan}}, world)
+
+
+def run_plain(case: dict, rank: int, world: int) -> dict:
+    model, opt = split_setup(case, world)
+    train(model, opt, case, range(5), rank, world)
+    out = {"params": full_params(model, opt), "layout": opt.layout, "cls": type(opt).__name__,
+           "groups": [list(b.group) for b in opt.plan.split_batches],
+           "split_bytes": opt.comm_stats.payload_bytes.get("split_blocks", 0),
+           "momentum": sorted(opt.names[i] for i in range(opt.n_muon)
+                              if "momentum_buffer" in opt.state[opt.params[i]]),
+           "owners": list(opt.plan.owners)}
+    opt.close()
+    return out
+
+
+def run_checkpoint(case: dict, rank: int, world: int) -> dict:
+    """Steps 0-2 with groups of case['save_k'], save (DCP), 3-4 (straight); a fresh model and optimizer
+    with groups of case['load_k'] load it and train 3-4 (resumed)."""
+    import dmuon
+
+    model, opt = split_setup(case, world, case["save_k"])
+    train(model, opt, case, [0, 1, 2], rank, world)
+    dmuon.save_checkpoint(case["dir"], model, opt)
+    dist.barrier()
+    train(model, opt, case, [3, 4], rank, world)
+    straight = full_params(model, opt)
+    saved_groups = [list(b.group) for b in opt.plan.split_batches]
+    opt.close()
+    model2, opt2 = split_setup(case, world, case["load_k"])
+    dmuon.load_checkpoint(case["dir"], model2, opt2)
+    train(model2, opt2, case, [3, 4], rank, world)
+    resumed = full_params(model2, opt2)
+    loaded_groups = [list(b.group) for b in opt2.plan.split_batches]
+    opt2.close()
+    return {"straight": straight, "resumed": resumed, "saved_groups": saved_groups,
+            "loaded_groups": loaded_groups}
+
+
+def run_errors(case: dict, rank: int, world: int) -> dict:
+    """Bad split set-ups: their messages (on every rank, before any collective of the split)."""
+    import dmuon
+    from test_fsdp_cases import make_model
+
+    out = {}
+
+    def catch(key, fn):
+        try:
+            fn()
+            out[key] = ""
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            out[key] = f"{type(e).__name__}: {e}"
+
+    catch("max_split_too_big", lambda: dmuon.DMuon(make_model({}), profile=None, max_split=2 * world))
+    catch("max_split_zero", lambda: dmuon.DMuon(make_model({}), profile=None, max_split=0))
+    _, probe = setup({"layout": "replicated"}, world)
+    plan = probe.plan
+    probe.close()
+    b0 = plan.batches[0]
+    too_big = dataclasses.replace(plan, batches=(dataclasses.replace(b0, group=tuple(range(world + 1))),
+                                                 *plan.batches[1:]))
+    catch("group_too_big", lambda: dmuon.DMuon(make_model({}), profile=None, plan=too_big))
+    other = dataclasses.replace(plan, world_size=world + 1)
+    catch("plan_world", lambda: dmuon.DMuon(make_model({}), profile=None, plan=other))
+    return out
+
+
+RUNNERS = {"plain": run_plain, "checkpoint": run_checkpoint, "errors": run_errors}
+
+
+def run_cases(rank: int, world: int, cases: list[dict]) -> dict:
+    out = {}
+    for case in cases:
+        start = time.perf_counter()
+        try:
+            res = RUNNERS[case.get("runner", "plain")](case, rank, world)
+        except Exception as e:  # noqa: BLE001 - reported per case to the test
+            res = {"failed": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+        res["time_s"] = time.perf_counter() - start
+        out[case["name"]] = res
+    return out
