@@ -323,8 +323,10 @@ class DistributedMuonBase(torch.optim.Optimizer):
                     "nothing was updated. Pass nonfinite='skip' to skip such steps")
             self.skipped_steps += 1
             return loss
+        self._adamw_done = False  # a _muon_update may run AdamW itself while its collectives travel
         self._muon_update(has_any, pending)
-        self._adamw_update(has_any)
+        if not self._adamw_done:
+            self._adamw_update(has_any)
         for u in reversed(self.units):  # forward order: the next forward needs the first layers first
             if isinstance(u, OwnerUnit) and (self._residency is None or u.sharded):
                 u.launch_publish(f"weight publication of bucket {u.position} ({len(u.members)} params)")

@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError
-from ..optim import lr_scale, muon_apply_, muon_momentum_, muon_ns_input
+from ..optim import lr_scale, momentum_update, muon_apply_, muon_momentum_, muon_ns_input
 from .bytecount import label
 from .fsdp import chunk_rows, fsdp_owner_module, local_tensor, mesh_of
+from .guards import submit_flags
 from .planning import batch_method
 
 
@@ -158,22 +159,29 @@ class ShardedDMuonSteps(_ShardedMixin):
         self._waits = []
         super().close()
 
-    def _muon_update(self, has_any: torch.Tensor, pending) -> None:
+    def _speculate(self):
+        """Momentum and the packed NS inputs of every bucket, out of place (new momentum buffers, the
+        send buffers), while the flag all-reduce is in flight; `_muon_update` commits them once the
+        flags are agreed, or drops them (a non-finite gradient somewhere, or a different set of matrices
+        with gradients than this rank saw)."""
         if self.plan is None:
-            return
-        for b in list(self._bcast):
-            self._wait_bcast(b)
+            return None
+        self._absorb_all()  # the exchange units (if any), so the flags can go out before the momentum
+        if self._flags is None:
+            self._flags = submit_flags(self._worker, self.groups, self._has_grad, self._nonfinite)
+        return self._pack([i for i in range(self.n_muon) if self.params[i].grad is not None])
+
+    def _pack(self, active: list[int]) -> dict:
+        """Per bucket: its active members, those of my replica, those I own, the wire dtype, and (where
+        my replica has members) the send buffer with every NS input written straight into its place (no
+        packing copy) and the splits; the new momentum buffers of my local shards."""
         group, geo, plan = self.param_groups[0], self.geo, self.plan
-        active = [i for i in range(self.n_muon) if has_any[i]]
         on = set(active)
         buckets = [[i for i in b.members if i in on] for b in plan.buckets]
         mine = [[i for i in ms if geo.owner_coord(plan, i)[0] == geo.r] for ms in buckets]  # my replica's
         owned = [[i for i in ms if plan.owners[i] == self.rank] for ms in buckets]
-        bucket_of = {i: k for k, ms in enumerate(buckets) for i in ms}
         dtypes = [self._dtype(ms) for ms in buckets]
-        # 1. every bucket's inputs to their owners, all queued now (FIFO on the communication thread); the
-        #    momentum update writes each NS input straight into its place in the send buffer (no packing copy)
-        sends = []
+        bufs, sends = {}, []
         for k in range(len(buckets)):
             if not mine[k]:
                 sends.append(None)
@@ -185,10 +193,32 @@ class ShardedDMuonSteps(_ShardedMixin):
             pos = 0
             for i in (i for ds in dest for i in ds):
                 n = geo.numel(i, geo.s)
-                self._momentum_input(i, group, send.narrow(0, pos, n))
+                bufs[i] = self._momentum_input(i, group, send.narrow(0, pos, n))
                 pos += n
-            sends.append(self._all_to_all(f"Muon inputs of bucket {k} to their owners", send, in_splits,
-                                          out_splits))
+            sends.append((send, in_splits, out_splits))
+        return {"active": active, "buckets": buckets, "mine": mine, "owned": owned, "dtypes": dtypes,
+                "sends": sends, "bufs": bufs}
+
+    def _muon_update(self, has_any: torch.Tensor, pending) -> None:
+        if self.plan is None:
+            return
+        for b in list(self._bcast):
+            self._wait_bcast(b)
+        group, geo, plan = self.param_groups[0], self.geo, self.plan
+        active = [i for i in range(self.n_muon) if has_any[i]]
+        if pending is None or pending["active"] != active:
+            pending = self._pack(active)
+        on = set(active)
+        buckets, mine, owned, dtypes = (pending[k] for k in ("buckets", "mine", "owned", "dtypes"))
+        for i, buf in pending["bufs"].items():  # commit the momentum
+            self.state[self.params[i]]["momentum_buffer"] = buf
+        bucket_of = {i: k for k, ms in enumerate(buckets) for i in ms}
+        # 1. every bucket's inputs to their owners, all queued now (FIFO on the communication thread);
+        #    AdamW runs while the first ones travel
+        sends = [None if sp is None else self._all_to_all(f"Muon inputs of bucket {k} to their owners", *sp)
+                 for k, sp in enumerate(pending["sends"])]
+        self._adamw_update(has_any)
+        self._adamw_done = True
         # 2. the owner's batches, bucket by bucket; each bucket's rows go back as soon as it is complete,
         #    copied from the update straight into the return buffer
         updates: dict[int, torch.Tensor] = {}
@@ -226,20 +256,21 @@ class ShardedDMuonSteps(_ShardedMixin):
             if geo.R > 1 and ms:
                 self._bcast[k] = self._broadcast_replicas(k, ms, dtypes[k])
 
-    def _momentum_input(self, i: int, group, out: torch.Tensor) -> None:
-        """Momentum on the local shard of matrix i (committed: the flags are agreed); its NS input is
-        written into `out` (flat, the shard's elements; any dtype: the wire's)."""
+    def _momentum_input(self, i: int, group, out: torch.Tensor) -> torch.Tensor:
+        """Momentum on the local shard of matrix i, out of place: returns the new buffer (committed by
+        `_muon_update`) and writes the NS input into `out` (flat, the shard's elements; any dtype: the
+        wire's). Bitwise what `muon_momentum_` gives."""
         p = self.params[i]
         mine = local_tensor(p)
-        st = self.state[p]
-        if "momentum_buffer" not in st:
-            st["momentum_buffer"] = torch.zeros_like(mine, memory_format=torch.preserve_format)
+        old = self.state[p].get("momentum_buffer")
+        if old is None:
+            old = torch.zeros_like(mine, memory_format=torch.preserve_format)
         if not mine.numel():
-            return
+            return old
         g = local_tensor(p.grad).to(p.dtype)
-        buf = st["momentum_buffer"]
-        torch.add(g, buf, alpha=group["momentum"], out=buf)  # what muon_momentum_ does
+        buf = momentum_update(g, old, group["momentum"])
         muon_ns_input(g, buf, group["momentum"], group["nesterov"], out=out.view(mine.shape))
+        return buf
 
     def _dtype(self, members) -> torch.dtype:
         """What a bucket's all-to-alls carry: `comm_dtype` where set, else the members' promoted dtype."""
