@@ -55,7 +55,7 @@ def run_plain(case: dict, rank: int, world: int) -> dict:
            "split_bytes": opt.comm_stats.payload_bytes.get("split_blocks", 0),
            "momentum": sorted(opt.names[i] for i in range(opt.n_muon)
                               if "momentum_buffer" in opt.state[opt.params[i]]),
-           "owners": list(opt.plan.owners)}
+           "owners": list(opt.plan.owners), "names": opt.names[:opt.n_muon]}
     opt.close()
     return out
 
@@ -85,8 +85,9 @@ def run_checkpoint(case: dict, rank: int, world: int) -> dict:
 
 def run_errors(case: dict, rank: int, world: int) -> dict:
     """Bad split set-ups: their messages (on every rank, before any collective of the split)."""
-    import dmuon
     from test_fsdp_cases import make_model
+
+    import dmuon
 
     out = {}
 

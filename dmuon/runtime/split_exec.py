@@ -92,8 +92,9 @@ class SplitExecutor:
         try:
             ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as e:
-            raise RuntimeError(f"rank {self.rank}: {what} failed or did not finish within {self.timeout_s:g} s "
-                               f"(a peer of the split group failed or never called): {e}") from e
+            raise RuntimeError(f"rank {self.rank}: {what} failed or did not finish within "
+                               f"{self.timeout_s:g} s (a peer of the split group failed or never called): "
+                               f"{e}") from e
         if ok is False:
             raise RuntimeError(f"rank {self.rank}: {what} did not finish within {self.timeout_s:g} s")
 
@@ -137,7 +138,8 @@ class SplitExecutor:
             blocks = count * n * wmax * item
             self.stats.add_bytes("split_blocks", blocks * (k - 1) if lead else blocks)
             method = str(ns_kwargs.get("method", "standard"))
-            calls = all_reduces_per_call(method, ns_kwargs.get("steps", 5), tuple(ns_kwargs.get("restart", ())))
+            calls = all_reduces_per_call(method, ns_kwargs.get("steps", 5),
+                                         tuple(ns_kwargs.get("restart", ())))
             tri = count * n * (n + 1) // 2 * 4  # fp32 upper triangles; ring all-reduce: 2 (k - 1) / k of it
             self.stats.add_bytes("split_gram", int(calls * tri * 2 * (k - 1) / k))
         if not lead:
