@@ -1,49 +1,14 @@
 """`harness plan --max-split K`: what the plan's owner groups look like, and which collectives price them.
 
   --links dmuon      the planner's own alpha-beta model (`dmuon.plan.split.LINKS`, collectives.md figures)
-  --links simulator  the simulator profile's network (`simulator.collectives.collective_time_s` with the
+  --links simulator  the simulator profile's network (`simulator.split_links.SimulatorLinks`: the
                      profile's measured intra-node curves, NICs and latencies), so plan and simulator price
-                     a group's all-reduces alike
+                     a group's all-reduces alike (the simulator plans with the same links)
 """
 
 from __future__ import annotations
 
 LINK_CHOICES = ("dmuon", "simulator")
-
-
-class SimulatorLinks:
-    """The simulator profile's collectives behind the planner's links interface (all_reduce_s, all_gather_s).
-
-    A group of k ranks is an aligned block; p = its ranks per node, and the gpus_per_node / p groups of
-    the same shape on one node share that node's NICs (they all run at once in a step)."""
-
-    def __init__(self, profile_name: str):
-        from simulator.hardware import load_profile
-
-        prof = load_profile(profile_name)
-        self.net = prof.network
-        self.gpus_per_node = prof.gpus_per_node
-        self.source = f"simulator profile {prof.name} network (measured curves, NICs, NCCL latencies)"
-
-    def _group(self, ranks):
-        from simulator.collectives import Group
-
-        ranks = tuple(ranks)
-        nodes = len({r // self.gpus_per_node for r in ranks})
-        per_node = len(ranks) // nodes
-        return Group(nodes, per_node, share=max(1, self.gpus_per_node // per_node) if nodes > 1 else 1)
-
-    def _time(self, kind: str, size_bytes: float, ranks) -> float:
-        from simulator.collectives import collective_time_s
-
-        ranks = tuple(ranks)
-        return collective_time_s(kind, size_bytes, self._group(ranks), self.net) if len(ranks) > 1 else 0.0
-
-    def all_reduce_s(self, size_bytes: float, ranks) -> float:
-        return self._time("all_reduce", size_bytes, ranks)
-
-    def all_gather_s(self, size_bytes: float, ranks) -> float:
-        return self._time("all_gather", size_bytes, ranks)
 
 
 def resolve_links(links: str, profile: str):
@@ -61,7 +26,9 @@ def resolve_links(links: str, profile: str):
 
         raise InputError(f"--links simulator needs a simulator profile named like the cost profile; "
                          f"{profile!r} is none of {', '.join(profile_names())}")
-    return SimulatorLinks(profile)
+    from simulator.split_links import SimulatorLinks
+
+    return SimulatorLinks.for_profile(profile)
 
 
 def print_groups(plan, con) -> None:

@@ -95,6 +95,8 @@ class SimConfig:
     naive_batching: bool = _f(False, "naive: one batched NS call per matrix shape, as dmuon.NaiveMuon runs "
                                      "it (False: one call per matrix, the published FSDP2+Muon baseline)")
     max_batch: int = _f(8, "dmuon: largest NS batch")
+    max_split: int = _f(1, "dmuon: largest owner group of one batch (split NS over 2, 4, ... ranks up to "
+                           "it, where the plan finds it pays; 1 = one owner per batch, the paper's design)")
     bucket_numel: int = _f(0, "dmuon: elements per communication bucket (0: one bucket per layer)")
     milp_time_limit_s: float = _f(10.0, "dmuon MILP balancer: wall-clock safety net (work limits end it "
                                         "first)")
@@ -172,6 +174,7 @@ def validate_config(cfg: SimConfig) -> None:
     _check_int("seq_len", cfg.seq_len)
     _check_int("micro_batch", cfg.micro_batch)
     _check_int("max_batch", cfg.max_batch)
+    _check_int("max_split", cfg.max_split, maximum=MAX_GPUS)
     _check_int("cpu_threads", cfg.cpu_threads)
     _check_int("bucket_numel", cfg.bucket_numel, 0)
     if cfg.strategy not in STRATEGIES:

@@ -39,18 +39,24 @@ def load_cost(names: tuple[str, ...] | str):
 
 
 def plan_for(matrices, world_size: int, cost, *, balancer: str, method: str, dtype: str, batching: bool,
-             max_batch: int, bucket_numel: int, time_limit_s: float):
-    """build_plan once per distinct input (cached in this process)."""
+             max_batch: int, bucket_numel: int, time_limit_s: float, max_split: int = 1, links=None):
+    """build_plan once per distinct input (cached in this process). links (max_split > 1): a
+    `simulator.split_links.SimulatorLinks`, keyed by its network, node size and ring choice."""
+    link_key = None
+    if max_split > 1 and links is not None:
+        link_key = (id(links.net), links.gpus_per_node, links.hierarchical)
     key = (tuple(matrices), world_size, id(cost), balancer, method, dtype, batching, max_batch, bucket_numel,
-           time_limit_s)
+           time_limit_s, max_split, link_key)
     if key not in _PLANS:
         from dmuon.plan.build import build_plan
 
         plan = build_plan(matrices, world_size, cost, balancer=balancer, method=method, dtype=dtype,
                           batching=batching, max_batch=max_batch, bucket_numel=bucket_numel,
-                          time_limit_s=time_limit_s)
-        _PLANS[key] = (cost, plan)  # holding the cost keeps its id from being reused while cached
-    return _PLANS[key][1]
+                          time_limit_s=time_limit_s, max_split=max_split,
+                          links=links if max_split > 1 else None)
+        # holding the cost (and the links' network) keeps their ids from being reused while cached
+        _PLANS[key] = (cost, links, plan)
+    return _PLANS[key][-1]
 
 
 def thread_cost_for(profile, cfg):

@@ -100,6 +100,7 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
             ew_answers[op] = (n, a)  # provenance names the largest pass
         return a.time_s * scale * (profile.grad_prep_passes if op == "grad_prep" else 1.0)
 
+    network = profile.network_for(per_node, k if profile.cpu_cores else 1.0)
     plan = None
     info = {"ns_makespan_s": 0.0, "balancer": "", "method": "", "notes": list(workload.notes)}
     if cfg.strategy == "dmuon":
@@ -108,9 +109,16 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
             _check_plan(cfg.plan, muon, world)
             plan = cfg.plan
         else:  # planned from the table of this thread count, as the runtime plans (runtime.planning)
+            links = None
+            if cfg.max_split > 1:  # owner groups priced on this step's network (simulator.split_links)
+                from .split_links import SimulatorLinks
+
+                links = SimulatorLinks(network, per_node, hierarchical=cfg.hierarchical,
+                                       source=f"simulator profile {profile.name} network")
             plan = plan_for(muon, world, priced, balancer=cfg.balancer, method=ns_method_of(cfg, profile),
                             dtype=ns_dtype, batching=cfg.batching, max_batch=cfg.max_batch,
-                            bucket_numel=cfg.bucket_numel, time_limit_s=cfg.milp_time_limit_s)
+                            bucket_numel=cfg.bucket_numel, time_limit_s=cfg.milp_time_limit_s,
+                            max_split=cfg.max_split, links=links)
         info.update(ns_makespan_s=plan.makespan_s * ns_stretch, balancer=plan.balancer, method=plan.method)
         info["notes"] += list(plan.notes)
     elif cfg.strategy == "naive":
@@ -125,7 +133,7 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
         # bookkeeping measured on one thread (Python, dispatch): more threads per rank do not shorten it
         optimizer_overhead_s=profile.optimizer_overhead_s * k_ew
         * profile.contention(per_node, cfg.cpu_threads, threads_measured=True),
-        network=profile.network_for(per_node, k if profile.cpu_cores else 1.0),
+        network=network,
         hierarchical=cfg.hierarchical, overlap=cfg.overlap,
         param_bytes=DTYPE_BYTES[cfg.param_comm_dtype or profile.dtype],
         grad_bytes=DTYPE_BYTES[cfg.grad_comm_dtype or profile.dtype], plan=plan, ns_stretch=ns_stretch,

@@ -327,6 +327,8 @@ def build(spec: StepSpec, overlap_slowdown: float = 0.0, comm_overlap_slowdown: 
     if spec.strategy == "dmuon" and spec.plan is None:
         raise InputError("the dmuon strategy needs a plan")
     streams = ("compute", "comm", "inter") if spec.layout.startswith("hsdp") else ("compute", "comm")
+    if spec.strategy == "dmuon" and spec.plan.split_batches:
+        streams += ("split",)  # the owner groups' collectives (simulator.step_split)
     cluster = Cluster(spec.n_ranks, streams=streams, overlap_slowdown=overlap_slowdown,
                       comm_overlap_slowdown=comm_overlap_slowdown)
     progs = _Programs(spec, cluster)

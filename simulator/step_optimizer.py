@@ -6,9 +6,10 @@ all_to_all exchange. A mixin of `simulator.step._Programs`: it uses the program'
 from __future__ import annotations
 
 from .engine import Op
+from .step_split import SplitPrograms
 
 
-class OptimizerPrograms:
+class OptimizerPrograms(SplitPrograms):
     """The optimizer phase of one rank's step program (mixed into `simulator.step._Programs`)."""
 
     # ---- dmuon plan views --------------------------------------------------------------------------
@@ -31,16 +32,21 @@ class OptimizerPrograms:
             for layer in layers:
                 self.layer_buckets.setdefault(layer, []).append(b)
         self.bucket_numel = [sum(mats[i].numel for i in b.members) for b in plan.buckets]
-        self.owned = [dict() for _ in plan.buckets]  # bucket -> {plan rank: numel}
-        for i, m in enumerate(mats):
+        # bucket -> {plan rank: numel}; a split batch's member owns its column block (1/k of each matrix):
+        # its gradient block is reduced to it, it keeps that block's momentum and publishes it
+        self.owned = [dict() for _ in plan.buckets]
+        for i, (m, g) in enumerate(zip(mats, plan.groups, strict=True)):
             d = self.owned[self.bucket_of[i]]
-            d[plan.owners[i]] = d.get(plan.owners[i], 0) + m.numel
+            for o in g:
+                d[o] = d.get(o, 0) + (m.numel if len(g) == 1 else m.numel / len(g))
         self.max_owned = [max(d.values()) for d in self.owned]  # largest single owner's share
         self.batches_of: dict[int, list] = {}
         for k, bt in enumerate(plan.batches):  # the plan's order (build_plan: readiness order per owner)
             bks = sorted({self.bucket_of[i] for i in bt.members})
             numel = sum(mats[i].numel for i in bt.members)
-            self.batches_of.setdefault(bt.owner, []).append((k, bt, bks, numel))
+            for o in bt.ranks:  # every member of a split batch runs its share (simulator.step_split)
+                share = numel / len(bt.ranks) if bt.group else numel
+                self.batches_of.setdefault(o, []).append((k, bt, bks, share))
 
     def plan_rank(self, rank: int) -> int:
         return rank % self.s.per_node if self.s.layout.startswith("hsdp") else rank
@@ -90,9 +96,12 @@ class OptimizerPrograms:
             momentum_s = (s.elementwise_s(owned, "muon_momentum", n_owned)  # one pass per step, pro rata
                           + s.elementwise_s(owned, "grad_prep", n_buckets))
             for k, bt, bks, numel in mine:
-                dur = bt.time_s * s.ns_stretch + momentum_s * numel / owned
-                last = cm(r, f"batch{k}", dur, phase="opt", step=step,
-                          deps=[red["bucket"][b] for b in bks if red["bucket"].get(b) is not None])
+                deps = [red["bucket"][b] for b in bks if red["bucket"].get(b) is not None]
+                if bt.group:
+                    last = self._split_batch(r, step, k, bt, momentum_s * numel / owned, deps)
+                else:
+                    last = cm(r, f"batch{k}", bt.time_s * s.ns_stretch + momentum_s * numel / owned,
+                              phase="opt", step=step, deps=deps)
                 for b in bks:
                     by_bucket.setdefault(b, []).append(last)
             prev["pub_deps"] = {b: tuple(v) for b, v in by_bucket.items()}
@@ -137,8 +146,9 @@ class OptimizerPrograms:
             last = mom
         by_bucket: dict[int, list[Op]] = {}
         for k, bt, bks, _numel in self.batches_of.get(r, ()):
-            op = cm(r, f"batch{k}", bt.time_s * s.ns_stretch, phase="opt", step=step,
-                    deps=[to_owner[b] for b in bks])
+            deps = [to_owner[b] for b in bks]
+            op = (self._split_batch(r, step, k, bt, 0.0, deps) if bt.group
+                  else cm(r, f"batch{k}", bt.time_s * s.ns_stretch, phase="opt", step=step, deps=deps))
             for b in bks:
                 by_bucket.setdefault(b, []).append(op)
             last = op
