@@ -241,11 +241,13 @@ def profile_of(cfg: SimConfig):
 
 def simulate(cfg: SimConfig) -> SimResult:
     """Simulate `cfg` (2 steps, the second reported). Deterministic: same config -> same result."""
-    return run(cfg)[0]
+    return run(cfg, all_ranks=False)[0]
 
 
-def run(cfg: SimConfig):
-    """(SimResult, the finished simulator.step.Built) — the trace writer needs the second."""
+def run(cfg: SimConfig, all_ranks: bool = True):
+    """(SimResult, the finished simulator.step.Built) — the trace writer needs the second. all_ranks=False:
+    ranks with identical programs are simulated once (the same result, faster; the trace then holds only
+    those ranks)."""
     from .metrics import measure
     from .setup import make_spec
     from .step import build
@@ -260,8 +262,9 @@ def run(cfg: SimConfig):
     cost = cfg.cost if cfg.cost is not None else load_cost(profile.cost_profiles)
     thread_cost = thread_cost_for(profile, cfg) if cfg.cost is None else None
     spec, info = make_spec(cfg, workload, profile, cost, per_node, thread_cost)
+    spec.sm_share = profile.sm_share  # SMs an NCCL collective holds (simulator.engine)
     built = build(spec, overlap_slowdown=profile.overlap_slowdown,
-                  comm_overlap_slowdown=profile.comm_overlap_slowdown)
+                  comm_overlap_slowdown=profile.comm_overlap_slowdown, all_ranks=all_ranks)
     built.cluster.run()
     m = measure(built, step=spec.steps - 1)
     p_muon = sum(spec.muon_numel)

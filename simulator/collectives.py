@@ -30,6 +30,19 @@ across nodes, B_nic = NIC bandwidth per node x inter efficiency / share:
     all-to-all      the same either way: latency base + (p-1) a_nv + (M-1) a_ib; bandwidth
                     max((p-1)/n S / busbw(S), (M-1)/M p S / B_nic)
 
+NCCL's own choices (`nccl=True`, what FSDP2 / torch.distributed get from NCCL; constants from NCCL's tuner,
+src/graph/tuning.cc ncclTopoTuneModel, Simple protocol, named in the profile):
+    all-gather, reduce-scatter  always the flat ring above (NCCL has no two-level ring; its tree is for
+                    all-reduce only, PAT only for one GPU per node)
+    all-reduce      the cheaper of the flat ring and NCCL's double binary tree, as NCCL's tuner picks:
+                    tree latency base + 2 ((p-1) t_nv + log2(M) t_ib), tree bandwidth term
+                    max(intra ring term, 2 S / (tree_bw_factor B_nic)) (tuner: tree busBw x 0.92, algbw x 0.5)
+owner broadcasts / reduces issued as `owners` separate collectives on one communicator (the runtime's
+"reduce" exchange mode: one async reduce / broadcast per owner chunk): NCCL runs them one after another
+on its stream, so their latency is paid `owners` times (two-level: the intra phase `owners` times, the
+inter phase `owners_per_local` times, the most owners sharing one local index); the bandwidth term is
+unchanged (the chunks' bytes add up either way).
+
 Bytes on the wire (`bytes_per_rank`) is the per-rank average sent, the convention of muon.md's table:
 (n-1)/n S for all-gather, reduce-scatter, owner broadcasts/reduces and all-to-all; 2(n-1)/n S for
 all-reduce.
@@ -101,9 +114,16 @@ class Network:
     inter_alpha_s: float  # per ring step over the network
     nic_Bps_per_node: float  # total NIC bandwidth of one node, bytes/s per direction
     inter_efficiency: float  # achieved / nominal for large inter-node messages
+    # NCCL tree all-reduce (tuner constants, Simple protocol): per NVLink / network tree hop, bandwidth factor
+    tree_intra_alpha_s: float = 4.0e-6
+    tree_inter_alpha_s: float = 14.0e-6
+    tree_bw_factor: float = 0.92
 
     def __post_init__(self) -> None:
-        for name in ("base_latency_s", "intra_alpha_s", "inter_alpha_s"):
+        if not 0 < self.tree_bw_factor <= 1:
+            raise InputError(f"tree_bw_factor must be in (0, 1], got {self.tree_bw_factor}")
+        for name in ("base_latency_s", "intra_alpha_s", "inter_alpha_s", "tree_intra_alpha_s",
+                     "tree_inter_alpha_s"):
             if getattr(self, name) < 0:
                 raise InputError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.nic_Bps_per_node > 0:
@@ -173,11 +193,24 @@ def _inter_bw_s(kind: str, size: float, m: int, nic_Bps: float, max_share: float
     return (m - 1) / m * size / nic_Bps
 
 
+def _tree_all_reduce_s(size: float, group: Group, net: Network, nic: float) -> float:
+    """NCCL's double binary tree all-reduce across nodes (see the module docstring)."""
+    m, p = group.nodes, group.per_node
+    lat = net.base_latency_s + 2 * ((p - 1) * net.tree_intra_alpha_s
+                                    + math.ceil(math.log2(m)) * net.tree_inter_alpha_s)
+    intra_bw = _intra("all_reduce", size, p, net, 0.0)[1] if p > 1 else 0.0
+    return lat + max(intra_bw, 2.0 * size / (net.tree_bw_factor * nic))
+
+
 def collective_time_s(kind: str, size_bytes: float, group: Group, net: Network, *,
-                      hierarchical: bool = True, max_share_bytes: float = 0.0) -> float:
+                      hierarchical: bool = True, max_share_bytes: float = 0.0, nccl: bool = False,
+                      owners: int = 1, owners_per_local: int = 1) -> float:
     """Seconds one collective takes once every participant has arrived (see the module docstring).
 
-    max_share_bytes: for owner broadcasts / reduces, the largest single owner's bytes (0: balanced)."""
+    max_share_bytes: for owner broadcasts / reduces, the largest single owner's bytes (0: balanced).
+    nccl: the algorithm NCCL itself picks (flat ring for all-gather / reduce-scatter, ring or tree for
+    all-reduce; `hierarchical` then only applies to owner broadcasts / reduces). owners, owners_per_local:
+    owner broadcasts / reduces issued as that many collectives (their latencies add up)."""
     if kind not in KINDS:
         raise choice_error("collective", kind, KINDS)
     if size_bytes < 0:
@@ -185,21 +218,29 @@ def collective_time_s(kind: str, size_bytes: float, group: Group, net: Network, 
     n, m, p = group.size, group.nodes, group.per_node
     if n <= 1 or size_bytes == 0:
         return 0.0
+    owner_kind = kind in ("broadcast", "reduce")
+    k = max(1, owners) if owner_kind else 1
+    k_local = max(1, min(owners_per_local, k)) if owner_kind else 1
     if m == 1:
         lat, bw = _intra(kind, size_bytes, n, net, max_share_bytes)
-        return lat + bw
+        return lat * k + bw
     nic = net.nic_Bps_per_node * net.inter_efficiency / group.share
     if kind == "all_to_all":
         lat = net.base_latency_s + (p - 1) * net.intra_alpha_s + (m - 1) * net.inter_alpha_s
         intra_bw = (p - 1) / n * size_bytes / net.busbw(kind, size_bytes) if p > 1 else 0.0
         inter_bw = (m - 1) / m * p * size_bytes / nic
         return lat + max(intra_bw, inter_bw)
+    if nccl and not owner_kind:
+        hierarchical = False
     if not hierarchical or p == 1:
         twice = 2 if kind == "all_reduce" else 1
         lat = net.base_latency_s + twice * ((n - m) * net.intra_alpha_s + (m - 1) * net.inter_alpha_s)
         intra_bw = _intra(kind, size_bytes, n, net, max_share_bytes)[1] if p > 1 else 0.0
         inter_bw = _inter_bw_s(kind, size_bytes, m, nic, max_share_bytes)
-        return lat + max(intra_bw, inter_bw)
+        ring = lat * k + max(intra_bw, inter_bw)
+        if nccl and kind == "all_reduce":
+            return min(ring, _tree_all_reduce_s(size_bytes, group, net, nic))
+        return ring
     # two-level: intra phase(s) on S, inter phase on S / p among the m ranks of one local index
     inter_lat = net.base_latency_s + (m - 1) * net.inter_alpha_s * (2 if kind == "all_reduce" else 1)
     if kind == "all_reduce":
@@ -207,12 +248,12 @@ def collective_time_s(kind: str, size_bytes: float, group: Group, net: Network, 
         ag_lat, ag_bw = _intra("all_gather", size_bytes, p, net, 0.0)
         inter_bw = _inter_bw_s("all_reduce", size_bytes / p, m, nic / p, 0.0)
         return rs_lat + rs_bw + inter_lat + inter_bw + ag_lat + ag_bw
-    if kind in ("broadcast", "reduce"):
+    if owner_kind:
         # owners' data crosses the network once per node (inter, whole S over the node's NICs), then
         # spreads inside the node (intra); reduces mirror this
         intra_lat, intra_bw = _intra(kind, size_bytes, p, net, max_share_bytes)
         inter_bw = _inter_bw_s(kind, size_bytes, m, nic, max_share_bytes)
-        return intra_lat + intra_bw + inter_lat + inter_bw
+        return intra_lat * k + intra_bw + inter_lat * k_local + inter_bw
     intra_lat, intra_bw = _intra(kind, size_bytes, p, net, 0.0)
     inter_bw = _inter_bw_s(kind, size_bytes / p, m, nic / p, 0.0)
     return intra_lat + intra_bw + inter_lat + inter_bw

@@ -15,6 +15,10 @@ Model (what the step programs in `simulator.step` build on):
   rank starts or ends (one extra event per change, and only when s > 0). On a GPU this is SM / memory
   contention with NCCL kernels; on a CPU host the collectives' copies and reductions run on the same
   cores as the compute.
+- Shared SM capacity (GPUs): a collective's kernels occupy `sm_share` of its participants' SMs (NCCL runs
+  one thread block per channel, each holding an SM for the collective's whole duration); compute on a
+  rank then progresses at rate 1 - (sum of sm_share of the collectives running on it), capped at
+  MAX_SM_SHARE, on top of the constant slowdown above. Two collectives on a rank take twice the SMs.
 - The other way round (`comm_overlap_slowdown` c, CPU hosts): a running collective progresses at rate
   1 / (1 + c) while any of its participants computes, else at rate 1 (re-timed whenever a participant's
   compute starts or ends; only when c > 0).
@@ -29,6 +33,8 @@ from dataclasses import dataclass
 
 from dmuon.errors import InputError
 
+MAX_SM_SHARE = 0.9  # collectives never take more than this share of a rank's SMs from its compute
+
 
 def _clean(deps) -> tuple:
     """The dependencies as a tuple without Nones (built for ~10^5 ops per run: keep it cheap)."""
@@ -40,10 +46,11 @@ class Collective:
     """One collective over `n` participants, taking `cost_s` once all have arrived."""
 
     __slots__ = ("name", "kind", "n", "cost_s", "arrived", "start", "end", "done", "bytes_per_rank",
-                 "muon_fraction", "group", "step", "ranks")
+                 "muon_fraction", "group", "step", "ranks", "sm_share", "size", "copies")
 
     def __init__(self, name: str, kind: str, n: int, cost_s: float, *, bytes_per_rank: float = 0.0,
-                 muon_fraction: float = 0.0, group: str = "", step: int = 0):
+                 muon_fraction: float = 0.0, group: str = "", step: int = 0, sm_share: float = 0.0,
+                 size: int | None = None):
         if n <= 0:
             raise InputError(f"collective {name!r} needs at least one participant")
         self.name, self.kind, self.n, self.cost_s = name, kind, n, cost_s
@@ -56,6 +63,9 @@ class Collective:
         self.group = group
         self.step = step
         self.ranks: list[int] = []  # participants, in arrival order (kept when overlap slowdown is on)
+        self.sm_share = sm_share  # share of each participant's SMs its kernels hold while it runs
+        self.size = n if size is None else size  # ranks in the group (n: those simulated, see Cluster)
+        self.copies = 1  # identical instances of this collective it stands for (groups not simulated)
 
 
 class Op:
@@ -95,7 +105,9 @@ class Cluster:
         self.comm_overlap_slowdown = comm_overlap_slowdown
         self.queues: dict[tuple[int, str], list[Op]] = {(r, s): [] for r in range(n_ranks) for s in streams}
         self.collectives: list[Collective] = []
+        self.weight = [1] * n_ranks  # ranks each simulated rank stands for (0: not simulated; step_comm)
         self._busy = [0] * n_ranks  # collectives running per rank (overlap slowdown only)
+        self._sm_used = [0.0] * n_ranks  # SM share held by the collectives running on each rank
         self._changed: list = []  # per rank: event fired when its number of running collectives changes
 
     # ---- building ------------------------------------------------------------------------------
@@ -131,7 +143,9 @@ class Cluster:
 
         env = simpy.Environment()
         self._busy = [0] * self.n_ranks
-        self._changed = [env.event() for _ in range(self.n_ranks)] if self.overlap_slowdown > 0 else []
+        self._sm_used = [0.0] * self.n_ranks
+        self._slow = self.overlap_slowdown > 0 or any(c.sm_share > 0 for c in self.collectives)
+        self._changed = [None] * self.n_ranks  # per rank: the state of its running slowed compute op
         self._computing = [False] * self.n_ranks
         self._compute_changed = ([env.event() for _ in range(self.n_ranks)] if self.comm_overlap_slowdown > 0
                                  else [])
@@ -155,11 +169,33 @@ class Cluster:
                                "orders collectives differently on different ranks")
         return RunStats(end_s=env.now)
 
-    def _busy_changed(self, env, ranks, delta: int) -> None:
+    def _rate(self, rank: int) -> float:
+        if not self._busy[rank]:
+            return 1.0
+        return (1.0 - min(MAX_SM_SHARE, self._sm_used[rank])) / (1.0 + self.overlap_slowdown)
+
+    def _busy_changed(self, env, ranks, delta: int, sm: float = 0.0) -> None:
+        running = self._changed
         for r in ranks:
             self._busy[r] += delta
-            ev, self._changed[r] = self._changed[r], env.event()
-            ev.succeed()
+            self._sm_used[r] = self._sm_used[r] + delta * sm if self._busy[r] else 0.0
+            st = running[r]
+            if st is not None:  # a compute op of r is running: re-time it
+                self._retime(env, r, st)
+
+    def _retime(self, env, rank: int, st: list) -> None:
+        """st = [remaining work, rate, since, version, done event] of rank's running compute op: account
+        the work done at the old rate, schedule its end at the new one (older timers are ignored)."""
+        now = env.now
+        st[0] -= (now - st[2]) * st[1]
+        st[1], st[2], st[3] = self._rate(rank), now, st[3] + 1
+        version, done = st[3], st[4]
+
+        def fire(_ev, version=version):
+            if st[3] == version and not done.triggered:
+                done.succeed()
+
+        env.timeout(max(0.0, st[0]) / st[1]).callbacks.append(fire)
 
     def _set_computing(self, env, rank: int, on: bool) -> None:
         self._computing[rank] = on
@@ -182,22 +218,23 @@ class Cluster:
             remaining -= (env.now - t0) * rate
 
     def _slowed_compute(self, env, rank: int, work: float):
-        """Run `work` seconds of compute at rate 1 / (1 + overlap_slowdown) while the rank has a collective
-        running, 1 otherwise."""
-        slow_rate = 1.0 / (1.0 + self.overlap_slowdown)
-        remaining = work
-        while remaining > 1e-15 * max(1.0, work):
-            rate = slow_rate if self._busy[rank] else 1.0
-            t0 = env.now
-            timer = env.timeout(remaining / rate)
-            yield timer | self._changed[rank]
-            if timer.processed or env.now - t0 >= remaining / rate:
-                return
-            remaining -= (env.now - t0) * rate
+        """Run `work` seconds of compute at rate 1 / (1 + overlap_slowdown) x (1 - SM share held by running
+        collectives) while the rank has a collective running, 1 otherwise (re-timed at every change)."""
+        st = [work, self._rate(rank), env.now, 0, env.event()]
+        self._changed[rank] = st
+        version = 0
+
+        def fire(_ev):
+            if st[3] == version and not st[4].triggered:
+                st[4].succeed()
+
+        env.timeout(work / st[1]).callbacks.append(fire)
+        yield st[4]
+        self._changed[rank] = None
 
     def _stream(self, env, rank: int, stream: str, ops: list[Op]):
         is_compute = stream == self.compute_stream
-        slow = self.overlap_slowdown > 0
+        slow = self._slow
         comm_slow = self.comm_overlap_slowdown > 0
         track = slow or comm_slow  # participants are recorded
         for op in ops:
@@ -229,13 +266,13 @@ class Cluster:
                 c.start = env.now
                 if c.cost_s > 0:
                     if slow:
-                        self._busy_changed(env, c.ranks, +1)
+                        self._busy_changed(env, c.ranks, +1, c.sm_share)
                     if comm_slow:
                         yield from self._slowed_collective(env, c)
                     else:
                         yield env.timeout(c.cost_s)
                     if slow:
-                        self._busy_changed(env, c.ranks, -1)
+                        self._busy_changed(env, c.ranks, -1, c.sm_share)
                 c.end = env.now
                 c.done.succeed()
             else:

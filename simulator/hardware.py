@@ -29,8 +29,15 @@ Layout of a profile file:
                system whose own gradient handling they already contain
     [network]  nvlink_GBps, base_latency_us, intra_alpha_us, inter_alpha_us, nic_gbps_per_node,
                inter_efficiency, and either
+               optional (NCCL / multi-node, each with its source): tree_intra_alpha_us,
+               tree_inter_alpha_us, tree_bw_factor (NCCL's tree all-reduce; defaults: NCCL tuner constants
+               4 us, 14 us, 0.92), nccl_channels (thread blocks, one SM each, an NCCL collective holds
+               while it runs; with [compute] sm_count the SM share it takes from concurrent compute,
+               simulator.engine; absent: no SM contention)
                [[network.points]] kind (all_gather | broadcast | all_reduce), ranks, size_bytes, time_ms
-               (+ source): measured collective times from which the busbw curves are derived,
+               (+ source, optional collectives = how many collectives of that kind the time covers, issued one
+               after another, e.g. 5 owner broadcasts: their latencies are subtracted that many times):
+               measured collective times from which the busbw curves are derived,
                busbw = f (n-1)/n S / (t - latency(n)), f = 2 for all-reduce, else 1 (median per size;
                on a CPU host t is first divided by the core contention of its n ranks), or
                curve_from = "<profile>" + curve_scale: another profile's curve scaled.
@@ -59,8 +66,9 @@ _NETWORK_KEYS = ("nvlink_GBps", "base_latency_us", "intra_alpha_us", "inter_alph
 _TOP_KEYS = ("name", "description", "gpu", "cost_profile", "dtype", "symmetric_kernels", "gpus_per_node",
              "cpu_cores", "compute", "network", "threads")
 THREAD_KINDS = ("compute", "ns", "elementwise")
-_NETWORK_TABLE_KEYS = (*_NETWORK_KEYS, "points", "curve_from", "curve_scale")
-_POINT_KEYS = ("kind", "ranks", "size_bytes", "time_ms", "source")
+_NETWORK_OPTIONAL = ("tree_intra_alpha_us", "tree_inter_alpha_us", "tree_bw_factor", "nccl_channels")
+_NETWORK_TABLE_KEYS = (*_NETWORK_KEYS, *_NETWORK_OPTIONAL, "points", "curve_from", "curve_scale")
+_POINT_KEYS = ("kind", "ranks", "size_bytes", "time_ms", "source", "collectives")
 
 
 def _check_keys(table: dict, accepted: tuple[str, ...], where: str) -> None:
@@ -100,6 +108,8 @@ class Profile:
     nvlink_Bps: float
     network: Network
     comm_overlap_slowdown: float = 0.0  # CPU hosts: a collective runs (1 + this) slower beside compute
+    sm_count: int = 0  # streaming multiprocessors per GPU (0: not modelled)
+    nccl_channels: int = 0  # SMs an NCCL collective holds while it runs (0: not modelled)
     thread_speedup: dict[str, float] = field(default_factory=dict)  # kind -> speedup at cpu_cores threads
     corun_slowdown: dict[str, float] = field(default_factory=dict)  # kind -> x with all cores busy
     provenance: dict[str, str] = field(default_factory=dict, compare=False)
@@ -112,6 +122,13 @@ class Profile:
         prov["nic_gbps_per_node"] = f"given on the command line / config: {gbps:g} Gb/s per node"
         net = replace(self.network, nic_Bps_per_node=gbps * 1e9 / 8)
         return replace(self, network=net, provenance=prov)
+
+    @property
+    def sm_share(self) -> float:
+        """Share of a GPU's SMs one running collective takes from its compute (0: not modelled)."""
+        if self.sm_count <= 0 or self.nccl_channels <= 0:
+            return 0.0
+        return min(1.0, self.nccl_channels / self.sm_count)
 
     def with_overlap_slowdown(self, slowdown: float) -> Profile:
         if not slowdown >= 0:
@@ -202,6 +219,9 @@ def _curves_from_points(points: list, net_base: dict, where: str, prov: dict,
         n = p.get("ranks")
         if isinstance(n, bool) or not isinstance(n, int) or n < 2:
             raise InputError(f"{w}: ranks must be an integer >= 2, got {n!r}")
+        count = p.get("collectives", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise InputError(f"{w}: collectives must be an integer >= 1, got {count!r}")
         size, t_ms = p.get("size_bytes", 0), p.get("time_ms", 0)
         if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf
                for v in (size, t_ms)):
@@ -211,7 +231,7 @@ def _curves_from_points(points: list, net_base: dict, where: str, prov: dict,
         if cores > 0:  # CPU host: normalize to an uncontended host (see Profile.network_for)
             t_ms /= max(1.0, n / cores)
         factor = 2 if kind == "all_reduce" else 1  # ring steps and bus bytes, as collectives.py
-        busy = t_ms * 1e-3 - (base_s + factor * (n - 1) * alpha_s)
+        busy = t_ms * 1e-3 - count * (base_s + factor * (n - 1) * alpha_s)
         if busy <= 0:
             raise InputError(f"{w}: time {t_ms} ms is below the latency model's floor for {n} ranks")
         per[kind].setdefault(size, []).append(factor * (n - 1) / n * size / busy)
@@ -246,7 +266,8 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
     _check_keys(data, _TOP_KEYS, where)
     comp = _as_table(data.get("compute", {}), f"{where}: [compute]")
     net = _as_table(data.get("network", {}), f"{where}: [network]")
-    _check_keys(comp, (*_COMPUTE_KEYS, "grad_prep_passes", "comm_overlap_slowdown"), f"{where}: [compute]")
+    _check_keys(comp, (*_COMPUTE_KEYS, "grad_prep_passes", "comm_overlap_slowdown", "sm_count"),
+                f"{where}: [compute]")
     _check_keys(net, _NETWORK_TABLE_KEYS, f"{where}: [network]")
     c: dict[str, float] = {}
     for key in _COMPUTE_KEYS:
@@ -306,7 +327,22 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
     dtype = data.get("dtype", "bf16")
     if dtype not in DTYPES:
         raise choice_error(f"dtype in {where}", dtype, DTYPES)
+    opt: dict[str, float] = {}
+    for key in _NETWORK_OPTIONAL:
+        if key in net:
+            opt[key], prov[key] = _value(net[key], key, where)
+    sm_count = 0
+    if "sm_count" in comp:
+        v, prov["sm_count"] = _value(comp["sm_count"], "sm_count", where)
+        sm_count = int(v)
+    if not 0 < opt.get("tree_bw_factor", 0.92) <= 1:
+        raise InputError(f"{where}: [network] tree_bw_factor must be in (0, 1], got {opt['tree_bw_factor']}")
+    tree = {k: opt[f"{k}_us"] * 1e-6 for k in ("tree_intra_alpha", "tree_inter_alpha") if f"{k}_us" in opt}
+    tree = {f"{k}_s": v for k, v in tree.items()}
+    if "tree_bw_factor" in opt:
+        tree["tree_bw_factor"] = opt["tree_bw_factor"]
     network = Network(
+        **tree,
         curves=curves,
         base_latency_s=base["base_latency_s"],
         intra_alpha_s=base["intra_alpha_s"],
@@ -337,6 +373,8 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
         comm_overlap_slowdown=comm_slow,
         nvlink_Bps=nv["nvlink_GBps"] * 1e9,
         network=network,
+        sm_count=sm_count,
+        nccl_channels=int(opt.get("nccl_channels", 0)),
         thread_speedup=speedups,
         corun_slowdown=coruns,
         provenance=prov,

@@ -37,7 +37,12 @@ def measure(built, step: int) -> dict:
     t1 = opt_end[step]
     exposed = []
     ns_busy = []
+    weights = []
+    weight = getattr(cl, "weight", [1] * n)  # ranks each simulated rank stands for (0: not simulated)
     for r in range(n):
+        if not weight[r]:
+            continue
+        weights.append(weight[r])
         prev_end = None
         waited = 0.0
         busy = 0.0
@@ -54,7 +59,7 @@ def measure(built, step: int) -> dict:
     total = muon = 0.0
     for c in cl.collectives:
         if c.step == step:
-            b = c.bytes_per_rank * c.n
+            b = c.bytes_per_rank * c.size * c.copies  # every rank of the group, simulated or not
             total += b
             muon += b * c.muon_fraction
     bwd = bwd_end[step]
@@ -65,7 +70,7 @@ def measure(built, step: int) -> dict:
         "optimizer_s": t1 - bwd,
         "grad_sync_tail_s": max(0.0, min(grad_end[step], t1) - bwd),
         "exposed_max_s": max(exposed),
-        "exposed_mean_s": sum(exposed) / n,
+        "exposed_mean_s": sum(e * w for e, w in zip(exposed, weights, strict=True)) / sum(weights),
         "ns_busy_max_s": max(ns_busy),
         "bytes": total / n,
         "muon_bytes": muon / n,

@@ -41,7 +41,8 @@ An elementwise pass (AdamW, momentum, gradient preparation) is priced once per s
 elements it covers, so a cost table's per-call intercept is paid once, not per batch, plus the table's
 measured cost per extra tensor (`CostTable.per_tensor_time`) for the tensors it runs over: AdamW the
 rank's parameters, momentum its Muon matrices, gradient preparation one per reduction unit (layer).
-The programs are generated per rank: every rank is simulated (owners differ per rank).
+The programs are generated per rank; ranks with identical programs are simulated once
+(`simulator.step_comm.CommPrograms.select`: exact). Collectives are priced in `simulator.step_comm`.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ from dataclasses import dataclass, field
 
 from dmuon.errors import InputError
 
-from .collectives import Group, bytes_per_rank, collective_time_s
+from .collectives import Group
 from .engine import Cluster, Op
+from .step_comm import CommPrograms
 from .step_optimizer import OptimizerPrograms
 
 LAYOUTS = ("fsdp-keep", "fsdp-free", "hsdp-keep", "hsdp-free", "ddp", "sharded")
@@ -86,6 +88,7 @@ class StepSpec:
     plan: object = None  # dmuon.plan.Plan (dmuon only)
     ns_stretch: float = 1.0  # CPU contention applied to plan batch times
     steps: int = 2
+    sm_share: float = 0.0  # share of a GPU's SMs each running collective takes (simulator.engine)
 
     @property
     def n_layers(self) -> int:
@@ -101,7 +104,7 @@ class Built:
     notes: list[str] = field(default_factory=list)
 
 
-class _Programs(OptimizerPrograms):
+class _Programs(OptimizerPrograms, CommPrograms):
     def __init__(self, spec: StepSpec, cluster: Cluster):
         self.s = spec
         self.c = cluster
@@ -122,31 +125,6 @@ class _Programs(OptimizerPrograms):
         self.muon_total = sum(spec.muon_numel)
         self.naive_runs = self._naive_runs()
         self._prepare_plan()
-
-    # ---- groups and collectives ------------------------------------------------------------------
-    def _instance(self, group: str, rank: int) -> tuple[Group, int]:
-        if group == "world":
-            return self.world, 0
-        if group == "intra":
-            return self.intra, rank // self.s.per_node
-        return self.inter, rank % self.s.per_node
-
-    def coll(self, rank: int, key: tuple, group: str, kind: str, size_bytes: float, *, muon_fraction: float,
-             max_share: float = 0.0, step: int = 0, repeat: int = 1):
-        """The collective `key` of rank's group instance (created once per instance); repeat: it stands for
-        that many back-to-back collectives of `size_bytes` (their summed time and bytes)."""
-        g, inst = self._instance(group, rank)
-        full = (key, group, inst)
-        c = self.colls.get(full)
-        if c is None:
-            n = g.size
-            cost = collective_time_s(kind, size_bytes, g, self.s.network, hierarchical=self.s.hierarchical,
-                                     max_share_bytes=max_share)
-            c = self.c.new_collective("/".join(str(k) for k in key), kind, n, cost * repeat,
-                                      bytes_per_rank=bytes_per_rank(kind, size_bytes, n) * repeat,
-                                      muon_fraction=muon_fraction, group=f"{group}{inst}", step=step)
-            self.colls[full] = c
-        return c
 
     def _naive_runs(self) -> list[tuple[int, int]]:
         """naive's per-matrix chain (gather, NS, gather, NS, ...) as (matrix, count) runs: one matrix each,
@@ -287,39 +265,11 @@ class _Programs(OptimizerPrograms):
     def _local_fraction(self) -> float:
         return 1.0 / self.shard_size
 
-    def _reduce_layer(self, r: int, step: int, l: int, numel: int, mu: int, dep: Op) -> Op | None:
-        s, c = self.s, self.c
-        frac = mu / numel
-        size = numel * s.grad_bytes
-        if self.shard is None:  # ddp
-            col = self.coll(r, ("ar", step, l), "world", "all_reduce", size, muon_fraction=frac, step=step)
-            return c.collective(col, r, phase="bwd", step=step, deps=(dep,))
-        col = self.coll(r, ("rs", step, l), self.shard, "reduce_scatter", size, muon_fraction=frac, step=step)
-        op = c.collective(col, r, phase="bwd", step=step, deps=(dep,))
-        if self.replicate == "inter":
-            col = self.coll(r, ("ar", step, l), "inter", "all_reduce", size / s.per_node, muon_fraction=frac,
-                            step=step)
-            op = c.collective(col, r, phase="bwd", step=step, deps=(op,), stream="inter")
-        return op
 
-    def _reduce_bucket(self, r: int, b: int, step: int, dep: Op) -> Op:
-        """Muon gradients of bucket b to their owners (dmuon, replicated or FSDP/HSDP layouts)."""
-        s, c = self.s, self.c
-        size = self.bucket_numel[b] * s.grad_bytes
-        share = self.max_owned[b] * s.grad_bytes
-        group = "intra" if self.shard == "intra" else "world"
-        col = self.coll(r, ("reduce", step, b), group, "reduce", size, muon_fraction=1.0, max_share=share,
-                        step=step)
-        op = c.collective(col, r, phase="bwd", step=step, deps=(dep,))
-        if self.replicate == "inter":
-            mine = self.owned[b].get(self.plan_rank(r), 0) * s.grad_bytes
-            col = self.coll(r, ("ar_owned", step, b), "inter", "all_reduce", mine, muon_fraction=1.0,
-                            step=step)
-            op = c.collective(col, r, phase="bwd", step=step, deps=(op,), stream="inter")
-        return op
-
-def build(spec: StepSpec, overlap_slowdown: float = 0.0, comm_overlap_slowdown: float = 0.0) -> Built:
-    """Every rank's program for `spec.steps` steps, ready to run."""
+def build(spec: StepSpec, overlap_slowdown: float = 0.0, comm_overlap_slowdown: float = 0.0,
+          all_ranks: bool = True) -> Built:
+    """Every rank's program for `spec.steps` steps, ready to run. all_ranks=False: only one rank of each
+    set of identical programs (`CommPrograms.select`; the same times, far fewer events)."""
     if spec.strategy not in STRATEGIES:
         raise InputError(f"unknown strategy {spec.strategy!r}; accepted: {', '.join(STRATEGIES)}")
     if spec.layout not in LAYOUTS:
@@ -332,7 +282,8 @@ def build(spec: StepSpec, overlap_slowdown: float = 0.0, comm_overlap_slowdown: 
     cluster = Cluster(spec.n_ranks, streams=streams, overlap_slowdown=overlap_slowdown,
                       comm_overlap_slowdown=comm_overlap_slowdown)
     progs = _Programs(spec, cluster)
-    for r in range(spec.n_ranks):
+    reps, cluster.weight = progs.select(all_ranks)
+    for r in reps:
         progs.program(r)
     notes = []
     if spec.layout == "sharded" and spec.strategy != "dmuon":

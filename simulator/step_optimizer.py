@@ -117,11 +117,9 @@ class OptimizerPrograms(SplitPrograms):
     def _publish(self, r: int, b: int, step: int, deps, *, phase: str, tag: str = "pub",
                  op_step: int | None = None) -> Op:
         s, c = self.s, self.c
-        size = self.bucket_numel[b] * s.param_bytes
-        share = self.max_owned[b] * s.param_bytes
         group = "intra" if self.shard == "intra" else "world"
-        col = self.coll(r, (tag, step, b), group, "broadcast", size, muon_fraction=1.0, max_share=share,
-                        step=step if op_step is None else op_step)
+        col = self.owner_coll(r, (tag, step, b), b, "broadcast", s.param_bytes, group,  # simulator.step_comm
+                              step if op_step is None else op_step)
         return c.collective(col, r, phase=phase, step=step if op_step is None else op_step, deps=tuple(deps))
 
     def _sharded_optimizer(self, r: int, step: int, adam_numel: float, red: dict) -> Op:

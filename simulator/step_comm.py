@@ -1,0 +1,167 @@
+"""The step programs' collectives: process-group instances, how each collective is priced, the gradient
+reductions of backward, the owner exchange, and which ranks need simulating at all.
+
+Pricing (`simulator.collectives.collective_time_s`, every collective NCCL-native, `nccl=True`):
+  FSDP's all-gathers and reduce-scatters, naive's full-gradient all-gathers, DDP's and HSDP's all-reduces:
+      what NCCL picks itself: flat rings for all-gather / reduce-scatter (their latency grows with every
+      rank of the ring: (n - M) NVLink steps + (M - 1) network steps), ring or double binary tree for
+      all-reduce, whichever its tuner model prices lower.
+  dmuon's owner exchange (gradients to owners in backward, publication of the new weights), as the
+      runtime's `dmuon.runtime.exchange` issues it: per bucket the exchange mode the runtime's
+      `units.auto_mode` picks on NCCL, i.e. "reduce_scatter" (one reduce-scatter / all-gather of the
+      owner chunks padded to the largest, n x C bytes) where that padding adds at most 10% to the
+      bucket, else "reduce" (one reduce / broadcast per owner with a chunk, issued one after another
+      on one communicator: latency once per owner); two-level (intra, then inter per local index) where
+      `StepSpec.hierarchical` (the runtime's node_size), else flat over the group.
+  Each collective holds `StepSpec.sm_share` of its participants' SMs while it runs (simulator.engine).
+
+Representative ranks (`representatives`): ranks whose programs are identical and whose collectives all
+run over groups in which they are interchangeable finish at the same times, so only one of each kind is
+simulated and every collective counts only its simulated participants (`Collective.size` keeps the real
+group size for bytes). Layouts whose collectives span the world (fsdp, ddp, sharded): one rank per
+distinct owner set (dmuon: every owner, plus one rank that owns nothing; adamw / naive: one rank).
+HSDP (groups per node and per local index): one node per distinct tuple of its ranks' owner sets. Plans
+with split batches (owner groups) keep every rank. Exact, not an approximation: the metrics weight each
+simulated rank by how many it stands for (`Cluster.weight`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .collectives import Group, bytes_per_rank, collective_time_s
+from .engine import Op
+
+AUTO_MAX_PADDING = 1.10  # dmuon.runtime.units.AUTO_MAX_PADDING: reduce-scatter mode up to 10% padding
+
+
+class CommPrograms:
+    """Collectives of the step programs (mixed into `simulator.step._Programs`)."""
+
+    present: dict = {}  # (group, instance) -> simulated participants (set by `select`)
+
+    # ---- groups ----------------------------------------------------------------------------------
+    def _instance(self, group: str, rank: int) -> tuple[Group, int]:
+        if group == "world":
+            return self.world, 0
+        if group == "intra":
+            return self.intra, rank // self.s.per_node
+        return self.inter, rank % self.s.per_node
+
+    def coll(self, rank: int, key: tuple, group: str, kind: str, size_bytes: float, *, muon_fraction: float,
+             max_share: float = 0.0, step: int = 0, repeat: int = 1, nccl: bool = True, owners: int = 1,
+             owners_per_local: int = 1):
+        """The collective `key` of rank's group instance (created once per instance); repeat: it stands for
+        that many back-to-back collectives of `size_bytes` (their summed time and bytes)."""
+        g, inst = self._instance(group, rank)
+        full = (key, group, inst)
+        c = self.colls.get(full)
+        if c is None:
+            n = g.size
+            cost = collective_time_s(kind, size_bytes, g, self.s.network, hierarchical=self.s.hierarchical,
+                                     max_share_bytes=max_share, nccl=nccl, owners=owners,
+                                     owners_per_local=owners_per_local)
+            present = self.present.get((group, inst), n)
+            c = self.c.new_collective("/".join(str(k) for k in key), kind, present, cost * repeat,
+                                      bytes_per_rank=bytes_per_rank(kind, size_bytes, n) * repeat,
+                                      muon_fraction=muon_fraction, group=f"{group}{inst}", step=step,
+                                      sm_share=self.s.sm_share, size=n)
+            if group == "intra":  # one node's group stands for every node of the same signature
+                c.copies = self.c.weight[rank]
+            self.colls[full] = c
+        return c
+
+    # ---- dmuon's owner exchange ------------------------------------------------------------------
+    def owner_coll(self, r: int, key: tuple, b: int, kind: str, elem_bytes: int, group: str, step: int):
+        """Bucket b's owner exchange (kind "reduce": gradients to owners; "broadcast": publication), in the
+        mode and shape the runtime issues it (module docstring)."""
+        shape = self._owner_shapes.get((b, kind, group)) if hasattr(self, "_owner_shapes") else None
+        if shape is None:
+            g, _ = self._instance(group, r)
+            n, payload, chunk = g.size, self.bucket_numel[b], self.max_owned[b]
+            if n * chunk <= AUTO_MAX_PADDING * payload:  # one reduce-scatter / all-gather of padded chunks
+                shape = ("reduce_scatter" if kind == "reduce" else "all_gather", n * chunk, 0, 1, 1)
+            else:
+                owners = self.owned[b]
+                per_local = Counter(o % self.s.per_node for o in owners) if g.nodes > 1 else Counter()
+                shape = (kind, payload, chunk, len(owners), max(per_local.values(), default=1))
+            self.__dict__.setdefault("_owner_shapes", {})[(b, kind, group)] = shape
+        k, numel, chunk, owners, per_local = shape
+        if k != kind:
+            return self.coll(r, key, group, k, numel * elem_bytes, muon_fraction=1.0, step=step,
+                             nccl=not self.s.hierarchical)
+        return self.coll(r, key, group, kind, numel * elem_bytes, muon_fraction=1.0,
+                         max_share=chunk * elem_bytes, step=step, owners=owners, owners_per_local=per_local)
+
+    # ---- backward's gradient reductions ----------------------------------------------------------
+    def _reduce_layer(self, r: int, step: int, l: int, numel: int, mu: int, dep: Op) -> Op | None:
+        s, c = self.s, self.c
+        frac = mu / numel
+        size = numel * s.grad_bytes
+        if self.shard is None:  # ddp
+            col = self.coll(r, ("ar", step, l), "world", "all_reduce", size, muon_fraction=frac, step=step)
+            return c.collective(col, r, phase="bwd", step=step, deps=(dep,))
+        col = self.coll(r, ("rs", step, l), self.shard, "reduce_scatter", size, muon_fraction=frac, step=step)
+        op = c.collective(col, r, phase="bwd", step=step, deps=(dep,))
+        if self.replicate == "inter":
+            col = self.coll(r, ("ar", step, l), "inter", "all_reduce", size / s.per_node, muon_fraction=frac,
+                            step=step)
+            op = c.collective(col, r, phase="bwd", step=step, deps=(op,), stream="inter")
+        return op
+
+    def _reduce_bucket(self, r: int, b: int, step: int, dep: Op) -> Op:
+        """Muon gradients of bucket b to their owners (dmuon, replicated or FSDP/HSDP layouts)."""
+        s, c = self.s, self.c
+        group = "intra" if self.shard == "intra" else "world"
+        col = self.owner_coll(r, ("reduce", step, b), b, "reduce", s.grad_bytes, group, step)
+        op = c.collective(col, r, phase="bwd", step=step, deps=(dep,))
+        if self.replicate == "inter":
+            mine = self.owned[b].get(self.plan_rank(r), 0) * s.grad_bytes
+            col = self.coll(r, ("ar_owned", step, b), "inter", "all_reduce", mine, muon_fraction=1.0,
+                            step=step)
+            op = c.collective(col, r, phase="bwd", step=step, deps=(op,), stream="inter")
+        return op
+
+    # ---- which ranks to simulate -----------------------------------------------------------------
+    def _signature(self, rank: int) -> tuple:
+        if not getattr(self, "dm", False):
+            return ()
+        pr = self.plan_rank(rank)
+        return (pr,) if pr in self._owners else ()
+
+    def select(self, all_ranks: bool = False) -> tuple[list[int], list[int]]:
+        """(ranks to simulate, how many ranks each stands for) and the participants per group instance."""
+        s = self.s
+        n, p = s.n_ranks, s.per_node
+        plan = s.plan if getattr(self, "dm", False) else None
+        self._owners = set(plan.owners) if plan is not None else set()
+        if all_ranks or (plan is not None and getattr(plan, "split_batches", None)):
+            reps, weight = list(range(n)), [1] * n
+        elif s.layout.startswith("hsdp"):
+            first: dict[tuple, int] = {}
+            count: Counter = Counter()
+            for node in range(n // p):
+                sig = tuple(self._signature(node * p + i) for i in range(p))
+                first.setdefault(sig, node)
+                count[first[sig]] += 1
+            reps = [node * p + i for node in sorted(count) for i in range(p)]
+            weight = [0] * n
+            for node, k in count.items():
+                for i in range(p):
+                    weight[node * p + i] = k
+        else:
+            first, count = {}, Counter()
+            for r in range(n):
+                sig = self._signature(r)
+                first.setdefault(sig, r)
+                count[first[sig]] += 1
+            reps = sorted(count)
+            weight = [0] * n
+            for r, k in count.items():
+                weight[r] = k
+        present: Counter = Counter()
+        for r in reps:
+            for group in ("world", "intra", "inter"):
+                present[(group, self._instance(group, r)[1])] += 1
+        self.present = dict(present)
+        return reps, weight

@@ -1,0 +1,100 @@
+"""Multi-node mechanisms: NCCL's own algorithms and latencies, serialized owner collectives, shared SM
+capacity, and the representative-rank reduction (exact)."""
+
+import dataclasses
+import math
+
+import pytest
+
+from simulator.api import SimConfig, run, simulate
+from simulator.collectives import BandwidthCurve, Group, Network, collective_time_s
+from simulator.engine import MAX_SM_SHARE, Cluster
+from simulator.hardware import load_profile
+
+B_NV, BASE, A_NV, A_IB, NIC, EFF = 100e9, 8.4e-6, 3.4e-6, 14e-6, 100e9, 0.9
+
+
+def net():
+    flat = BandwidthCurve((1.0, 1e12), (B_NV, B_NV))
+    return Network({"all_gather": flat, "broadcast": flat}, BASE, A_NV, A_IB, NIC, EFF)
+
+
+@pytest.mark.parametrize("nodes", [2, 16, 32])
+def test_nccl_all_gather_is_a_flat_ring_whose_latency_grows_with_every_rank(nodes):
+    g, p = Group(nodes, 8), 8
+    n = nodes * p
+    t = collective_time_s("all_gather", 1e3, g, net(), nccl=True)  # latency-bound
+    lat = BASE + (n - nodes) * A_NV + (nodes - 1) * A_IB  # NCCL tuner: ring steps
+    bw = max((n - 1) / n * 1e3 / B_NV, (nodes - 1) / nodes * 1e3 / (NIC * EFF))
+    assert t == pytest.approx(lat + bw, rel=1e-12)
+    # the same call with hierarchical=True is still NCCL's flat ring (NCCL has no two-level all-gather)
+    assert collective_time_s("all_gather", 1e3, g, net(), nccl=True, hierarchical=True) == t
+
+
+def test_nccl_all_reduce_picks_the_cheaper_of_ring_and_tree():
+    n0 = net()
+    g = Group(32, 1, share=8)
+    small, large = 64e3, 4e9
+    ring = [collective_time_s("all_reduce", s, g, n0, hierarchical=False) for s in (small, large)]
+    nccl = [collective_time_s("all_reduce", s, g, n0, nccl=True) for s in (small, large)]
+    tree_small = BASE + 2 * math.log2(32) * 14e-6 + 2 * small / (0.92 * NIC * EFF / 8)
+    assert nccl[0] == pytest.approx(min(ring[0], tree_small), rel=1e-12)
+    assert nccl[0] < ring[0]  # latency-bound: tree's log2(32) hops beat the ring's 62
+    assert nccl[1] == pytest.approx(ring[1], rel=1e-12)  # bandwidth-bound: the ring's (n-1)/n wins
+
+
+def test_owner_collectives_pay_their_latency_once_per_owner():
+    g1, g = Group(1, 8), Group(16, 8)
+    one = collective_time_s("broadcast", 1e6, g1, net())
+    seven = collective_time_s("broadcast", 1e6, g1, net(), owners=7)
+    assert seven - one == pytest.approx(6 * (BASE + 7 * A_NV), rel=1e-9)
+    flat = [collective_time_s("reduce", 1e6, g, net(), hierarchical=False, owners=k, nccl=True)
+            for k in (1, 7)]
+    assert flat[1] - flat[0] == pytest.approx(6 * (BASE + (128 - 16) * A_NV + 15 * A_IB), rel=1e-9)
+    two = [collective_time_s("reduce", 1e6, g, net(), owners=7, owners_per_local=k) for k in (1, 3)]
+    assert two[1] - two[0] == pytest.approx(2 * (BASE + 15 * A_IB), rel=1e-9)
+
+
+def test_measured_points_subtract_the_latency_of_each_collective_they_cover():
+    prof = load_profile("a800")
+    # the 5-broadcast points: t = 5 latencies + bandwidth term, so the model gives back the measurement
+    t = collective_time_s("broadcast", 466e6, Group(1, 8), prof.network, owners=5)
+    assert t == pytest.approx(3.8e-3, rel=0.02)
+    assert prof.sm_share == pytest.approx(24 / 108) and "hardware.csv" in prof.provenance["sm_count"]
+    assert "tuning.cc" in prof.provenance["tree_inter_alpha_us"]
+
+
+def test_compute_loses_the_sm_share_of_the_collectives_running_beside_it():
+    cl = Cluster(1)
+    coll = cl.new_collective("ag", "all_gather", 1, 1.0, sm_share=0.25)
+    cl.collective(coll, 0, phase="fwd", step=0)
+    op = cl.compute(0, "c", 1.0, phase="fwd", step=0)
+    cl.run()
+    # 1 s at rate 0.75 while the collective runs (0.75 of the work), the remaining 0.25 at rate 1
+    assert op.end == pytest.approx(1.25)
+    two = Cluster(1, streams=("compute", "comm", "inter"))
+    for s in ("comm", "inter"):
+        c = two.new_collective(s, "all_gather", 1, 10.0, sm_share=0.6)
+        two.collective(c, 0, phase="fwd", step=0, stream=s)
+    op = two.compute(0, "c", 1.0, phase="fwd", step=0)
+    two.run()
+    assert op.end == pytest.approx(1 / (1 - MAX_SM_SHARE))  # capped: compute keeps 10% of the SMs
+
+
+@pytest.mark.parametrize("layout", ["fsdp-keep", "fsdp-free", "hsdp-keep", "hsdp-free", "ddp", "sharded"])
+@pytest.mark.parametrize("strategy", ["adamw", "naive", "dmuon"])
+def test_representative_ranks_give_the_same_result_as_every_rank(layout, strategy):
+    cfg = SimConfig(workload="qwen2.5-1.5b", gpus=32, strategy=strategy, layout=layout)
+    fast = dataclasses.asdict(simulate(cfg))
+    full = dataclasses.asdict(run(cfg)[0])
+    for k, v in full.items():
+        if isinstance(v, float):
+            assert fast[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
+        else:
+            assert fast[k] == v, k
+
+
+def test_latency_grows_with_node_count_at_fixed_work_per_gpu():
+    steps = [simulate(SimConfig(workload="qwen2.5-1.5b", gpus=n, strategy="adamw")).step_s
+             for n in (8, 128, 1024)]
+    assert steps[0] < steps[1] < steps[2]
