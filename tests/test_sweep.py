@@ -69,10 +69,10 @@ def count_runs(monkeypatch):
 def test_every_shipped_experiment_expands():
     sizes = {n: len(expand(load_experiment(n))) for n in experiment_names()}
     assert sizes["paper"] == 4 * 6 * 3
-    assert sizes["ablation"] == 4 * 2 * 10
+    assert sizes["ablation"] == 4 * 2 * 11  # 10 paper variants + "+split"
     assert sizes["balancers"] == 4 * 6 * 3
     assert sizes["kernels"] == 3
-    assert sizes["scaling"] == 2 * 8 * 3 + 6 * 3 + 3 * 3
+    assert sizes["scaling"] == 2 * 8 * 3 + 6 * 3 + 3 * 3 + 8 * 2  # ... + the split grid (dmuon only)
 
 
 def test_expansion_is_the_product_with_fixed_settings(tiny):
