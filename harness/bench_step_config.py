@@ -50,16 +50,20 @@ class StepConfig:
     ns_methods: tuple[str, ...] = ("auto",)  # NSConfig.method of the Muon strategies, one variant each
     ns_dtypes: tuple[str, ...] = ("default",)  # NSConfig.dtype ('default': None, the device's default)
     comm_dtype: str | None = None  # DMuon / NaiveMuon comm_dtype
+    max_splits: tuple[int, ...] = (1,)  # DMuon max_split, one variant each
+    wide: tuple[int, int] | None = None  # (rows, cols) of the bench model's extra matrix (WideMix)
     notes: list[str] = field(default_factory=list)
 
-    def variants(self) -> list[tuple[str, bool, str, str, str]]:
-        """(strategy, overlap, exchange, ns method, ns dtype) of every block; the exchange mode varies
-        for dmuon only, the NS settings for the Muon strategies only (adamw runs no NS)."""
+    def variants(self) -> list[tuple[str, bool, str, str, str, int]]:
+        """(strategy, overlap, exchange, ns method, ns dtype, max_split) of every block; the exchange mode
+        and max_split vary for dmuon only, the NS settings for the Muon strategies only (adamw runs no
+        NS)."""
         overlaps = {"on": (True,), "off": (False,), "both": (True, False)}[self.overlap]
-        return [(s, ov, ex, m, d) for s in self.strategies for ov in overlaps
+        return [(s, ov, ex, m, d, k) for s in self.strategies for ov in overlaps
                 for ex in (self.exchanges if s == "dmuon" else self.exchanges[:1])
                 for m in (self.ns_methods if s != "adamw" else self.ns_methods[:1])
-                for d in (self.ns_dtypes if s != "adamw" else self.ns_dtypes[:1])]
+                for d in (self.ns_dtypes if s != "adamw" else self.ns_dtypes[:1])
+                for k in (self.max_splits if s == "dmuon" else (1,))]
 
     def ns_config(self, method: str, dtype: str):
         from dmuon import NSConfig
@@ -119,6 +123,16 @@ def check_config(cfg: StepConfig) -> None:
         if ex not in EXCHANGE_CHOICES:
             raise choice_error("exchange", ex, EXCHANGE_CHOICES)
     check_node_size(cfg.node_size, cfg.ranks)
+    if not cfg.max_splits:
+        raise InputError(f"no max split given; accepted: integers from 1 to --ranks ({cfg.ranks}), "
+                         "comma-separated")
+    for k in cfg.max_splits:
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= cfg.ranks:
+            raise InputError(f"max split must be an integer from 1 (no splitting) to --ranks ({cfg.ranks}), "
+                             f"got {k!r}")
+    from simulator.benchmodel import check_wide
+
+    check_wide(cfg.wide)
     if cfg.layout not in LAYOUTS:
         raise choice_error("layout", cfg.layout, LAYOUTS)
     if cfg.memory not in MEMORY:

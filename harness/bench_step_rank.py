@@ -130,7 +130,7 @@ def _trim_heap() -> None:
         pass
 
 
-def run_variant(cfg: StepConfig, variant: tuple[str, bool, str], rank: int, world: int, device, timed: int,
+def run_variant(cfg: StepConfig, variant: tuple, rank: int, world: int, device, timed: int,
                 tag: str = "") -> list[dict]:
     """Train one block of a variant on this rank; per-iteration records of its `timed` steps."""
     import torch
@@ -139,20 +139,20 @@ def run_variant(cfg: StepConfig, variant: tuple[str, bool, str], rank: int, worl
     from simulator.benchmodel import bench_optimizer, build_bench_model, synthetic_batch
     from simulator.workload import load_workload
 
-    strategy, overlap, exchange, ns_method, ns_dtype = variant
+    strategy, overlap, exchange, ns_method, ns_dtype, max_split = variant
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     _trim_heap()
     base_rss = _rss_bytes()
     _reset_peak_rss()
     workload = load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers)
-    model = build_bench_model(workload, seed=cfg.seed, device=device, dtype=dtype)
+    model = build_bench_model(workload, seed=cfg.seed, device=device, dtype=dtype, wide=cfg.wide)
     probe_s, probe_ns_s, probe_ew_s = (_speed_probe(model, workload, cfg, device) if cfg.speed_probe
                                        else (float("nan"),) * 3)
     opt = bench_optimizer(strategy, model, overlap=overlap, exchange=exchange, layout=cfg.layout,
                           memory=cfg.memory, node_size=cfg.node_size, timeout_s=min(cfg.timeout_s, 600.0),
                           balancer=cfg.balancer, profile=cfg.profile, ns=cfg.ns_config(ns_method, ns_dtype),
-                          comm_dtype=cfg.comm_dtype)
+                          comm_dtype=cfg.comm_dtype, max_split=max_split)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     prof = None
@@ -211,8 +211,8 @@ def run_variant(cfg: StepConfig, variant: tuple[str, bool, str], rank: int, worl
     if prof is not None:
         prof.__exit__(None, None, None)
         os.makedirs(cfg.profile_trace, exist_ok=True)
-        name = (f"{strategy}-overlap_{'on' if overlap else 'off'}-{exchange}-ns_{ns_method}_{ns_dtype}{tag}"
-                f"-rank{rank}.json")
+        name = (f"{strategy}-overlap_{'on' if overlap else 'off'}-{exchange}-ns_{ns_method}_{ns_dtype}"
+                f"-split{max_split}{tag}-rank{rank}.json")
         prof.export_chrome_trace(os.path.join(cfg.profile_trace, name))
     opt.synchronize()
     info = dict(opt_state_bytes=opt.state_bytes,
@@ -221,7 +221,10 @@ def run_variant(cfg: StepConfig, variant: tuple[str, bool, str], rank: int, worl
                 n_params=sum(p.numel() for p in model.parameters()),
                 n_muon_params=sum(opt.params[i].numel() for i in range(opt.n_muon)),
                 plan_makespan_s=opt.plan.makespan_s if opt.plan is not None else 0.0,
-                plan_cost_source=opt.plan.cost_source if opt.plan is not None else "")
+                plan_cost_source=opt.plan.cost_source if opt.plan is not None else "",
+                split_batches=len(opt.plan.split_batches) if opt.plan is not None else 0,
+                split_groups=" ".join("-".join(map(str, b.group)) for b in opt.plan.split_batches)
+                if opt.plan is not None else "")
     opt.close()
     del model, opt
     for r in records:
@@ -258,7 +261,7 @@ def rank_main(cfg: StepConfig, rank: int, world: int, local_rank: int) -> list[d
     return [aggregate(cfg, v, [g[k] for g in gathered], world, device) for k, v in enumerate(variants)]
 
 
-def aggregate(cfg: StepConfig, variant: tuple[str, bool, str, str, str], per_rank: list[list[dict]],
+def aggregate(cfg: StepConfig, variant: tuple, per_rank: list[list[dict]],
               world: int, device) -> dict:
     """Max over ranks per step, then the median over steps. optimizer_over_ns_comm: per step, on the
     rank whose step() took longest, optimizer_s over its NS calls + its communication waits inside
@@ -266,9 +269,10 @@ def aggregate(cfg: StepConfig, variant: tuple[str, bool, str, str, str], per_ran
     import torch
 
     steps = len(per_rank[0])
-    strategy, overlap, exchange, ns_method, ns_dtype = variant
+    strategy, overlap, exchange, ns_method, ns_dtype, max_split = variant
     row = dict(ranks=world, strategy=strategy, overlap=overlap, exchange=exchange, layout=cfg.layout,
-               memory=cfg.memory, ns_method=ns_method, ns_dtype=ns_dtype, comm_dtype=cfg.comm_dtype or "")
+               memory=cfg.memory, ns_method=ns_method, ns_dtype=ns_dtype, comm_dtype=cfg.comm_dtype or "",
+               max_split=max_split, wide_matrix="x".join(map(str, cfg.wide)) if cfg.wide else "")
     for key in ("optimizer_ns_s", "optimizer_wait_s", "ns_calls"):
         row[key] = statistics.median(max(r[i][key] for r in per_rank) for i in range(steps))
     accounted = []
@@ -293,6 +297,7 @@ def aggregate(cfg: StepConfig, variant: tuple[str, bool, str, str, str], per_ran
     first = per_rank[0][0]
     row.update(n_params=first["n_params"], n_muon_params=first["n_muon_params"],
                plan_makespan_s=first["plan_makespan_s"], plan_cost_source=first["plan_cost_source"],
+               split_batches=first["split_batches"], split_groups=first["split_groups"],
                final_loss=per_rank[0][-1]["loss"], workload=cfg.workload, width_scale=cfg.width_scale,
                layers=cfg.layers, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch, steps=cfg.steps,
                warmup=cfg.warmup, rounds=cfg.rounds, phase_barrier=cfg.phase_barrier, balancer=cfg.balancer,

@@ -89,10 +89,21 @@ def ratios(rows: list[dict]) -> dict[str, float]:
     out = {}
     several = len({r["exchange"] for r in rows if r["strategy"] == "dmuon"}) > 1
     several_ns = len({_ns_key(r) for r in rows if r["strategy"] != "adamw"}) > 1
+    splits = sorted({r.get("max_split", 1) for r in rows if r["strategy"] == "dmuon"})
     for d in (r for r in rows if r["strategy"] == "dmuon"):
         tag = ("overlap_on" if d["overlap"] else "overlap_off") + (f"_{d['exchange']}" if several else "")
         if several_ns:
             tag += "_ns_{}_{}".format(*_ns_key(d))
+        if len(splits) > 1:
+            tag += f"_split{d.get('max_split', 1)}"
+            base = next((r for r in rows if r["strategy"] == "dmuon" and r.get("max_split", 1) == splits[0]
+                         and (r["overlap"], r["exchange"], _ns_key(r)) == (d["overlap"], d["exchange"],
+                                                                         _ns_key(d))), None)
+            if base is not None and base is not d:
+                pre = f"split{d['max_split']}_over_split{splits[0]}"
+                out[f"{pre}_optimizer_s_{tag}"] = _div(base["optimizer_s"], d["optimizer_s"])
+                out[f"{pre}_optimizer_s_min_{tag}"] = _div(base["optimizer_s_min"], d["optimizer_s_min"])
+                out[f"{pre}_step_s_{tag}"] = _div(base["step_s"], d["step_s"])
         n = next((r for r in rows if r["strategy"] == "naive" and r["overlap"] == d["overlap"]
                   and _ns_key(r) == _ns_key(d)), None)
         a = next((r for r in rows if r["strategy"] == "adamw" and r["overlap"] == d["overlap"]), None)
@@ -159,14 +170,16 @@ def print_table(rows: list[dict]) -> None:
                     f"({r0['backend']}, "
                     f"{r0['threads_per_rank']} threads/rank, {r0['cpu_cores']} cores); medians of "
                     f"{r0['steps']} steps")
-    cols = ["strategy", "layout", "memory", "overlap", "exchange", "ns", "step ms", "fwd ms", "bwd ms",
-            "opt ms", "opt NS ms", "opt wait ms", "exposed comm ms", "opt cpu ms", "comm MB/step",
+    cols = ["strategy", "layout", "memory", "overlap", "exchange", "ns", "split", "step ms", "fwd ms",
+            "bwd ms", "opt ms", "opt NS ms", "opt wait ms", "exposed comm ms", "opt cpu ms", "comm MB/step",
             "opt state MB", "peak mem MB"]
     for c in cols:
         t.add_column(c, justify="right")
     for r in rows:
         ns = "-" if r["strategy"] == "adamw" else "{} {}".format(*_ns_key(r))
+        split = f"{r.get('max_split', 1)} ({r.get('split_batches', 0)})" if r["strategy"] == "dmuon" else "-"
         t.add_row(r["strategy"], r["layout"], r["memory"], "on" if r["overlap"] else "off", r["exchange"], ns,
+                  split,
                   *[f"{r[k] * 1e3:.1f}" for k in ("step_s", "forward_s", "backward_s", "optimizer_s",
                                                    "optimizer_ns_s", "optimizer_wait_s", "exposed_comm_s",
                                                    "optimizer_cpu_s")],
@@ -180,6 +193,29 @@ def print_table(rows: list[dict]) -> None:
 
 def _split(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _ints(option: str, text: str) -> tuple[int, ...]:
+    from dmuon.errors import InputError
+
+    try:
+        return tuple(int(x) for x in _split(text))
+    except ValueError:
+        raise InputError(f"{option} takes integers, comma-separated (e.g. 1,2), got {text!r}") from None
+
+
+def _shape(text: str | None) -> tuple[int, int] | None:
+    from dmuon.errors import InputError
+
+    if text is None:
+        return None
+    parts = text.lower().split("x")
+    try:
+        if len(parts) == 2:
+            return int(parts[0]), int(parts[1])
+    except ValueError:
+        pass
+    raise InputError(f"--wide-matrix takes ROWSxCOLS, e.g. 512x4096, got {text!r}")
 
 
 def register(app, bench) -> None:
@@ -229,6 +265,12 @@ def register(app, bench) -> None:
                                      "fp32 on CPU, bf16/fp16 on CUDA), or a comma-separated list."),
         comm_dtype: str = typer.Option(None, help="bf16 | fp16 | fp32: the dtype gradients (and the sharded "
                                        "layout's all-to-alls) travel in (default: the parameters')."),
+        max_split: str = typer.Option("1", help="DMuon max_split (owner groups that split one matrix's NS "
+                                      "over up to K ranks; 1: none), or a comma-separated list (one DMuon "
+                                      "variant each: ratio split<K>_over_split1_optimizer_s)."),
+        wide_matrix: str = typer.Option(None, help="ROWSxCOLS: add one Muon matrix of that shape to the "
+                                        "bench model (e.g. 512x4096: one dominant matrix next to small "
+                                        "ones)."),
         speed_probe: bool = typer.Option(False, "--speed-probe", help="Time the model's forward + backward "
                                          "one NS call and one AdamW pass before each block (columns probe_s, "
                                          "probe_ns_s, probe_ew_s: the machine's speed then)."),
@@ -242,7 +284,8 @@ def register(app, bench) -> None:
                          node_size=node_size, profile=profile, device=device, threads=threads, seed=seed,
                          timeout_s=timeout_s, profile_trace=profile_trace, layout=layout, memory=memory,
                          exact_memory=exact_memory, speed_probe=speed_probe, ns_methods=_split(ns_method),
-                         ns_dtypes=_split(ns_dtype), comm_dtype=comm_dtype)
+                         ns_dtypes=_split(ns_dtype), comm_dtype=comm_dtype,
+                         max_splits=_ints("--max-split", max_split), wide=_shape(wide_matrix))
         if under_torchrun():
             cfg.ranks = int(os.environ["WORLD_SIZE"])
             check_config(cfg)

@@ -18,6 +18,10 @@ has no weights and changes no shape). head_dim = gcd(q_out, kv_out), halved whil
 the simulator and this model describe the same matrices (parameter names: model.layers.<i>.self_attn.
 q_proj.weight, ...; `matrix_shapes()` lists them).
 
+`wide=(rows, cols)` adds one more Muon matrix of that shape after the last block (`WideMix`, parameter
+model.wide.weight): a model with one dominant matrix next to small ones, where splitting that matrix's NS
+over a group of ranks (DMuon max_split) is what can shorten the optimizer step.
+
 `shard_for` applies a bench layout (ddp | fsdp2-owner | fsdp2-sharded) to the model and
 `bench_optimizer` builds a strategy's optimizer (dmuon | naive | adamw) on it.
 """
@@ -83,17 +87,41 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class WideMix(nn.Module):
+    """A residual mixer around one rows x cols weight W: the hidden state tiled to `cols` features, W
+    applied, its `rows` outputs folded back onto the hidden size by summing hidden-size chunks (zero
+    padded). Every entry of W gets a gradient; no other weights."""
+
+    def __init__(self, hidden: int, rows: int, cols: int):
+        super().__init__()
+        self.hidden, self.rows, self.cols = hidden, rows, cols
+        self.weight = nn.Parameter(torch.empty(rows, cols))
+        nn.init.normal_(self.weight, 0.0, 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.hidden
+        tiled = x.repeat(1, 1, -(-self.cols // h))[..., :self.cols]
+        y = F.linear(tiled, self.weight)
+        chunks = -(-self.rows // h)
+        y = F.pad(y, (0, chunks * h - self.rows)).view(*y.shape[:-1], chunks, h).sum(-2)
+        return x + y
+
+
 class Decoder(nn.Module):
-    def __init__(self, vocab: int, hidden: int, layers: list[tuple[int, int, int]], head_dim: int):
+    def __init__(self, vocab: int, hidden: int, layers: list[tuple[int, int, int]], head_dim: int,
+                 wide: tuple[int, int] | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, hidden)
         self.layers = nn.ModuleList([Block(hidden, q, kv, ffn, head_dim) for q, kv, ffn in layers])
+        self.wide = WideMix(hidden, *wide) if wide else None
         self.norm = nn.RMSNorm(hidden)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x)
+        if self.wide is not None:
+            x = self.wide(x)
         return self.norm(x)
 
 
@@ -101,9 +129,9 @@ class BenchModel(nn.Module):
     """Decoder + lm_head; forward(tokens, targets) returns the mean next-token cross-entropy."""
 
     def __init__(self, vocab: int, hidden: int, layers: list[tuple[int, int, int]], head_dim: int,
-                 tied: bool):
+                 tied: bool, wide: tuple[int, int] | None = None):
         super().__init__()
-        self.model = Decoder(vocab, hidden, layers, head_dim)
+        self.model = Decoder(vocab, hidden, layers, head_dim, wide)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -176,11 +204,25 @@ def decoder_spec(workload) -> DecoderSpec:
     return DecoderSpec(vocab, hidden, tuple(layers), head_dim_for(layers[0][0], layers[0][1]), head is None)
 
 
-def build_bench_model(workload, *, seed: int = 0, device="cpu", dtype=torch.float32) -> BenchModel:
-    """The model for a workload (see the module docstring); same seed -> same weights on every rank."""
+def check_wide(wide) -> tuple[int, int] | None:
+    """None or (rows, cols), two positive integers (the extra matrix of `build_bench_model`)."""
+    if wide is None:
+        return None
+    ok = isinstance(wide, (tuple, list)) and len(wide) == 2 and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 2 for v in wide)
+    if not ok:
+        raise InputError(f"wide matrix must be ROWSxCOLS, two integers >= 2 (e.g. 512x4096), got {wide!r}")
+    return tuple(wide)
+
+
+def build_bench_model(workload, *, seed: int = 0, device="cpu", dtype=torch.float32,
+                      wide: tuple[int, int] | None = None) -> BenchModel:
+    """The model for a workload (see the module docstring); same seed -> same weights on every rank.
+    wide: (rows, cols) of one extra Muon matrix (`WideMix`), or None."""
     spec = decoder_spec(workload)
+    wide = check_wide(wide)
     torch.manual_seed(seed)
-    model = BenchModel(spec.vocab, spec.hidden, list(spec.layers), spec.head_dim, tied=spec.tied)
+    model = BenchModel(spec.vocab, spec.hidden, list(spec.layers), spec.head_dim, tied=spec.tied, wide=wide)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if not n.endswith("norm.weight"):
@@ -218,11 +260,12 @@ def shard_for(model, strategy: str, layout: str, memory: str) -> str:
 
 def bench_optimizer(strategy: str, model, *, overlap: bool, exchange: str, layout: str = "ddp",
                     memory: str = "keep", node_size: int | None = None, timeout_s: float = 600.0,
-                    balancer: str = "lpt", profile: str | None = None, ns=None, comm_dtype=None):
+                    balancer: str = "lpt", profile: str | None = None, ns=None, comm_dtype=None,
+                    max_split: int = 1):
     """The optimizer `harness bench step` runs for `strategy` on `model` (after `shard_for` applies the
     layout): dmuon -> DMuon, naive -> NaiveMuon, adamw -> DMuon with no Muon matrices (every parameter
     on replicated AdamW with bucketed async all-reduce, DDP-like). ns (a dmuon.NSConfig) and comm_dtype go
-    to the Muon strategies."""
+    to the Muon strategies, max_split to DMuon (owner groups that split one matrix's NS)."""
     from dmuon.distributed import DMuon, NaiveMuon
 
     common = dict(overlap=overlap, node_size=node_size, timeout_s=timeout_s, exchange=exchange,
@@ -232,4 +275,6 @@ def bench_optimizer(strategy: str, model, *, overlap: bool, exchange: str, layou
     if strategy == "adamw":
         return DMuon(model, muon_predicate=lambda name, p: False, warn_no_muon=False, shard_adamw=False,
                      **common)
-    return (DMuon if strategy == "dmuon" else NaiveMuon)(model, ns=ns, comm_dtype=comm_dtype, **common)
+    if strategy == "dmuon":
+        return DMuon(model, ns=ns, comm_dtype=comm_dtype, max_split=max_split, **common)
+    return NaiveMuon(model, ns=ns, comm_dtype=comm_dtype, **common)

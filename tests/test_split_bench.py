@@ -1,0 +1,71 @@
+"""`harness bench step --max-split 1,2 --wide-matrix ROWSxCOLS`: the bench model's extra matrix, split and
+unsplit DMuon side by side in one run with their ratio, and bad input (exit 2 before any process)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from harness.cli import main
+from harness.cmd_bench_step import ratios
+
+
+def test_the_wide_matrix_is_one_more_muon_matrix_and_gets_a_gradient():
+    from dmuon.params import route
+    from simulator.benchmodel import build_bench_model, synthetic_batch
+    from simulator.workload import load_workload
+
+    workload = load_workload("qwen2.5-7b").scaled(1 / 32, blocks=1)
+    plain = build_bench_model(workload)
+    model = build_bench_model(workload, wide=(300, 1000))
+    extra = set(model.matrix_shapes().items()) - set(plain.matrix_shapes().items())
+    assert extra == {("model.wide.weight", (300, 1000))}
+    muon = {r.name for r in route(model) if r.use_muon}
+    assert "model.wide.weight" in muon
+    x, y = synthetic_batch(model.vocab, 8, 1, seed=0, step=0, rank=0)
+    model(x, y).backward()
+    g = model.get_parameter("model.wide.weight").grad
+    assert g is not None and bool((g != 0).all())  # tiled inputs, folded outputs: every entry is used
+
+
+def test_split_ratios_compare_each_split_with_the_smallest():
+    base = dict(strategy="dmuon", overlap=True, exchange="auto", ns_method="standard", ns_dtype="default",
+                step_s=2.0, optimizer_s=1.0, optimizer_s_min=0.9)
+    rows = [{**base, "max_split": 1}, {**base, "max_split": 2, "optimizer_s": 0.5, "optimizer_s_min": 0.6,
+                                       "step_s": 1.5}]
+    out = ratios(rows)
+    assert out["split2_over_split1_optimizer_s_overlap_on_split2"] == pytest.approx(2.0)
+    assert out["split2_over_split1_optimizer_s_min_overlap_on_split2"] == pytest.approx(1.5)
+    assert out["split2_over_split1_step_s_overlap_on_split2"] == pytest.approx(2.0 / 1.5)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_bench_step_split_and_plain_side_by_side():
+    cmd = [sys.executable, "-m", "harness.cli", "bench", "step", "--ranks", "2", "--width-scale", "1/32",
+           "--layers", "1", "--seq-len", "16", "--micro-batch", "1", "--steps", "2", "--warmup", "1",
+           "--rounds", "1", "--device", "cpu", "--json", "--ns-method", "standard", "--max-split", "1,2",
+           "--wide-matrix", "512x4096"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=230)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    rows = out["rows"]
+    assert [(r["max_split"], r["wide_matrix"]) for r in rows] == [(1, "512x4096"), (2, "512x4096")]
+    assert rows[0]["split_batches"] == 0 and rows[1]["split_batches"] == 1  # the balancer splits it
+    assert rows[1]["split_groups"] == "0-1"
+    assert out["ratios"]["split2_over_split1_optimizer_s_overlap_on_split2"] > 0
+
+
+@pytest.mark.parametrize("args,text", [
+    (["--max-split", "4"], "max split must be an integer from 1 (no splitting) to --ranks (2), got 4"),
+    (["--max-split", "two"], "--max-split takes integers"),
+    (["--wide-matrix", "512by4096"], "--wide-matrix takes ROWSxCOLS"),
+    (["--wide-matrix", "1x4096"], "two integers >= 2"),
+])
+def test_bench_step_bad_split_input_exits_2(args, text, capsys):
+    assert main(["bench", "step", *args]) == 2
+    err = capsys.readouterr().err
+    assert text in err and err.count("\n") == 1, err
