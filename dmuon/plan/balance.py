@@ -162,35 +162,91 @@ class WorkModel:
         return self._lb_terms
 
     def split_cost_s(self, s: int, k: int) -> float:
-        return sum(self.classes[s].times_s[b] for b in self.best_split(s, k))
+        """Time of `best_split(s, k)`, summed largest batch first (memoized over shared prefixes)."""
+        done = self._split_cache.setdefault(("cost", s), {})
+        if k in done:
+            return done[k]
+        dp = self._dp(s, None, k)
+        times = self.classes[s].times_s
+        pre = self._split_cache.setdefault(("sum", s), {(): 0.0})
+        key: tuple[int, ...] = ()
+        acc = 0.0
+        for b, neg in zip(dp.desc, dp.negs[k], strict=True):
+            c = -neg
+            n = c
+            while n > 0 and key + (n,) not in pre:
+                n -= 1
+            acc = pre[key + (n,)] if n else pre[key]
+            for m in range(n + 1, c + 1):
+                acc += times[b]
+                pre[key + (m,)] = acc
+            key += (c,)
+            pre[key] = acc
+        done[k] = acc
+        return acc
 
     def cover_s(self, s: int, k: int) -> float:
         """Cheapest batches of class s that hold at least k of its matrices."""
         return self.split_cost_s(s, self.cover_count(s, k))
 
     def cover_count(self, s: int, k: int) -> int:
-        """The j >= k whose best batching is cheapest (j = k unless the table is not monotone)."""
-        return min(range(k, self.classes[s].count + 1), key=lambda j: (self.split_cost_s(s, j), j))
+        """The j >= k whose best batching is cheapest (j = k unless the table is not monotone; ties: the
+        smallest j), from a suffix arg-min over j = count .. 0 computed once per class."""
+        count = self.classes[s].count
+        if not 0 <= k <= count:
+            raise ValueError(f"cover_count: k must be in 0..{count}, got {k}")
+        best = self._split_cache.get(("cover", s))
+        if best is None:
+            costs = [self.split_cost_s(s, j) for j in range(count + 1)]
+            best = [count] * (count + 1)
+            for j in range(count - 1, -1, -1):
+                best[j] = j if costs[j] <= costs[best[j + 1]] else best[j + 1]
+            self._split_cache[("cover", s)] = best
+        return best[k]
 
     def best_split(self, s: int, k: int, max_size: int | None = None) -> tuple[int, ...]:
         """Batch sizes (descending) covering k matrices of class s at least total time (DP over the usable
         sizes <= max_size; ties: fewer batches, then larger batches first)."""
-        key = (s, max_size)
-        table = self._split_cache.setdefault(key, [(0.0, 0, ())])
+        dp = self._dp(s, max_size, k)
+        return tuple(b for b, neg in zip(dp.desc, dp.negs[k], strict=True) for _ in range(-neg))
+
+    def _dp(self, s: int, max_size: int | None, k: int) -> _SplitDP:
+        """The batching DP of class s over sizes <= max_size, extended to k matrices. Entry j holds the
+        best total time, batch count and the negated batch counts per size (largest size first): comparing
+        those vectors lexicographically is comparing the descending size tuples (same length), so the
+        tie-break is the one in `best_split`'s docstring without building tuples of length j."""
         cls = self.classes[s]
-        sizes = [b for b in cls.sizes if max_size is None or b <= max_size]
-        for j in range(len(table), k + 1):
-            cands = [
-                (
-                    table[j - b][0] + cls.times_s[b],
-                    table[j - b][1] + 1,
-                    tuple(sorted((*table[j - b][2], b), reverse=True)),
-                )
-                for b in sizes
-                if b <= j
-            ]
-            table.append(min(cands, key=lambda c: (c[0], c[1], tuple(-x for x in c[2]))))
-        return table[k][2]
+        desc = tuple(sorted((b for b in cls.sizes if max_size is None or b <= max_size), reverse=True))
+        dp = self._split_cache.get(("dp", s, desc))  # caps that leave the same sizes share one table
+        if dp is None:
+            dp = _SplitDP(desc, [0.0], [0], [(0,) * len(desc)])
+            self._split_cache[("dp", s, desc)] = dp
+        times = [cls.times_s[b] for b in desc]
+        cost, nb, negs = dp.cost, dp.nb, dp.negs
+        for j in range(len(cost), k + 1):
+            best_c, best_n, best_v = math.inf, 0, None
+            for idx, b in enumerate(desc):
+                if b > j:
+                    continue
+                c, n = cost[j - b] + times[idx], nb[j - b] + 1
+                if c > best_c or (c == best_c and n > best_n):
+                    continue
+                prev = negs[j - b]
+                vec = prev[:idx] + (prev[idx] - 1,) + prev[idx + 1 :]
+                if c < best_c or n < best_n or vec < best_v:
+                    best_c, best_n, best_v = c, n, vec
+            cost.append(best_c)
+            nb.append(best_n)
+            negs.append(best_v)
+        return dp
+
+
+@dataclass
+class _SplitDP:
+    desc: tuple[int, ...]  # usable sizes, largest first
+    cost: list[float]
+    nb: list[int]
+    negs: list[tuple[int, ...]]
 
 
 Loads = list[dict[int, list[int]]]  # per rank: class index -> batch sizes it runs
@@ -401,31 +457,36 @@ def lpt_for_cap(model: WorkModel, max_size: int, counts=None, initial=None) -> L
 def lpt_marginal(model: WorkModel, counts=None, initial=None) -> Loads | None:
     """LPT over single matrices (largest T(s, 1) first), each to the rank whose load grows least, where
     adding a matrix of class s to a rank holding k of them costs cover(k + 1) - cover(k): batching
-    economies make small matrices gather on the ranks that already run their class. None if the memory
-    cap blocks it."""
+    economies make small matrices gather on the ranks that already run their class (ties: lowest rank).
+    None if the memory cap blocks it.
+
+    The matrices of one class come one after another, and while they are placed only the chosen rank's
+    load and count change; so the ranks holding k matrices of the class keep one heap keyed by their
+    exact candidate load (load + cover(k + 1) - cover(k), rank), and each matrix looks only at the top of
+    every such heap: O(log N + distinct k) per matrix instead of O(N)."""
     n_ranks = model.world_size
     todo = _counts(model, counts)
     counts = [[0] * len(model.classes) for _ in range(n_ranks)]
     load, used = [0.0] * n_ranks if initial is None else list(initial), [0] * n_ranks
     cap = model.memory_cap_bytes
-    order = sorted(((-c.times_s[1], s) for s, c in enumerate(model.classes) for _ in range(todo[s])))
-    split = [[model.split_cost_s(s, k) for k in range(todo[s] + 1)] for s in range(len(model.classes))]
+    order = sorted((-c.times_s[1], s) for s, c in enumerate(model.classes) if todo[s])
     for _, s in order:
         need = model.classes[s].state_bytes
-        best_key, best = None, -1
-        costs = split[s]
-        for r in range(n_ranks):
-            if cap is not None and used[r] + need > cap:
-                continue
-            k = counts[r][s]
-            new = load[r] + costs[k + 1] - costs[k]
-            if best_key is None or (new, r) < best_key:
-                best_key, best = (new, r), r
-        if best < 0:
-            return None
-        load[best] = best_key[0]
-        counts[best][s] += 1
-        used[best] += need
+        costs = [model.split_cost_s(s, k) for k in range(todo[s] + 1)]
+        fits = [r for r in range(n_ranks) if cap is None or used[r] + need <= cap]
+        heaps: dict[int, list[tuple[float, int]]] = {0: [(load[r] + costs[1] - costs[0], r) for r in fits]}
+        heapq.heapify(heaps[0])
+        for _ in range(todo[s]):
+            tops = [(h[0], k) for k, h in heaps.items() if h]
+            if not tops:
+                return None
+            (new, best), k = min(tops)
+            heapq.heappop(heaps[k])
+            load[best] = new
+            counts[best][s] += 1
+            used[best] += need
+            if k + 1 < todo[s] and (cap is None or used[best] + need <= cap):
+                heapq.heappush(heaps.setdefault(k + 1, []), (new + costs[k + 2] - costs[k + 1], best))
     return [{s: list(model.best_split(s, k)) for s, k in enumerate(row) if k} for row in counts]
 
 

@@ -26,6 +26,7 @@ becomes one Batch with `group` = its ranks and owner = the group's lead. Round-r
 
 from __future__ import annotations
 
+import heapq
 import time
 import warnings
 from collections.abc import Sequence
@@ -170,8 +171,11 @@ def map_slots(model: WorkModel, loads: Loads, *, anti_affinity: bool = False) ->
     seen = [0] * len(model.classes)
     cls_of = {i: s for s, c in enumerate(model.classes) for i in c.members}
     owners = [-1] * len(model.matrices)
+    order = sorted(cls_of, key=lambda i: (model.matrices[i].layer, i))
+    if not anti_affinity:
+        return _map_slots_stride(model, slots, cls_of, order, owners)
     in_layer: dict[int, dict[int, int]] = {}
-    for i in sorted(cls_of, key=lambda i: (model.matrices[i].layer, i)):
+    for i in order:
         s, layer = cls_of[i], model.matrices[i].layer
         seen[s] += 1
         count = model.classes[s].count
@@ -190,17 +194,49 @@ def map_slots(model: WorkModel, loads: Loads, *, anti_affinity: bool = False) ->
     return tuple(owners)
 
 
+def _map_slots_stride(model: WorkModel, slots, cls_of, order, owners) -> tuple[int, ...]:
+    """`map_slots` without anti-affinity in O(log N + distinct slot counts) per matrix: the key
+    (-behind, rank) with behind = slots * seen / count - assigned orders the ranks holding the same number
+    of slots of a class by (assigned, rank), so one heap per (class, slot count) holds them and each matrix
+    compares only the heaps' tops (the same choice as the scan over every rank)."""
+    heaps: list[dict[int, list[tuple[int, int]]]] = []
+    for row in slots:
+        by_slots: dict[int, list[tuple[int, int]]] = {}
+        for r, n in enumerate(row):
+            if n:
+                by_slots.setdefault(n, []).append((0, r))
+        heaps.append(by_slots)
+    seen = [0] * len(model.classes)
+    for i in order:
+        s = cls_of[i]
+        seen[s] += 1
+        count = model.classes[s].count
+        best_key, best_n = None, 0
+        for n, h in heaps[s].items():
+            if h:
+                assigned, r = h[0]
+                key = (-(n * seen[s] / count - assigned), r)
+                if best_key is None or key < best_key:
+                    best_key, best_n = key, n
+        assigned, r = heapq.heappop(heaps[s][best_n])
+        owners[i] = r
+        if assigned + 1 < best_n:
+            heapq.heappush(heaps[s][best_n], (assigned + 1, r))
+    return tuple(owners)
+
+
 def make_batches(model: WorkModel, loads: Loads, owners: Sequence[int], jobs=()) -> tuple[Batch, ...]:
     """Cut each holder's matrices of each class into its batch sizes (see the module docstring); holder
     N + j is split job j (one batch on its group)."""
     out = []
     n_ranks = model.world_size
     for s, cls in enumerate(model.classes):
+        by_holder: dict[int, list[int]] = {}
+        for i in cls.members:
+            by_holder.setdefault(owners[i], []).append(i)
         for r in range(len(loads)):
             sizes = sorted(loads[r].get(s, ()), reverse=True)
-            mine = sorted(
-                (i for i in cls.members if owners[i] == r), key=lambda i: (-model.matrices[i].layer, -i)
-            )
+            mine = sorted(by_holder.get(r, ()), key=lambda i: (-model.matrices[i].layer, -i))
             if len(mine) != sum(sizes):
                 raise AssertionError(f"rank {r} class {cls.n}x{cls.m}: {len(mine)} matrices, slots {sizes}")
             pos = 0
