@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 
 DEFAULT_COMPARE_WORKLOADS = ("qwen2.5-7b", "pi0", "wall-oss", "wall-wm")
 DEFAULT_COMPARE_RANKS = (8, 16, 32, 64, 128, 256)
@@ -313,10 +314,18 @@ def register(app, bench) -> None:
             "dmuon", help="Collectives pricing the splits: dmuon (alpha-beta, collectives.md) | simulator "
             "(the simulator profile's network)."
         ),
+        ep: int = typer.Option(
+            1, help="Expert-parallel degree: expert matrices owned in their EP rank's replica group "
+            "(dmuon.plan.ep); 1 = none."
+        ),
     ):
         """Owners, batches and buckets of a workload's Muon matrices on N ranks (per-rank loads)."""
         from dmuon.errors import InputError
 
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise InputError(f"--ep must be a positive integer (1 = no expert parallelism), got {ep!r}")
+        if compare and ep != 1:
+            raise InputError("--compare does not take --ep; accepted: --ep with a single --ranks")
         if compare:
             wls = (_csv_list(workload, "--workload") + _csv_list(model, "--model")
                    or list(DEFAULT_COMPARE_WORKLOADS))
@@ -366,7 +375,16 @@ def register(app, bench) -> None:
         cost = CostTable.load(profile)
         if dtype is None:
             dtype = "bf16" if "bf16" in cost.dtypes or not cost.dtypes else cost.dtypes[0]
-        plan = build_plan(
+        if ep != 1:
+            from dmuon.plan.ep import build_ep_plan
+
+            if max_split != 1 or cap is not None or anti_affinity:
+                raise InputError("--ep does not combine with --max-split, --memory-cap-gb or --anti-affinity")
+            plan_fn = partial(build_ep_plan, ep=ep)
+        else:
+            plan_fn = partial(build_plan, memory_cap_bytes=cap, anti_affinity=anti_affinity,
+                              max_split=max_split, links=resolve_links(links, profile))
+        plan = plan_fn(
             wl.muon_matrices,
             n,
             cost,
@@ -376,11 +394,7 @@ def register(app, bench) -> None:
             batching=not no_batching,
             max_batch=max_batch,
             bucket_numel=bucket_numel,
-            memory_cap_bytes=cap,
-            anti_affinity=anti_affinity,
             time_limit_s=time_limit,
-            max_split=max_split,
-            links=resolve_links(links, profile),
         )
         if out:
             atomic_write_text(out, plan.to_json(indent=1))

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import InputError, choice_error
+from . import batchdp
 from .flops import METHODS
 from .split import area_bound, check_max_split, links_for, split_levels, split_price
 from .types import MatrixSpec
@@ -164,26 +165,11 @@ class WorkModel:
     def split_cost_s(self, s: int, k: int) -> float:
         """Time of `best_split(s, k)`, summed largest batch first (memoized over shared prefixes)."""
         done = self._split_cache.setdefault(("cost", s), {})
-        if k in done:
-            return done[k]
-        dp = self._dp(s, None, k)
-        times = self.classes[s].times_s
-        pre = self._split_cache.setdefault(("sum", s), {(): 0.0})
-        key: tuple[int, ...] = ()
-        acc = 0.0
-        for b, neg in zip(dp.desc, dp.negs[k], strict=True):
-            c = -neg
-            n = c
-            while n > 0 and key + (n,) not in pre:
-                n -= 1
-            acc = pre[key + (n,)] if n else pre[key]
-            for m in range(n + 1, c + 1):
-                acc += times[b]
-                pre[key + (m,)] = acc
-            key += (c,)
-            pre[key] = acc
-        done[k] = acc
-        return acc
+        if k not in done:
+            dp = self._dp(s, None, k)
+            pre = self._split_cache.setdefault(("sum", s), {(): 0.0})
+            done[k] = batchdp.descending_sum(dp, k, self.classes[s].times_s, pre)
+        return done[k]
 
     def cover_s(self, s: int, k: int) -> float:
         """Cheapest batches of class s that hold at least k of its matrices."""
@@ -197,56 +183,23 @@ class WorkModel:
             raise ValueError(f"cover_count: k must be in 0..{count}, got {k}")
         best = self._split_cache.get(("cover", s))
         if best is None:
-            costs = [self.split_cost_s(s, j) for j in range(count + 1)]
-            best = [count] * (count + 1)
-            for j in range(count - 1, -1, -1):
-                best[j] = j if costs[j] <= costs[best[j + 1]] else best[j + 1]
+            best = batchdp.suffix_argmin([self.split_cost_s(s, j) for j in range(count + 1)])
             self._split_cache[("cover", s)] = best
         return best[k]
 
     def best_split(self, s: int, k: int, max_size: int | None = None) -> tuple[int, ...]:
         """Batch sizes (descending) covering k matrices of class s at least total time (DP over the usable
         sizes <= max_size; ties: fewer batches, then larger batches first)."""
-        dp = self._dp(s, max_size, k)
-        return tuple(b for b, neg in zip(dp.desc, dp.negs[k], strict=True) for _ in range(-neg))
+        return self._dp(s, max_size, k).sizes(k)
 
-    def _dp(self, s: int, max_size: int | None, k: int) -> _SplitDP:
-        """The batching DP of class s over sizes <= max_size, extended to k matrices. Entry j holds the
-        best total time, batch count and the negated batch counts per size (largest size first): comparing
-        those vectors lexicographically is comparing the descending size tuples (same length), so the
-        tie-break is the one in `best_split`'s docstring without building tuples of length j."""
+    def _dp(self, s: int, max_size: int | None, k: int) -> batchdp.SplitDP:
         cls = self.classes[s]
         desc = tuple(sorted((b for b in cls.sizes if max_size is None or b <= max_size), reverse=True))
         dp = self._split_cache.get(("dp", s, desc))  # caps that leave the same sizes share one table
         if dp is None:
-            dp = _SplitDP(desc, [0.0], [0], [(0,) * len(desc)])
-            self._split_cache[("dp", s, desc)] = dp
-        times = [cls.times_s[b] for b in desc]
-        cost, nb, negs = dp.cost, dp.nb, dp.negs
-        for j in range(len(cost), k + 1):
-            best_c, best_n, best_v = math.inf, 0, None
-            for idx, b in enumerate(desc):
-                if b > j:
-                    continue
-                c, n = cost[j - b] + times[idx], nb[j - b] + 1
-                if c > best_c or (c == best_c and n > best_n):
-                    continue
-                prev = negs[j - b]
-                vec = prev[:idx] + (prev[idx] - 1,) + prev[idx + 1 :]
-                if c < best_c or n < best_n or vec < best_v:
-                    best_c, best_n, best_v = c, n, vec
-            cost.append(best_c)
-            nb.append(best_n)
-            negs.append(best_v)
+            dp = self._split_cache[("dp", s, desc)] = batchdp.SplitDP.start(desc)
+        dp.extend(k, cls.times_s)
         return dp
-
-
-@dataclass
-class _SplitDP:
-    desc: tuple[int, ...]  # usable sizes, largest first
-    cost: list[float]
-    nb: list[int]
-    negs: list[tuple[int, ...]]
 
 
 Loads = list[dict[int, list[int]]]  # per rank: class index -> batch sizes it runs

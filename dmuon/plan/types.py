@@ -118,6 +118,7 @@ class Plan:
     gap: float = 0.0  # proven relative optimality gap (MILP); 0 for exact or not applicable
     notes: tuple[str, ...] = field(default_factory=tuple)
     max_split: int = 1  # the largest group the balancer could use (1 = no splitting)
+    ep: int = 1  # expert-parallel degree the plan places experts for (dmuon.plan.ep; 1 = none)
 
     # ---- derived views -------------------------------------------------------------------
     @property
@@ -163,6 +164,8 @@ class Plan:
                 del b["group"], b["comm_s"]
         if not grouped and self.max_split == 1:
             del d["max_split"]
+        if self.ep == 1:
+            del d["ep"]  # plans without expert parallelism serialize as before
         d["format_version"] = GROUPS_FORMAT_VERSION if grouped else PLAN_FORMAT_VERSION
         return d
 
