@@ -153,6 +153,9 @@ def register(app, bench) -> None:
         bucket_numel: int = typer.Option(0, help="dmuon: elements per bucket (0: one bucket per layer)."),
         max_split: int = typer.Option(1, help="dmuon: largest owner group of one batch (split NS over 2, 4, "
                                               "... ranks where the plan finds it pays; 1 = one owner)."),
+        split_exchange: str = typer.Option("lead", help="dmuon, split batches: lead (as the runtime: the "
+                                                        "lead scatters / gathers the NS stack) | blocks "
+                                                        "(every member holds its column block)."),
         naive_batching: bool = typer.Option(False, "--naive-batching/--no-naive-batching",
                                             help="naive: one batched NS call per shape (as dmuon.NaiveMuon) "
                                                  "instead of one per matrix."),
@@ -177,7 +180,8 @@ def register(app, bench) -> None:
                       symmetric_kernels=symmetric_kernels, batching=batching, balancer=balancer,
                       overlap=overlap, hierarchical=hierarchical, nic_gbps=nic_gbps,
                       overlap_slowdown=overlap_slowdown, naive_batching=naive_batching,
-                      cpu_threads=cpu_threads, bucket_numel=bucket_numel, max_split=max_split)
+                      cpu_threads=cpu_threads, bucket_numel=bucket_numel, max_split=max_split,
+                      split_exchange=split_exchange)
             for s in strategies_of(strategy)
         ]
         results = run_simulations(configs, trace)

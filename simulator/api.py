@@ -27,6 +27,7 @@ from dmuon.errors import InputError, choice_error
 
 from .costs import load_cost, thread_cost_for
 from .step import DTYPE_BYTES, LAYOUTS, STRATEGIES
+from .step_split import SPLIT_EXCHANGES
 
 BALANCERS = ("round_robin", "lpt", "milp")
 NS_METHODS = ("standard", "standard_sym", "gram", "gram_sym", "auto")
@@ -97,6 +98,9 @@ class SimConfig:
     max_batch: int = _f(8, "dmuon: largest NS batch")
     max_split: int = _f(1, "dmuon: largest owner group of one batch (split NS over 2, 4, ... ranks up to "
                            "it, where the plan finds it pays; 1 = one owner per batch, the paper's design)")
+    split_exchange: str = _f("lead", "dmuon, split batches: lead (as the runtime: the lead holds gradient, "
+                                     "momentum and weights and scatters / gathers the NS stack in the "
+                                     "group) | blocks (every member holds its column block)")
     bucket_numel: int = _f(0, "dmuon: elements per communication bucket (0: one bucket per layer)")
     milp_time_limit_s: float = _f(10.0, "dmuon MILP balancer: wall-clock safety net (work limits end it "
                                         "first)")
@@ -175,6 +179,8 @@ def validate_config(cfg: SimConfig) -> None:
     _check_int("micro_batch", cfg.micro_batch)
     _check_int("max_batch", cfg.max_batch)
     _check_int("max_split", cfg.max_split, maximum=MAX_GPUS)
+    if cfg.split_exchange not in SPLIT_EXCHANGES:
+        raise choice_error("split_exchange", cfg.split_exchange, SPLIT_EXCHANGES)
     _check_int("cpu_threads", cfg.cpu_threads)
     _check_int("bucket_numel", cfg.bucket_numel, 0)
     if cfg.strategy not in STRATEGIES:

@@ -137,6 +137,7 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
         hierarchical=cfg.hierarchical, overlap=cfg.overlap,
         param_bytes=DTYPE_BYTES[cfg.param_comm_dtype or profile.dtype],
         grad_bytes=DTYPE_BYTES[cfg.grad_comm_dtype or profile.dtype], plan=plan, ns_stretch=ns_stretch,
+        split_exchange=cfg.split_exchange,
     )
     # called after the step programs are built: they price the elementwise passes provenance names
     def provenance() -> dict:

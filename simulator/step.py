@@ -86,6 +86,7 @@ class StepSpec:
     param_bytes: int
     grad_bytes: int
     plan: object = None  # dmuon.plan.Plan (dmuon only)
+    split_exchange: str = "lead"  # split batches: "lead" | "blocks" (simulator.step_split)
     ns_stretch: float = 1.0  # CPU contention applied to plan batch times
     steps: int = 2
     sm_share: float = 0.0  # share of a GPU's SMs each running collective takes (simulator.engine)

@@ -32,10 +32,13 @@ class OptimizerPrograms(SplitPrograms):
             for layer in layers:
                 self.layer_buckets.setdefault(layer, []).append(b)
         self.bucket_numel = [sum(mats[i].numel for i in b.members) for b in plan.buckets]
-        # bucket -> {plan rank: numel}; a split batch's member owns its column block (1/k of each matrix):
-        # its gradient block is reduced to it, it keeps that block's momentum and publishes it
+        # bucket -> {plan rank: numel}; split batches (simulator.step_split): with exchange "blocks" a member
+        # owns its column block (1/k of each matrix): its gradient block is reduced to it, it keeps that
+        # block's momentum and publishes it; with "lead" the lead owns the whole matrix, as unsplit
+        blocks = s.split_exchange == "blocks"
         self.owned = [dict() for _ in plan.buckets]
-        for i, (m, g) in enumerate(zip(mats, plan.groups, strict=True)):
+        for i, (m, g) in enumerate(zip(mats, plan.groups if blocks else [(o,) for o in plan.owners],
+                                       strict=True)):
             d = self.owned[self.bucket_of[i]]
             for o in g:
                 d[o] = d.get(o, 0) + (m.numel if len(g) == 1 else m.numel / len(g))
@@ -45,7 +48,7 @@ class OptimizerPrograms(SplitPrograms):
             bks = sorted({self.bucket_of[i] for i in bt.members})
             numel = sum(mats[i].numel for i in bt.members)
             for o in bt.ranks:  # every member of a split batch runs its share (simulator.step_split)
-                share = numel / len(bt.ranks) if bt.group else numel
+                share = numel / len(bt.ranks) if bt.group and blocks else (numel if o == bt.owner else 0)
                 self.batches_of.setdefault(o, []).append((k, bt, bks, share))
 
     def plan_rank(self, rank: int) -> int:
@@ -90,7 +93,7 @@ class OptimizerPrograms(SplitPrograms):
             # (the embeddings' gradients are the last to be reduced)
             by_bucket: dict[int, list[Op]] = {}
             mine = self.batches_of.get(self.plan_rank(r), ())
-            owned = sum(t[3] for t in mine)
+            owned = sum(t[3] for t in mine) or 1  # a split member of exchange "lead" owns nothing
             n_owned = sum(len(t[1].members) for t in mine)
             n_buckets = len({b for t in mine for b in t[2]})
             momentum_s = (s.elementwise_s(owned, "muon_momentum", n_owned)  # one pass per step, pro rata

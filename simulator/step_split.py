@@ -17,12 +17,17 @@ network, the same links the plan was priced with (`SimConfig.max_split`). They r
 behind the backward's gradient reductions still in flight on the comm stream (ASSUMPTION: the two
 streams share the links without slowing each other; the engine models no link contention).
 
-Who holds what (block ownership): each member receives the reduced gradient of its column block (the
-bucket reduce to owners delivers blocks: `owned` counts numel / k per member), keeps that block's
-momentum and publishes its block of the new weights. The runtime (dmuon.runtime.split_exec) today keeps
-gradient, momentum and weights on the lead and scatters / gathers the NS stack inside the group
-(2 (k - 1) / k of the stack through the lead, not priced here); block ownership is what it could do
-instead with the same plan (the fsdp2-sharded layout's Shard(0) rows already are blocks).
+Who holds what (`StepSpec.split_exchange`, `SimConfig.split_exchange`):
+  lead    as the runtime does it (dmuon.runtime.split_exec): the lead receives the whole gradient, runs the
+          whole momentum pass and publishes the whole update, as an unsplit owner; around the NS it
+          scatters the members' column blocks of the (b, n, m) stack (parameter dtype) and gathers their
+          blocks of the polar factor: `split/.../scatter` ("broadcast" from one root: the lead's links
+          carry (k - 1) / k of the stack) and `split/.../gather` ("reduce" to one root, the same bytes)
+  blocks  block ownership: each member receives the reduced gradient of its column block (the bucket
+          reduce to owners delivers blocks: `owned` counts numel / k per member), keeps that block's
+          momentum and publishes its block of the new weights; no scatter / gather. What the runtime does
+          for fsdp2-sharded batches whose group is the shard group (`split_exec.row_split_batches`: the
+          local Shard(0) rows are the blocks) and could do in every layout with the same plan.
 In the HSDP layouts the plan is over one node's ranks and every node runs its own copy of each group.
 """
 
@@ -32,6 +37,8 @@ from .collectives import bytes_per_rank, collective_time_s
 from .engine import Op
 from .split_links import group_of
 from .split_program import split_calls
+
+SPLIT_EXCHANGES = ("lead", "blocks")
 
 
 class SplitPrograms:
@@ -45,13 +52,13 @@ class SplitPrograms:
         return tuple(group)
 
     def _group_coll(self, ranks: tuple[int, ...], key: tuple, kind: str, size_bytes: float, step: int,
-                    repeat: int = 1):
+                    repeat: int = 1, max_share: float = 0.0):
         full = ("split", key, ranks)
         col = self.colls.get(full)
         if col is None:
             s, n = self.s, len(ranks)
             cost = collective_time_s(kind, size_bytes, group_of(ranks, s.per_node), s.network,
-                                     hierarchical=s.hierarchical)
+                                     hierarchical=s.hierarchical, max_share_bytes=max_share)
             col = self.c.new_collective("/".join(str(k) for k in ("split", *key)), kind, n, cost * repeat,
                                         bytes_per_rank=bytes_per_rank(kind, size_bytes, n) * repeat,
                                         muon_fraction=1.0, group=f"split{ranks[0]}-{ranks[-1]}", step=step)
@@ -59,12 +66,18 @@ class SplitPrograms:
         return col
 
     def _split_batch(self, r: int, step: int, k: int, bt, prep_s: float, deps) -> Op:
-        """Rank r's share of split batch k (module docstring); returns its last compute op."""
+        """Rank r's share of split batch k (module docstring); returns its last op."""
         s, c = self.s, self.c
         ranks = self._group_ranks(r, bt.group)
         prog = split_calls(bt.rows, bt.cols, bt.size, len(ranks), bt.method or s.plan.method)
         compute_s = max(bt.time_s - bt.comm_s, 0.0) * s.ns_stretch
         last = c.compute(r, f"batch{k}.prep", prep_s, phase="opt", step=step, deps=deps)
+        lead = s.split_exchange == "lead"
+        stack = bt.size * bt.rows * bt.cols * s.param_bytes
+        via_lead = stack * (len(ranks) - 1) / len(ranks)  # what the lead's links carry
+        if lead:
+            col = self._group_coll(ranks, (step, k, "scatter"), "broadcast", stack, step, max_share=via_lead)
+            last = c.collective(col, r, phase="opt", step=step, deps=(last,), stream="split")
         count, small = prog["small"]
         col = self._group_coll(ranks, (step, k, "ag"), "all_gather", small, step, repeat=count)
         wait = c.collective(col, r, phase="opt", step=step, deps=(last,), stream="split")
@@ -75,6 +88,9 @@ class SplitPrograms:
                 col = self._group_coll(ranks, (step, k, f"ar{i}"), "all_reduce", prog["all_reduce_bytes"],
                                        step)
                 wait = c.collective(col, r, phase="opt", step=step, deps=(last,), stream="split")
+        if lead:
+            col = self._group_coll(ranks, (step, k, "gather"), "reduce", stack, step, max_share=via_lead)
+            last = c.collective(col, r, phase="opt", step=step, deps=(last,), stream="split")
         return last
 
 

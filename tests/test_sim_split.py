@@ -66,9 +66,10 @@ def test_max_split_one_is_the_unsplit_program():
     assert not b0.spec.plan.split_batches and "split" not in b0.cluster.stream_names
 
 
+@pytest.mark.parametrize("exchange", ["lead", "blocks"])
 @pytest.mark.parametrize("layout", ["fsdp-keep", "ddp", "hsdp-keep", "sharded"])
-def test_split_batches_run_on_every_member(layout):
-    res, built = _run(max_split=8, layout=layout)
+def test_split_batches_run_on_every_member(layout, exchange):
+    res, built = _run(max_split=8, layout=layout, split_exchange=exchange)
     nosplit, _ = _run(layout=layout)
     plan = built.spec.plan
     assert plan.split_batches, "splitting the 2048 x 32768 matrices pays at 16 ranks"
@@ -90,21 +91,33 @@ def test_split_batches_run_on_every_member(layout):
                                                                         for i in range(n_ar + 1)]
                 ns = sum(op.dur for op in mine[1:])  # work (overlap slowdown may stretch it)
                 assert ns == pytest.approx((bt.time_s - bt.comm_s) * built.spec.ns_stretch, rel=1e-9)
-                colls = [op.coll for op in cl.ops(r, "split") if op.step == 1]
-                assert [c.kind for c in colls] == ["all_gather"] + ["all_reduce"] * n_ar
+                colls = [op.coll for op in cl.ops(r, "split") if op.step == 1 and f"/{k}/" in op.name]
+                kinds = ["all_gather"] + ["all_reduce"] * n_ar
+                if exchange == "lead":  # the lead scatters the stack's blocks and gathers the results
+                    kinds = ["broadcast", *kinds, "reduce"]
+                assert [c.kind for c in colls] == kinds
+                prep = mine[0].dur
+                if exchange == "lead" and r != ranks[0] and layout != "sharded":
+                    assert prep == 0.0  # the lead alone holds the gradient and runs the momentum
+                elif layout != "sharded":
+                    assert prep > 0.0
                 assert all(c.n == len(bt.group) and c.end is not None for c in colls)
     # the group's collectives are in the trace, on the split stream, with their kind and group
     ev = [e for e in trace_events(built, per_node) if e.get("name", "").startswith("split/")]
-    assert ev and {e["args"]["kind"] for e in ev} == {"all_gather", "all_reduce"}
+    kinds = {"all_gather", "all_reduce"} | ({"broadcast", "reduce"} if exchange == "lead" else set())
+    assert ev and {e["args"]["kind"] for e in ev} == kinds
     assert all(e["args"]["group"].startswith("split") for e in ev)
     json.dumps(ev)
 
 
 def test_split_shortens_the_ns_critical_path():
-    split, _ = _run(max_split=8)
     nosplit, _ = _run()
-    assert split.ns_busy_max_s < nosplit.ns_busy_max_s
-    assert split.optimizer_s < nosplit.optimizer_s
+    lead, _ = _run(max_split=8)
+    blocks, _ = _run(max_split=8, split_exchange="blocks")
+    assert blocks.ns_busy_max_s < lead.ns_busy_max_s < nosplit.ns_busy_max_s
+    assert blocks.optimizer_s < lead.optimizer_s < nosplit.optimizer_s
+    # the lead's scatter / gather of the stack: 2 (k - 1) / k of it more on the wire than block ownership
+    assert lead.muon_comm_bytes_per_rank > blocks.muon_comm_bytes_per_rank
 
 
 def test_given_plan_with_groups_is_executed():
@@ -118,3 +131,8 @@ def test_given_plan_with_groups_is_executed():
 def test_bad_max_split_names_the_field(bad):
     with pytest.raises(InputError, match="max_split"):
         _run(max_split=bad)
+
+
+def test_bad_split_exchange_names_what_is_accepted():
+    with pytest.raises(InputError, match="split_exchange.*lead.*blocks"):
+        _run(max_split=8, split_exchange="owner")
