@@ -66,7 +66,7 @@ def run_simulations(configs, trace: str | None):
 
     results = []
     for cfg in configs:
-        result, built = run(cfg)
+        result, built = run(cfg, all_ranks=bool(trace))  # every rank only where a trace shows them
         if trace:
             path = trace_path(Path(trace), cfg.strategy, len(configs) > 1)
             write_trace(built, path, ranks_per_node=built.spec.per_node,
@@ -160,6 +160,12 @@ def register(app, bench) -> None:
                                             help="naive: one batched NS call per shape (as dmuon.NaiveMuon) "
                                                  "instead of one per matrix."),
         cpu_threads: int = typer.Option(1, help="cpu profile: torch threads per rank."),
+        jitter: float = typer.Option(0.0, help="Stragglers: coefficient of variation of every compute op "
+                                               "(e.g. 0.03); the step is then the median of 8 sampled steps "
+                                               "(p90 printed too)."),
+        bands: bool = typer.Option(False, "--bands/--no-bands",
+                                   help="Error band of the step time over the profile's uncertain inputs "
+                                        "(NIC, efficiency, SM share, overlap penalty, compute fit)."),
         trace: str = typer.Option(None, help="Write a Chrome-trace JSON (open in Perfetto) to this file."),
         json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     ):
@@ -181,12 +187,27 @@ def register(app, bench) -> None:
                       overlap=overlap, hierarchical=hierarchical, nic_gbps=nic_gbps,
                       overlap_slowdown=overlap_slowdown, naive_batching=naive_batching,
                       cpu_threads=cpu_threads, bucket_numel=bucket_numel, max_split=max_split,
-                      split_exchange=split_exchange)
+                      split_exchange=split_exchange,
+                      jitter=jitter)
             for s in strategies_of(strategy)
         ]
         results = run_simulations(configs, trace)
+        band = {}
+        if bands:
+            from simulator.bands import bands as band_of
+
+            band = {c.strategy: band_of(c) for c in configs}
         if json_out:
-            out = [r.to_dict() for r in results]
+            out = [{**r.to_dict(), **({"step_band_s": [band[r.strategy]["low"], band[r.strategy]["high"]]}
+                                      if band else {})} for r in results]
             print(json.dumps(out[0] if len(out) == 1 else out, indent=1, default=str))
         else:
             print_table(results)
+            for r in results:
+                if jitter > 0:
+                    print(f"{r.strategy}: step p50 {r.step_s * 1e3:.1f} ms, p90 {r.step_p90_s * 1e3:.1f} ms "
+                          f"(jitter {jitter:g})")
+                if band:
+                    b = band[r.strategy]
+                    print(f"{r.strategy}: step {b['base'] * 1e3:.1f} ms, band {b['low'] * 1e3:.1f} .. "
+                          f"{b['high'] * 1e3:.1f} ms over {', '.join(b['inputs'])} (simulator.bands)")

@@ -1,6 +1,7 @@
 """`simulate(SimConfig) -> SimResult`: one simulated training step, and what each output means.
 
-Outputs (seconds; the simulation runs 2 steps and reports the second, in steady state):
+Outputs (seconds; the simulation runs 2 steps and reports the second, in steady state; with `jitter`, 1 +
+jitter_steps steps and the median of the sampled steps, its p90 in step_p90_s):
   step_s          iteration time: end of the previous optimizer step to the end of this one
                   (= forward_s + backward_s + optimizer_s)
   forward_s       step start to the end of the last forward compute (publication / all-gather waits
@@ -104,6 +105,12 @@ class SimConfig:
     bucket_numel: int = _f(0, "dmuon: elements per communication bucket (0: one bucket per layer)")
     milp_time_limit_s: float = _f(10.0, "dmuon MILP balancer: wall-clock safety net (work limits end it "
                                         "first)")
+    jitter: float = _f(0.0, "stragglers: coefficient of variation of every compute op's time, drawn "
+                            "per rank and op (lognormal, mean 1, seeded by `seed`); > 0 simulates 1 + "
+                            "jitter_steps steps and reports the median step (p50, as published tables) and "
+                            "its p90 (0 = none)")
+    jitter_steps: int = _f(8, "steps sampled when jitter > 0 (after one warm-up step)")
+    seed: int = _f(0, "seed of the jitter draws")
     plan: object = _f(None, "a dmuon.plan.Plan built elsewhere (e.g. by the runtime); None: build_plan")
     cost: object = _f(None, "a dmuon CostTable (or any object with ns_time / elementwise_time); None: "
                             "CostTable.load(profile.cost_profile)")
@@ -141,6 +148,7 @@ class SimResult:
     settings: dict
     provenance: dict
     notes: tuple[str, ...]
+    step_p90_s: float = 0.0  # p90 of the sampled steps with jitter (= step_s without)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -183,6 +191,9 @@ def validate_config(cfg: SimConfig) -> None:
         raise choice_error("split_exchange", cfg.split_exchange, SPLIT_EXCHANGES)
     _check_int("cpu_threads", cfg.cpu_threads)
     _check_int("bucket_numel", cfg.bucket_numel, 0)
+    _check_int("jitter_steps", cfg.jitter_steps)
+    _check_int("seed", cfg.seed, 0)
+    _check_number("jitter", cfg.jitter, positive=False, none_ok=False, what=" (0 = no stragglers)")
     if cfg.strategy not in STRATEGIES:
         raise choice_error("strategy", cfg.strategy, STRATEGIES)
     if cfg.layout not in LAYOUTS:
@@ -269,10 +280,15 @@ def run(cfg: SimConfig, all_ranks: bool = True):
     thread_cost = thread_cost_for(profile, cfg) if cfg.cost is None else None
     spec, info = make_spec(cfg, workload, profile, cost, per_node, thread_cost)
     spec.sm_share = profile.sm_share  # SMs an NCCL collective holds (simulator.engine)
+    if cfg.jitter > 0:  # stragglers: every rank draws its own times, so every rank is simulated
+        spec.steps, all_ranks = 1 + cfg.jitter_steps, True
     built = build(spec, overlap_slowdown=profile.overlap_slowdown,
-                  comm_overlap_slowdown=profile.comm_overlap_slowdown, all_ranks=all_ranks)
+                  comm_overlap_slowdown=profile.comm_overlap_slowdown, all_ranks=all_ranks,
+                  jitter=(cfg.jitter, cfg.seed))
     built.cluster.run()
-    m = measure(built, step=spec.steps - 1)
+    samples = sorted((measure(built, step=s) for s in range(1, spec.steps)), key=lambda x: x["step_s"])
+    m = samples[(len(samples) - 1) // 2]  # the median step (the only one without jitter)
+    p90 = samples[min(len(samples) - 1, round(0.9 * (len(samples) - 1)))]["step_s"]
     p_muon = sum(spec.muon_numel)
     same_width = spec.grad_bytes == spec.param_bytes
     vol = m["muon_bytes"] / (p_muon * spec.grad_bytes) if p_muon and same_width else 0.0
@@ -289,7 +305,7 @@ def run(cfg: SimConfig, all_ranks: bool = True):
         comm_bytes_per_rank=m["bytes"], muon_comm_bytes_per_rank=m["muon_bytes"], muon_comm_volume=vol,
         ns_makespan_s=info["ns_makespan_s"], ns_busy_max_s=m["ns_busy_max_s"],
         plan_balancer=info["balancer"], plan_method=info["method"], settings=settings,
-        provenance=info["provenance"](), notes=tuple(info["notes"] + built.notes),
+        provenance=info["provenance"](), notes=tuple(info["notes"] + built.notes), step_p90_s=p90,
     )
     return result, built
 

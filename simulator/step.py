@@ -268,9 +268,10 @@ class _Programs(OptimizerPrograms, CommPrograms):
 
 
 def build(spec: StepSpec, overlap_slowdown: float = 0.0, comm_overlap_slowdown: float = 0.0,
-          all_ranks: bool = True) -> Built:
+          all_ranks: bool = True, jitter: tuple[float, int] = (0.0, 0)) -> Built:
     """Every rank's program for `spec.steps` steps, ready to run. all_ranks=False: only one rank of each
-    set of identical programs (`CommPrograms.select`; the same times, far fewer events)."""
+    set of identical programs (`CommPrograms.select`; the same times, far fewer events). jitter = (cv,
+    seed): every compute op's time x a lognormal draw of that coefficient of variation (simulator.engine)."""
     if spec.strategy not in STRATEGIES:
         raise InputError(f"unknown strategy {spec.strategy!r}; accepted: {', '.join(STRATEGIES)}")
     if spec.layout not in LAYOUTS:
@@ -281,7 +282,7 @@ def build(spec: StepSpec, overlap_slowdown: float = 0.0, comm_overlap_slowdown: 
     if spec.strategy == "dmuon" and spec.plan.split_batches:
         streams += ("split",)  # the owner groups' collectives (simulator.step_split)
     cluster = Cluster(spec.n_ranks, streams=streams, overlap_slowdown=overlap_slowdown,
-                      comm_overlap_slowdown=comm_overlap_slowdown)
+                      comm_overlap_slowdown=comm_overlap_slowdown, jitter=jitter[0], seed=jitter[1])
     progs = _Programs(spec, cluster)
     reps, cluster.weight = progs.select(all_ranks)
     for r in reps:
