@@ -23,6 +23,7 @@ COMMAND_MODULES: list[str] = [
     "harness.cmd_bench_kernels",
     "harness.cmd_bench_step",
     "harness.cmd_simulate",
+    "harness.cmd_sensitivity",
     "harness.cmd_run",
 ]
 

@@ -25,6 +25,9 @@ checks (column `check`):
                     (SimConfig.speed_scale) and, for NS and elementwise passes, relative to the cost
                     table (SimConfig.ns_speed_scale, elementwise_speed_scale). The note gives those
                     factors and the error at the profile's own speed.
+  multinode_public  public multi-node nccl-tests numbers (experiments/reference/multinode_public.csv, a source
+                    URL per row: A100 / H100 clusters, 2-32 nodes) vs the simulator's collective model on
+                    each row's cluster (simulator.validate_multinode). Checked: 20% per row.
 Rows: check, label, workload, strategy, metric, unit, reference, reference_kind, simulated, error (relative),
 bound, bounded, within_bound, note, profile. Times in seconds.
 """
@@ -119,6 +122,19 @@ def published_checks() -> list[dict]:
                 error=r["error"],
             )
         )
+    return out
+
+
+def multinode_checks() -> list[dict]:
+    from simulator.validate_multinode import BOUND, multinode_rows
+
+    out = []
+    for r in multinode_rows():
+        label = f"{r['id']} {r['collective']} {r['nodes']}x{r['gpus_per_node']} {r['gpu']}"
+        metric = f"{r['collective']} {r['metric']} at {r['size_bytes']:.4g} B"
+        out.append(_row("multinode_public", label, "", "", metric, r["unit"], r["published"],
+                        f"public: {r['source']}", r["simulated"], BOUND, True, r["note"],
+                        "a800 network constants"))
     return out
 
 

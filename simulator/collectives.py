@@ -23,7 +23,9 @@ single node (M = 1), ring / chain:
     all-to-all                  base + (n-1) a_nv  + (n-1)/n S / busbw(S)
 across nodes, B_nic = NIC bandwidth per node x inter efficiency / share:
     flat ring       latency base + (n-M) a_nv + (M-1) a_ib (twice for all-reduce); bandwidth term
-                    max(intra term, (M-1)/M S / B_nic): one pipelined ring, bottleneck link wins
+                    max(intra term, (n-1)/n S / B_nic): one pipelined ring, bottleneck link wins (each ring
+                    link out of a node carries (n-1)/n of the buffer, 2 (n-1)/n for all-reduce: nccl-tests'
+                    multi-node busbw is the node's NIC bandwidth)
     hierarchical    two phases in sequence: intra on S (p ranks) then inter on S/p (M ranks, p groups
                     per node: (M-1)/M S / B_nic) (reduce-scatter; all-gather mirrored; all-reduce =
                     intra RS + inter AR on S/p + intra AG; owner broadcasts/reduces: inter then intra)
@@ -37,6 +39,9 @@ src/graph/tuning.cc ncclTopoTuneModel, Simple protocol, named in the profile):
     all-reduce      the cheaper of the flat ring and NCCL's double binary tree, as NCCL's tuner picks:
                     tree latency base + 2 ((p-1) t_nv + log2(M) t_ib), tree bandwidth term
                     max(intra ring term, 2 S / (tree_bw_factor B_nic)) (tuner: tree busBw x 0.92, algbw x 0.5)
+    protocols       across nodes, each time is the cheapest over Simple and the profile's other protocols
+                    (LL, LL128: lower latencies, bandwidth x bw_factor), as NCCL's tuner picks; a single
+                    node keeps its measured curve, which holds NCCL's own choice already
 owner broadcasts / reduces issued as `owners` separate collectives on one communicator (the runtime's
 "reduce" exchange mode: one async reduce / broadcast per owner chunk): NCCL runs them one after another
 on its stream, so their latency is paid `owners` times (two-level: the intra phase `owners` times, the
@@ -105,6 +110,29 @@ class BandwidthCurve:
 
 
 @dataclass(frozen=True)
+class Protocol:
+    """One NCCL protocol besides Simple (LL, LL128): latencies (s) and the share of the Simple bandwidth it
+    reaches (NCCL's tuner, src/graph/tuning.cc: LL x 0.5, LL128 x 0.92)."""
+
+    name: str
+    ring_base_s: float
+    ring_intra_s: float
+    ring_inter_s: float
+    tree_base_s: float
+    tree_intra_s: float
+    tree_inter_s: float
+    bw_factor: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.bw_factor <= 1:
+            raise InputError(f"protocol {self.name}: bw_factor must be in (0, 1], got {self.bw_factor}")
+        lats = (self.ring_base_s, self.ring_intra_s, self.ring_inter_s, self.tree_base_s, self.tree_intra_s,
+                self.tree_inter_s)
+        if min(lats) < 0:
+            raise InputError(f"protocol {self.name}: latencies must be >= 0")
+
+
+@dataclass(frozen=True)
 class Network:
     """The fabric: intra-node curves and latencies, inter-node NICs (SI units)."""
 
@@ -118,6 +146,7 @@ class Network:
     tree_intra_alpha_s: float = 4.0e-6
     tree_inter_alpha_s: float = 14.0e-6
     tree_bw_factor: float = 0.92
+    protocols: tuple = ()  # Protocol: NCCL's other protocols, tried beside Simple across nodes (nccl=True)
 
     def __post_init__(self) -> None:
         if not 0 < self.tree_bw_factor <= 1:
@@ -193,13 +222,28 @@ def _inter_bw_s(kind: str, size: float, m: int, nic_Bps: float, max_share: float
     return (m - 1) / m * size / nic_Bps
 
 
-def _tree_all_reduce_s(size: float, group: Group, net: Network, nic: float) -> float:
-    """NCCL's double binary tree all-reduce across nodes (see the module docstring)."""
+def _simple(net: Network) -> Protocol:
+    return Protocol("Simple", net.base_latency_s, net.intra_alpha_s, net.inter_alpha_s, net.base_latency_s,
+                    net.tree_intra_alpha_s, net.tree_inter_alpha_s, 1.0)
+
+
+def _flat_ring_s(kind: str, size: float, group: Group, net: Network, nic: float, max_share: float, k: int,
+                 q: Protocol) -> float:
+    """One flat ring (chain for broadcast / reduce) over every rank, protocol q; k collectives in a row."""
+    n, m, p = group.size, group.nodes, group.per_node
+    twice = 2 if kind == "all_reduce" else 1
+    lat = q.ring_base_s + twice * ((n - m) * q.ring_intra_s + (m - 1) * q.ring_inter_s)
+    intra_bw = _intra(kind, size, n, net, max_share)[1] if p > 1 else 0.0
+    inter_bw = _inter_bw_s(kind, size, n, nic, max_share)  # every ring link out of a node carries (n-1)/n
+    return lat * k + max(intra_bw, inter_bw) / q.bw_factor
+
+
+def _tree_all_reduce_s(size: float, group: Group, net: Network, nic: float, q: Protocol) -> float:
+    """NCCL's double binary tree all-reduce across nodes (see the module docstring), protocol q."""
     m, p = group.nodes, group.per_node
-    lat = net.base_latency_s + 2 * ((p - 1) * net.tree_intra_alpha_s
-                                    + math.ceil(math.log2(m)) * net.tree_inter_alpha_s)
+    lat = q.tree_base_s + 2 * ((p - 1) * q.tree_intra_s + math.ceil(math.log2(m)) * q.tree_inter_s)
     intra_bw = _intra("all_reduce", size, p, net, 0.0)[1] if p > 1 else 0.0
-    return lat + max(intra_bw, 2.0 * size / (net.tree_bw_factor * nic))
+    return lat + max(intra_bw, 2.0 * size / (net.tree_bw_factor * nic)) / q.bw_factor
 
 
 def collective_time_s(kind: str, size_bytes: float, group: Group, net: Network, *,
@@ -233,14 +277,11 @@ def collective_time_s(kind: str, size_bytes: float, group: Group, net: Network, 
     if nccl and not owner_kind:
         hierarchical = False
     if not hierarchical or p == 1:
-        twice = 2 if kind == "all_reduce" else 1
-        lat = net.base_latency_s + twice * ((n - m) * net.intra_alpha_s + (m - 1) * net.inter_alpha_s)
-        intra_bw = _intra(kind, size_bytes, n, net, max_share_bytes)[1] if p > 1 else 0.0
-        inter_bw = _inter_bw_s(kind, size_bytes, m, nic, max_share_bytes)
-        ring = lat * k + max(intra_bw, inter_bw)
+        protocols = (_simple(net), *(net.protocols if nccl else ()))
+        best = min(_flat_ring_s(kind, size_bytes, group, net, nic, max_share_bytes, k, q) for q in protocols)
         if nccl and kind == "all_reduce":
-            return min(ring, _tree_all_reduce_s(size_bytes, group, net, nic))
-        return ring
+            best = min(best, *(_tree_all_reduce_s(size_bytes, group, net, nic, q) for q in protocols))
+        return best
     # two-level: intra phase(s) on S, inter phase on S / p among the m ranks of one local index
     inter_lat = net.base_latency_s + (m - 1) * net.inter_alpha_s * (2 if kind == "all_reduce" else 1)
     if kind == "all_reduce":

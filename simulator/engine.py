@@ -19,6 +19,10 @@ Model (what the step programs in `simulator.step` build on):
   one thread block per channel, each holding an SM for the collective's whole duration); compute on a
   rank then progresses at rate 1 - (sum of sm_share of the collectives running on it), capped at
   MAX_SM_SHARE, on top of the constant slowdown above. Two collectives on a rank take twice the SMs.
+- Stragglers (`jitter` cv > 0): every compute op's duration is multiplied, when the op is added, by a
+  lognormal draw with mean 1 and coefficient of variation cv (random.Random(seed), in program order, so
+  runs are reproducible); collectives wait for the slowest participant, so the step grows with the
+  expected maximum over the ranks that meet at each collective.
 - The other way round (`comm_overlap_slowdown` c, CPU hosts): a running collective progresses at rate
   1 / (1 + c) while any of its participants computes, else at rate 1 (re-timed whenever a participant's
   compute starts or ends; only when c > 0).
@@ -95,10 +99,18 @@ class Cluster:
 
     def __init__(self, n_ranks: int, streams: tuple[str, ...] = ("compute", "comm"),
                  overlap_slowdown: float = 0.0, compute_stream: str = "compute",
-                 comm_overlap_slowdown: float = 0.0):
+                 comm_overlap_slowdown: float = 0.0, jitter: float = 0.0, seed: int = 0):
         if n_ranks <= 0:
             raise InputError(f"a cluster needs at least one rank, got {n_ranks}")
         self.n_ranks = n_ranks
+        self._noise = None
+        if jitter > 0:
+            import math
+            import random
+
+            sigma = math.sqrt(math.log(1.0 + jitter * jitter))  # lognormal with mean 1, cv = jitter
+            rng = random.Random(seed)
+            self._noise = lambda: rng.lognormvariate(-sigma * sigma / 2, sigma)
         self.stream_names = streams
         self.compute_stream = compute_stream
         self.overlap_slowdown = overlap_slowdown
@@ -115,6 +127,8 @@ class Cluster:
                 stream: str | None = None) -> Op:
         if dur < 0:
             raise InputError(f"op {name!r}: negative duration {dur}")
+        if self._noise is not None and dur > 0:
+            dur *= self._noise()
         return self._add(Op(rank, stream or self.compute_stream, name, phase, step, dur=dur,
                             deps=_clean(deps)))
 

@@ -34,6 +34,11 @@ Layout of a profile file:
                4 us, 14 us, 0.92), nccl_channels (thread blocks, one SM each, an NCCL collective holds
                while it runs; with [compute] sm_count the SM share it takes from concurrent compute,
                simulator.engine; absent: no SM contention)
+               [network.protocols.<name>] (LL, LL128; optional): ring_base_us, ring_intra_us, ring_inter_us,
+               tree_base_us, tree_intra_us, tree_inter_us, bw_factor, source: NCCL's other protocols,
+               tried beside Simple across nodes (simulator.collectives)
+    [uncertainty] optional: the ranges of the uncertain inputs, input = { low = ..., high = ..., source } or
+               { rel = ..., source } (simulator.bands: error bands and sensitivity)
                [[network.points]] kind (all_gather | broadcast | all_reduce), ranks, size_bytes, time_ms
                (+ source, optional collectives = how many collectives of that kind the time covers, issued one
                after another, e.g. 5 owner broadcasts: their latencies are subtracted that many times):
@@ -54,7 +59,7 @@ import tomllib
 
 from dmuon.errors import InputError, choice_error
 
-from .collectives import BandwidthCurve, Network
+from .collectives import BandwidthCurve, Network, Protocol
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 _CURVE_KINDS = ("all_gather", "broadcast", "all_reduce")
@@ -64,10 +69,12 @@ _COMPUTE_KEYS = ("peak_bf16_tflops", "hbm_GBps", "fwd_tflops", "fwd_layer_overhe
 _NETWORK_KEYS = ("nvlink_GBps", "base_latency_us", "intra_alpha_us", "inter_alpha_us", "nic_gbps_per_node",
                  "inter_efficiency")
 _TOP_KEYS = ("name", "description", "gpu", "cost_profile", "dtype", "symmetric_kernels", "gpus_per_node",
-             "cpu_cores", "compute", "network", "threads")
+             "cpu_cores", "compute", "network", "threads", "uncertainty")
 THREAD_KINDS = ("compute", "ns", "elementwise")
 _NETWORK_OPTIONAL = ("tree_intra_alpha_us", "tree_inter_alpha_us", "tree_bw_factor", "nccl_channels")
-_NETWORK_TABLE_KEYS = (*_NETWORK_KEYS, *_NETWORK_OPTIONAL, "points", "curve_from", "curve_scale")
+_NETWORK_TABLE_KEYS = (*_NETWORK_KEYS, *_NETWORK_OPTIONAL, "points", "curve_from", "curve_scale", "protocols")
+_PROTOCOL_KEYS = ("ring_base_us", "ring_intra_us", "ring_inter_us", "tree_base_us", "tree_intra_us",
+                  "tree_inter_us", "bw_factor")
 _POINT_KEYS = ("kind", "ranks", "size_bytes", "time_ms", "source", "collectives")
 
 
@@ -112,6 +119,7 @@ class Profile:
     nccl_channels: int = 0  # SMs an NCCL collective holds while it runs (0: not modelled)
     thread_speedup: dict[str, float] = field(default_factory=dict)  # kind -> speedup at cpu_cores threads
     corun_slowdown: dict[str, float] = field(default_factory=dict)  # kind -> x with all cores busy
+    uncertainty: dict[str, dict] = field(default_factory=dict)  # input -> {low, high | rel, source}
     provenance: dict[str, str] = field(default_factory=dict, compare=False)
 
     def with_nic_gbps(self, gbps: float) -> Profile:
@@ -247,6 +255,32 @@ def _curves_from_points(points: list, net_base: dict, where: str, prov: dict,
     return curves
 
 
+UNCERTAIN_INPUTS = ("nic_gbps_per_node", "inter_efficiency", "curve_scale", "nccl_channels",
+                    "overlap_slowdown", "fwd_tflops", "bwd_tflops")  # what simulator.bands can vary
+
+
+def _uncertainty(table: dict, where: str) -> dict[str, dict]:
+    INPUTS = UNCERTAIN_INPUTS
+    out = {}
+    for name, e in table.items():
+        w = f"{where}: [uncertainty] {name}"
+        if name not in INPUTS:
+            raise choice_error(f"uncertain input in {where}", name, INPUTS)
+        _check_keys(_as_table(e, w), ("low", "high", "rel", "source"), w)
+        if not str(e.get("source", "")).strip():
+            raise InputError(f"{w}: needs a source")
+        nums = {k: e[k] for k in ("low", "high", "rel") if k in e}
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+               for v in nums.values()):
+            raise InputError(f"{w}: low, high and rel must be finite numbers >= 0, got {nums}")
+        if not ("rel" in nums) ^ ("low" in nums and "high" in nums) or ("rel" in nums and len(nums) > 1):
+            raise InputError(f"{w}: give low and high, or rel (not both)")
+        if "low" in nums and nums["low"] > nums["high"]:
+            raise InputError(f"{w}: low {nums['low']} is above high {nums['high']}")
+        out[name] = {**{k: float(v) for k, v in nums.items()}, "source": str(e["source"])}
+    return out
+
+
 def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profile:
     """A profile by name (simulator/profiles/<name>.toml) or from a .toml path."""
     text = str(name_or_path)
@@ -331,6 +365,23 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
     for key in _NETWORK_OPTIONAL:
         if key in net:
             opt[key], prov[key] = _value(net[key], key, where)
+    protocols = []
+    for pname, ptab in _as_table(net.get("protocols", {}), f"{where}: [network.protocols]").items():
+        w = f"{where}: [network.protocols.{pname}]"
+        _check_keys(_as_table(ptab, w), (*_PROTOCOL_KEYS, "source"), w)
+        missing = [k for k in (*_PROTOCOL_KEYS, "source") if k not in ptab]
+        if missing:
+            raise InputError(f"{w}: misses {missing[0]}; required: {', '.join((*_PROTOCOL_KEYS, 'source'))}")
+        vals = {}
+        for k in _PROTOCOL_KEYS:
+            v = ptab[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise InputError(f"{w}: {k} must be a finite number >= 0, got {v!r}")
+            vals[k] = float(v)
+        lats = (vals[k] * 1e-6 for k in _PROTOCOL_KEYS[:-1])
+        protocols.append(Protocol(str(pname), *lats, vals["bw_factor"]))
+        prov[f"protocol {pname}"] = str(ptab["source"])
+    uncertainty = _uncertainty(_as_table(data.get("uncertainty", {}), f"{where}: [uncertainty]"), where)
     sm_count = 0
     if "sm_count" in comp:
         v, prov["sm_count"] = _value(comp["sm_count"], "sm_count", where)
@@ -343,6 +394,7 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
         tree["tree_bw_factor"] = opt["tree_bw_factor"]
     network = Network(
         **tree,
+        protocols=tuple(protocols),
         curves=curves,
         base_latency_s=base["base_latency_s"],
         intra_alpha_s=base["intra_alpha_s"],
@@ -374,6 +426,7 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
         nvlink_Bps=nv["nvlink_GBps"] * 1e9,
         network=network,
         sm_count=sm_count,
+        uncertainty=uncertainty,
         nccl_channels=int(opt.get("nccl_channels", 0)),
         thread_speedup=speedups,
         corun_slowdown=coruns,

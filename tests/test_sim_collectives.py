@@ -53,7 +53,7 @@ def test_multi_node_flat_and_hierarchical_closed_forms():
     nic = NIC * EFF
     flat = collective_time_s("all_gather", S, g, N, hierarchical=False)
     lat_flat = BASE + (n - M) * A_NV + (M - 1) * A_IB
-    assert flat == pytest.approx(lat_flat + max((n - 1) / n * S / B_NV, (M - 1) / M * S / nic), rel=1e-12)
+    assert flat == pytest.approx(lat_flat + max((n - 1) / n * S / B_NV, (n - 1) / n * S / nic), rel=1e-12)
     two = collective_time_s("reduce_scatter", S, g, N, hierarchical=True)
     intra = BASE + (p - 1) * A_NV + (p - 1) / p * S / B_NV
     inter = BASE + (M - 1) * A_IB + (M - 1) / M * (S / p) / (nic / p)

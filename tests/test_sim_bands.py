@@ -1,0 +1,60 @@
+"""Error bands and sensitivity over the profile's uncertain inputs (simulator.bands, harness sensitivity)."""
+
+import dataclasses
+
+import pytest
+
+from dmuon.errors import InputError
+from harness.cli import main
+from simulator.api import SimConfig
+from simulator.bands import INPUTS, bands, ranges, sensitivity
+from simulator.hardware import load_profile
+
+CFG = SimConfig(workload="qwen2.5-1.5b", gpus=16, strategy="dmuon")
+
+
+def test_a800_names_a_sourced_range_for_every_input():
+    prof = load_profile("a800")
+    got = {name: (lo, hi, src) for name, lo, hi, src in ranges(prof)}
+    assert set(got) == set(INPUTS)
+    for name, (lo, hi, src) in got.items():
+        assert lo <= hi and src.strip(), name
+    assert got["fwd_tflops"][0] < prof.fwd_flops / 1e12 < got["fwd_tflops"][1]  # rel: around the fit
+
+
+def test_band_brackets_the_base_and_sensitivity_ranks_by_swing():
+    base, rows = sensitivity(CFG)
+    assert [r["swing"] for r in rows] == sorted((r["swing"] for r in rows), reverse=True)
+    assert rows[0]["swing"] > 0
+    b = bands(CFG)
+    assert b["low"] < b["base"] == base < b["high"]
+    with pytest.raises(InputError, match="unknown output 'speed'; accepted: .*step_s"):
+        sensitivity(CFG, "speed")
+    bare = dataclasses.replace(load_profile("a800"), uncertainty={})
+    with pytest.raises(InputError, match="no \\[uncertainty\\] table"):
+        sensitivity(dataclasses.replace(CFG, gpu=bare))
+
+
+def test_bad_uncertainty_entries_are_one_line_errors(tmp_path):
+    text = (tmp_path / "p.toml")
+    src = load_profile.__globals__["PROFILE_DIR"] / "a800.toml"
+    base = src.read_text().split("[uncertainty]")[0]
+    for entry, match in (('nic = { low = 1, high = 2, source = "x" }', "unknown uncertain input .*'nic'"),
+                         ('curve_scale = { low = 2, high = 1, source = "x" }', "low 2 is above high 1"),
+                         ('curve_scale = { rel = 0.1, low = 1, source = "x" }', "give low and high, or rel"),
+                         ('curve_scale = { rel = 0.1, source = "" }', "needs a source")):
+        text.write_text(base + "[uncertainty]\n" + entry + "\n")
+        with pytest.raises(InputError, match=match):
+            load_profile(str(text))
+
+
+def test_cli_sensitivity_writes_a_tornado_chart_and_simulate_prints_a_band(tmp_path, capsys):
+    out = tmp_path / "rows.csv"
+    assert main(["sensitivity", "--workload", "qwen2.5-1.5b", "--gpus", "8", "--figure-dir", str(tmp_path),
+                 "--csv", str(out)]) == 0
+    assert (tmp_path / "sensitivity.png").is_file() and (tmp_path / "sensitivity.pdf").is_file()
+    assert out.read_text().count("\n") == len(INPUTS) + 1
+    assert main(["simulate", "--workload", "qwen2.5-1.5b", "--gpus", "8", "--strategy", "adamw",
+                 "--bands"]) == 0
+    assert "band" in capsys.readouterr().out
+    assert main(["sensitivity", "--figure-dir", str(tmp_path / "none")]) == 2
