@@ -120,6 +120,9 @@ class _Programs(OptimizerPrograms, CommPrograms):
         self.replicate = "world" if lay == "ddp" else ("inter" if lay.startswith("hsdp") else None)
         self.free = lay.endswith("-free")
         self.sharded = lay == "sharded" and spec.strategy == "dmuon"
+        # memory='free': the runtime publishes from forward / backward hooks on its own thread and process
+        # groups (dmuon.runtime.base: _pub_worker, _pub_groups), i.e. its own NCCL stream
+        self.pub_stream = "pub" if self.free and spec.strategy == "dmuon" and not self.sharded else "comm"
         self.shard_size = {None: 1, "world": n, "intra": p}[self.shard]
         # per-layer and total Muon elements, summed once (MoE workloads have ~10^5 matrices)
         self.layer_muon_numel = [sum(spec.muon_numel[i] for i in ms) for ms in spec.layer_muon]
@@ -183,7 +186,7 @@ class _Programs(OptimizerPrograms, CommPrograms):
                 for b in self.layer_buckets.get(l, ()):
                     if self.bucket_layers[b][0] == l:
                         pubs[b] = self._publish(r, b, step, prev["pub_deps"].get(b, ()),
-                                                phase="pub" if step else "fwd")
+                                                phase="pub" if step else "fwd", stream=self.pub_stream)
             gathers[l] = ops
 
         gather(0, None)
@@ -217,7 +220,8 @@ class _Programs(OptimizerPrograms, CommPrograms):
             if self.dm and not self.sharded:
                 for b in self.layer_buckets.get(l, ()):
                     if self.bucket_layers[b][-1] == l:
-                        pubs[b] = self._publish(r, b, step, (dep,), phase="bwd", tag="regather")
+                        pubs[b] = self._publish(r, b, step, (dep,), phase="bwd", tag="regather",
+                                                stream=self.pub_stream)
             gathers[l] = ops
 
         if regather:
@@ -279,6 +283,8 @@ def build(spec: StepSpec, overlap_slowdown: float = 0.0, comm_overlap_slowdown: 
     if spec.strategy == "dmuon" and spec.plan is None:
         raise InputError("the dmuon strategy needs a plan")
     streams = ("compute", "comm", "inter") if spec.layout.startswith("hsdp") else ("compute", "comm")
+    if spec.strategy == "dmuon" and spec.layout.endswith("-free"):
+        streams += ("pub",)  # the publications of memory='free' (see _Programs.pub_stream)
     if spec.strategy == "dmuon" and spec.plan.split_batches:
         streams += ("split",)  # the owner groups' collectives (simulator.step_split)
     cluster = Cluster(spec.n_ranks, streams=streams, overlap_slowdown=overlap_slowdown,

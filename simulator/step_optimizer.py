@@ -118,12 +118,13 @@ class OptimizerPrograms(SplitPrograms):
         prev["opt_last"] = last
 
     def _publish(self, r: int, b: int, step: int, deps, *, phase: str, tag: str = "pub",
-                 op_step: int | None = None) -> Op:
+                 op_step: int | None = None, stream: str = "comm") -> Op:
         s, c = self.s, self.c
         group = "intra" if self.shard == "intra" else "world"
         col = self.owner_coll(r, (tag, step, b), b, "broadcast", s.param_bytes, group,  # simulator.step_comm
                               step if op_step is None else op_step)
-        return c.collective(col, r, phase=phase, step=step if op_step is None else op_step, deps=tuple(deps))
+        return c.collective(col, r, phase=phase, step=step if op_step is None else op_step, deps=tuple(deps),
+                            stream=stream)
 
     def _sharded_optimizer(self, r: int, step: int, adam_numel: float, red: dict) -> Op:
         s, c, cm = self.s, self.c, self.c.compute

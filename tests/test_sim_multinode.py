@@ -134,3 +134,12 @@ def test_jitter_reports_the_median_step_and_grows_with_the_ranks_that_wait():
     assert wide.step_s - simulate(SimConfig(gpus=64, **base)).step_s > a.step_s - quiet.step_s
     with pytest.raises(InputError, match="jitter must be a finite number >= 0"):
         simulate(SimConfig(gpus=16, jitter=-0.1, **base))
+
+
+def test_free_layouts_publish_on_their_own_stream_as_the_runtime_does():
+    from simulator.api import run
+
+    _, built = run(SimConfig(workload="qwen2.5-1.5b", gpus=16, strategy="dmuon", layout="fsdp-free"))
+    pubs = built.cluster.ops(0, "pub")
+    assert pubs and all(op.coll.kind in ("broadcast", "all_gather") for op in pubs)
+    assert not any(op.name.startswith(("pub", "regather")) for op in built.cluster.ops(0, "comm"))
