@@ -243,7 +243,31 @@ def validation_rows():
     return pd.DataFrame(rows)
 
 
+def moe_rows():
+    """2 models x 2 clusters (datasheet / measured) x 2 GPU counts x 3 strategies."""
+    rows = []
+    for w in ("qwen3-30b-a3b", "kimi-k2-like"):
+        for cl, src in (("h100-ndr", "datasheet"), ("my-cluster", "measured")):
+            for g in (256, 1024):
+                for s, opt in (("adamw", 0.1), ("naive", 5.0), ("dmuon", 1.0)):
+                    rows.append({"workload": w, "cluster": cl, "gpus": g, "strategy": s, "step_s": 2 + opt,
+                                 "optimizer_s": opt, "seq_len": 4096, "micro_batch": 1, "layout": "fsdp-keep",
+                                 "balancer": "lpt", "ns_method": "auto", "profile": cl,
+                                 "profile_description": f"{cl}: cluster {cl} ({src}): 8 GPUs per node",
+                                 "cost_source": "h100 datasheet roofline" if src == "datasheet" else "a800"})
+    return pd.DataFrame(rows)
+
+
+def test_moe_figure_labels_each_cluster_source():
+    from harness.figures.moe import cluster_label
+
+    df = moe_rows()
+    assert cluster_label(df, "h100-ndr") == "h100-ndr (datasheet, NS: datasheet roofline)"
+    assert cluster_label(df, "my-cluster") == "my-cluster (measured)"
+
+
 DATA = {
+    "moe": moe_rows,
     "paper": paper_rows,
     "ablation": ablation_rows,
     "scaling": scaling_rows,
