@@ -104,6 +104,7 @@ def ratios(rows: list[dict]) -> dict[str, float]:
                 out[f"{pre}_optimizer_s_{tag}"] = _div(base["optimizer_s"], d["optimizer_s"])
                 out[f"{pre}_optimizer_s_min_{tag}"] = _div(base["optimizer_s_min"], d["optimizer_s_min"])
                 out[f"{pre}_step_s_{tag}"] = _div(base["step_s"], d["step_s"])
+                out[f"{pre}_optimizer_cpu_s_{tag}"] = _div(base["optimizer_cpu_s"], d["optimizer_cpu_s"])
         n = next((r for r in rows if r["strategy"] == "naive" and r["overlap"] == d["overlap"]
                   and _ns_key(r) == _ns_key(d)), None)
         a = next((r for r in rows if r["strategy"] == "adamw" and r["overlap"] == d["overlap"]), None)

@@ -33,13 +33,14 @@ def test_the_wide_matrix_is_one_more_muon_matrix_and_gets_a_gradient():
 
 def test_split_ratios_compare_each_split_with_the_smallest():
     base = dict(strategy="dmuon", overlap=True, exchange="auto", ns_method="standard", ns_dtype="default",
-                step_s=2.0, optimizer_s=1.0, optimizer_s_min=0.9)
+                step_s=2.0, optimizer_s=1.0, optimizer_s_min=0.9, optimizer_cpu_s=0.8)
     rows = [{**base, "max_split": 1}, {**base, "max_split": 2, "optimizer_s": 0.5, "optimizer_s_min": 0.6,
-                                       "step_s": 1.5}]
+                                       "step_s": 1.5, "optimizer_cpu_s": 0.5}]
     out = ratios(rows)
     assert out["split2_over_split1_optimizer_s_overlap_on_split2"] == pytest.approx(2.0)
     assert out["split2_over_split1_optimizer_s_min_overlap_on_split2"] == pytest.approx(1.5)
     assert out["split2_over_split1_step_s_overlap_on_split2"] == pytest.approx(2.0 / 1.5)
+    assert out["split2_over_split1_optimizer_cpu_s_overlap_on_split2"] == pytest.approx(1.6)
 
 
 @pytest.mark.distributed

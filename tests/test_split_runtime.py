@@ -41,6 +41,7 @@ W2 = [
     case("owner_k2", k=2, **OWNER),
     case("owner_free_k2", k=2, opts={"memory": "free"}, **OWNER),
     case("sharded_k2", k=2, **SHARDED),
+    case("sharded_rows", rows=[0, 1], **SHARDED),  # square matrices: their local rows are the blocks
     case("replicated_max_split2", opts={"max_split": 2}, **REPL),  # the balancer: tiny matrices, no split
     ckpt("ckpt_repl_split_to_plain", 2, 1, **REPL),
     ckpt("ckpt_repl_plain_to_split", 1, 2, **REPL),
@@ -55,6 +56,8 @@ W4 = [
     case("sharded_k2", k=2, **SHARDED),
     case("sharded_k4", k=4, **SHARDED),
     case("hsdp_sharded_k2", k=2, hsdp=True, **SHARDED),
+    case("sharded_rows", rows=[0, 1, 2, 3], **SHARDED),
+    case("hsdp_sharded_rows", rows=[2, 3], hsdp=True, **SHARDED),  # replica 1's shard ranks
     case("hsdp_owner_k4", k=4, hsdp=True, **OWNER),
     ckpt("ckpt_sharded_k4_to_plain", 4, 1, **SHARDED),
     ckpt("ckpt_repl_k2_to_k4", 2, 4, **REPL),
@@ -77,6 +80,7 @@ def results(world: int, name: str) -> list[dict]:
 
 PLAIN = [(w, c) for w, cs in BATTERIES.items() for c in cs if c.get("runner", "plain") == "plain"]
 SPLIT = [(w, c) for w, c in PLAIN if c.get("k")]
+ROWS = [(w, c) for w, c in PLAIN if c.get("rows")]
 CKPTS = [(w, c) for w, cs in BATTERIES.items() for c in cs if c.get("runner") == "checkpoint"]
 
 
@@ -97,10 +101,20 @@ def test_groups_run_and_only_the_lead_holds_momentum(world, c):
     for rank, res in enumerate(per_rank):
         assert res["groups"] == groups
         in_group = any(rank in g for g in groups)
-        assert (res["split_bytes"] > 0) == in_group, (rank, res["split_bytes"])
+        assert (res["gram_bytes"] > 0) == in_group, (rank, res["gram_bytes"])
+        in_lead_split = any(rank in g for g in groups if g not in res["row_splits"])
+        assert (res["split_bytes"] > 0) == in_lead_split, (rank, res["split_bytes"])
         if c["layout"] != "fsdp2-sharded":  # owner layouts: momentum of the matrices it leads, no more
             mine = sorted(n for n, o in zip(res["names"], res["owners"], strict=True) if o == rank)
             assert res["momentum"] == mine, (rank, res["momentum"], mine)
+
+
+@pytest.mark.parametrize("world,c", ROWS, ids=[f"w{w}-{c['name']}" for w, c in ROWS])
+def test_sharded_row_splits_use_the_local_rows_without_the_lead(world, c):
+    for rank, res in enumerate(results(world, c["name"])):
+        assert res["groups"] == [c["rows"]] and res["row_splits"] == [c["rows"]]
+        assert res["split_bytes"] == 0  # no scatter / gather through the lead
+        assert (res["gram_bytes"] > 0) == (rank in c["rows"])  # only the group's all-reduces
 
 
 def test_the_balancer_does_not_split_tiny_matrices():

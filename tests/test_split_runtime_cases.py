@@ -36,13 +36,28 @@ def force_splits(plan, k: int):
     return dataclasses.replace(plan, batches=tuple(batches))
 
 
+def force_row_split(plan, shard_ranks: tuple[int, ...]):
+    """`plan` with its first batch of square matrices (rows = cols: their Shard(0) rows are blocks of the
+    long side) moved to the first of `shard_ranks` and split over them in shard order: the fsdp2-sharded
+    layout runs it without any all-to-all (`split_exec.row_split_batches`)."""
+    j = next(j for j, b in enumerate(plan.batches) if b.rows == b.cols)
+    b = plan.batches[j]
+    lead = shard_ranks[0]
+    owners = tuple(lead if i in b.members else o for i, o in enumerate(plan.owners))
+    batches = list(plan.batches)
+    batches[j] = dataclasses.replace(b, owner=lead, group=tuple(shard_ranks), comm_s=0.0)
+    return dataclasses.replace(plan, batches=tuple(batches), owners=owners)
+
+
 def split_setup(case: dict, world: int, k: int | None = None):
-    """(model, optimizer) of the case with a plan forced to groups of k (None / 1: the plain plan)."""
+    """(model, optimizer) of the case with a plan forced to groups of k (None / 1: the plain plan), or
+    with case['rows'] (a tuple of shard ranks) to one row split (`force_row_split`)."""
     k = case.get("k") if k is None else k
-    if not k or k == 1:
+    if (not k or k == 1) and not case.get("rows"):
         return setup(case, world)
     _, probe = setup({**case, "opts": {}}, world)
-    plan = force_splits(probe.plan, k)
+    rows = case.get("rows")
+    plan = force_row_split(probe.plan, tuple(rows)) if rows else force_splits(probe.plan, k)
     probe.close()
     return setup({**case, "opts": {**case.get("opts", {}), "plan": plan}}, world)
 
@@ -53,6 +68,8 @@ def run_plain(case: dict, rank: int, world: int) -> dict:
     out = {"params": full_params(model, opt), "layout": opt.layout, "cls": type(opt).__name__,
            "groups": [list(b.group) for b in opt.plan.split_batches],
            "split_bytes": opt.comm_stats.payload_bytes.get("split_blocks", 0),
+           "gram_bytes": opt.comm_stats.payload_bytes.get("split_gram", 0),
+           "row_splits": [list(b.group) for b in getattr(opt, "_row_splits", [])],
            "momentum": sorted(opt.names[i] for i in range(opt.n_muon)
                               if "momentum_buffer" in opt.state[opt.params[i]]),
            "owners": list(opt.plan.owners), "names": opt.names[:opt.n_muon]}

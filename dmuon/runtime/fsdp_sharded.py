@@ -31,6 +31,7 @@ from .bytecount import label
 from .fsdp import chunk_rows, fsdp_owner_module, local_tensor, mesh_of
 from .guards import submit_flags
 from .planning import batch_method
+from .split_exec import row_split_batches
 
 
 class _Geometry:
@@ -130,6 +131,9 @@ class ShardedDMuonSteps(_ShardedMixin):
         self.ns_matrices = 0  # matrices this rank has orthogonalized (all steps)
         if self.geo is not None and self.geo.R > 1:
             self._install_waits(model)
+        # split batches whose local rows are already the blocks: no all-to-all (split_exec.py)
+        self._row_splits = row_split_batches(self) if getattr(self, "_split", None) is not None else []
+        self._row_split_of = {i: b for b in self._row_splits for i in b.members}
 
     def _install_waits(self, model) -> None:
         bucket_of = {i: b.index for b in self.plan.buckets for i in b.members}
@@ -178,10 +182,23 @@ class ShardedDMuonSteps(_ShardedMixin):
         group, geo, plan = self.param_groups[0], self.geo, self.plan
         on = set(active)
         buckets = [[i for i in b.members if i in on] for b in plan.buckets]
-        mine = [[i for i in ms if geo.owner_coord(plan, i)[0] == geo.r] for ms in buckets]  # my replica's
-        owned = [[i for i in ms if plan.owners[i] == self.rank] for ms in buckets]
+        rows = self._row_split_of  # row-split matrices: outside the all-to-alls (their rows stay here)
+        mine = [[i for i in ms if geo.owner_coord(plan, i)[0] == geo.r and i not in rows] for ms in buckets]
+        owned = [[i for i in ms if plan.owners[i] == self.rank and i not in rows] for ms in buckets]
         dtypes = [self._dtype(ms) for ms in buckets]
-        bufs, sends = {}, []
+        bufs, sends, row_stacks = {}, [], []
+        for b in self._row_splits:
+            if self.rank not in b.group or not any(i in on for i in b.members):
+                continue
+            members = [i for i in b.members if i in on]
+            dtype = self.params[members[0]].dtype
+            for i in members[1:]:
+                dtype = torch.promote_types(dtype, self.params[i].dtype)
+            stack = torch.empty((len(members), geo.rows[members[0]][geo.s], b.rows), dtype=dtype,
+                                device=self.device)
+            for j, i in enumerate(members):
+                bufs[i] = self._momentum_input(i, group, stack[j].view(-1))
+            row_stacks.append((b, members, stack))
         for k in range(len(buckets)):
             if not mine[k]:
                 sends.append(None)
@@ -197,7 +214,7 @@ class ShardedDMuonSteps(_ShardedMixin):
                 pos += n
             sends.append((send, in_splits, out_splits))
         return {"active": active, "buckets": buckets, "mine": mine, "owned": owned, "dtypes": dtypes,
-                "sends": sends, "bufs": bufs}
+                "sends": sends, "bufs": bufs, "row_stacks": row_stacks}
 
     def _muon_update(self, has_any: torch.Tensor, pending) -> None:
         if self.plan is None:
@@ -219,10 +236,17 @@ class ShardedDMuonSteps(_ShardedMixin):
                  for k, sp in enumerate(pending["sends"])]
         self._adamw_update(has_any)
         self._adamw_done = True
+        for b, members, stack in pending["row_stacks"]:  # a row-split batch: each member its own rows
+            kwargs = {**self.ns.kwargs(), "method": batch_method(plan, b)}
+            out = self._split.run_rows(b, stack, kwargs)
+            self.ns_matrices += len(members) if b.owner == self.rank else 0
+            for i, u in zip(members, out.unbind(0), strict=True):
+                self._apply_local(i, u, group)
         # 2. the owner's batches, bucket by bucket; each bucket's rows go back as soon as it is complete,
         #    copied from the update straight into the return buffer
         updates: dict[int, torch.Tensor] = {}
-        batches = [bt for bt in plan.batches_of(self.rank) if any(i in on for i in bt.members)]
+        batches = [bt for bt in plan.batches_of(self.rank) if any(i in on for i in bt.members)
+                   and not any(bt is b for b in self._row_splits)]
         returns = []
         for k in range(len(buckets)):
             for bt in [bt for bt in batches if any(bucket_of.get(i) == k for i in bt.members)]:

@@ -98,6 +98,25 @@ class SplitExecutor:
         if ok is False:
             raise RuntimeError(f"rank {self.rank}: {what} did not finish within {self.timeout_s:g} s")
 
+    def run_rows(self, batch, block: torch.Tensor, ns_kwargs: dict) -> torch.Tensor:
+        """A row-split batch (`row_split_batches`): this rank's rows (count, rows_s, cols) of the stacked
+        members in, its rows of their polar factors out; one `orthogonalize_distributed` on the group."""
+        start = time.perf_counter()
+        out = orthogonalize_distributed(block, group=self.pg[tuple(batch.group)], tall=True,
+                                        timeout_s=self.timeout_s, check=False, **ns_kwargs)
+        if self.stats is not None:
+            self.stats.ns_s += time.perf_counter() - start
+            self.stats.ns_calls += 1
+            self._count_gram(batch, block.shape[0], len(batch.group), ns_kwargs)
+        return out
+
+    def _count_gram(self, batch, count: int, k: int, ns_kwargs: dict) -> None:
+        n = batch.rows
+        calls = all_reduces_per_call(str(ns_kwargs.get("method", "standard")), ns_kwargs.get("steps", 5),
+                                     tuple(ns_kwargs.get("restart", ())))
+        tri = count * n * (n + 1) // 2 * 4  # fp32 upper triangles; ring all-reduce: 2 (k - 1) / k of it
+        self.stats.add_bytes("split_gram", int(calls * tri * 2 * (k - 1) / k))
+
     def run(self, batch, stack: torch.Tensor | None, *, count: int, dtype: torch.dtype, device,
             ns_kwargs: dict) -> torch.Tensor | None:
         """Orthogonalize the split batch on its group. The lead passes the NS input `stack`
@@ -137,12 +156,26 @@ class SplitExecutor:
             item = torch.empty(0, dtype=dtype).element_size()
             blocks = count * n * wmax * item
             self.stats.add_bytes("split_blocks", blocks * (k - 1) if lead else blocks)
-            method = str(ns_kwargs.get("method", "standard"))
-            calls = all_reduces_per_call(method, ns_kwargs.get("steps", 5),
-                                         tuple(ns_kwargs.get("restart", ())))
-            tri = count * n * (n + 1) // 2 * 4  # fp32 upper triangles; ring all-reduce: 2 (k - 1) / k of it
-            self.stats.add_bytes("split_gram", int(calls * tri * 2 * (k - 1) / k))
+            self._count_gram(batch, count, k, ns_kwargs)
         if not lead:
             return None
         return torch.cat([g[:, :, :w] for g, w in zip(gathered, sizes, strict=True)], dim=-1)
 
+
+
+def row_split_batches(opt) -> list:
+    """fsdp2-sharded: the split batches whose blocks are already in place, so they need no all-to-all.
+    A Shard(0) matrix with at least as many rows as columns is tall (or square) in NS terms: its local
+    rows are a block of its long side. A batch qualifies when its group is the shard ranks of one replica
+    in shard order (k = shard group size) and every member is such a matrix with >= 1 row on every shard
+    rank; each member of the group then runs `orthogonalize_distributed(tall=True)` on its own rows (its
+    own momentum, no lead scatter / gather, no all-to-all) and applies its rows of the update."""
+    geo, plan, out = opt.geo, opt.plan, []
+    for b in plan.split_batches:
+        coords = [geo.coord[r] for r in b.group]
+        if len(b.group) != geo.S or coords != [(coords[0][0], s) for s in range(geo.S)]:
+            continue
+        if all(opt.params[i].shape[0] == b.cols and geo.cols[i] == b.rows and min(geo.rows[i]) >= 1
+               for i in b.members):
+            out.append(b)
+    return out
