@@ -104,7 +104,9 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
     plan = None
     info = {"ns_makespan_s": 0.0, "balancer": "", "method": "", "notes": list(workload.notes)}
     if cfg.strategy == "dmuon":
-        world = per_node if cfg.layout.startswith("hsdp") else cfg.gpus
+        # every layout plans over all ranks, as the runtime does (HSDP: fsdp2-owner on a replicate x shard
+        # mesh spreads owners over all R x S ranks, two-level exchange, each NS once in the job)
+        world = cfg.gpus
         if cfg.plan is not None:
             _check_plan(cfg.plan, muon, world)
             plan = cfg.plan

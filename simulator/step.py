@@ -6,7 +6,8 @@ Muon from a `dmuon.plan.Plan`); non-matrix parameters (embeddings, heads) are Ad
 Layouts (shard group / replicate group):
   fsdp-keep   FSDP over all ranks, parameters kept after forward (ZeRO-2-like, FSDP2 reshard=False)
   fsdp-free   FSDP over all ranks, parameters freed after forward and re-gathered for backward (ZeRO-3)
-  hsdp-keep   sharded inside a node, replicated across nodes; -free as above
+  hsdp-keep   sharded inside a node, replicated across nodes; -free as above (dmuon: the Muon matrices
+              are the runtime's, owned over every rank with a two-level exchange: NS once in the job)
   ddp         replicated; gradients all-reduced
   sharded     Muon matrices stay FSDP-sharded: momentum on local shards, per bucket one packed
               all_to_all to the owners, owners run NS, one all_to_all back (adamw / naive: as fsdp-keep)

@@ -112,15 +112,10 @@ class CommPrograms:
     def _reduce_bucket(self, r: int, b: int, step: int, dep: Op) -> Op:
         """Muon gradients of bucket b to their owners (dmuon, replicated or FSDP/HSDP layouts)."""
         s, c = self.s, self.c
-        group = "intra" if self.shard == "intra" else "world"
-        col = self.owner_coll(r, ("reduce", step, b), b, "reduce", s.grad_bytes, group, step)
-        op = c.collective(col, r, phase="bwd", step=step, deps=(dep,))
-        if self.replicate == "inter":
-            mine = self.owned[b].get(self.plan_rank(r), 0) * s.grad_bytes
-            col = self.coll(r, ("ar_owned", step, b), "inter", "all_reduce", mine, muon_fraction=1.0,
-                            step=step)
-            op = c.collective(col, r, phase="bwd", step=step, deps=(op,), stream="inter")
-        return op
+        # HSDP too: the runtime reduces each owner's chunk over every rank (two-level: in the node to the
+        # owner's local index, then across nodes to the owner), so each NS runs once in the job
+        col = self.owner_coll(r, ("reduce", step, b), b, "reduce", s.grad_bytes, "world", step)
+        return c.collective(col, r, phase="bwd", step=step, deps=(dep,))
 
     # ---- which ranks to simulate -----------------------------------------------------------------
     def _signature(self, rank: int) -> tuple:

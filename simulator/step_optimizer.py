@@ -52,7 +52,7 @@ class OptimizerPrograms(SplitPrograms):
                 self.batches_of.setdefault(o, []).append((k, bt, bks, share))
 
     def plan_rank(self, rank: int) -> int:
-        return rank % self.s.per_node if self.s.layout.startswith("hsdp") else rank
+        return rank  # the plan spans every rank in every layout (HSDP too, as the runtime plans)
 
     def _optimizer(self, r: int, step: int, prev: dict, red: dict) -> None:
         s, c = self.s, self.c
@@ -120,7 +120,7 @@ class OptimizerPrograms(SplitPrograms):
     def _publish(self, r: int, b: int, step: int, deps, *, phase: str, tag: str = "pub",
                  op_step: int | None = None, stream: str = "comm") -> Op:
         s, c = self.s, self.c
-        group = "intra" if self.shard == "intra" else "world"
+        group = "world"  # HSDP too: the runtime's two-level publication over every rank
         col = self.owner_coll(r, (tag, step, b), b, "broadcast", s.param_bytes, group,  # simulator.step_comm
                               step if op_step is None else op_step)
         return c.collective(col, r, phase=phase, step=step if op_step is None else op_step, deps=tuple(deps),

@@ -28,7 +28,7 @@ Who holds what (`StepSpec.split_exchange`, `SimConfig.split_exchange`):
           momentum and publishes its block of the new weights; no scatter / gather. What the runtime does
           for fsdp2-sharded batches whose group is the shard group (`split_exec.row_split_batches`: the
           local Shard(0) rows are the blocks) and could do in every layout with the same plan.
-In the HSDP layouts the plan is over one node's ranks and every node runs its own copy of each group.
+In the HSDP layouts too the plan spans every rank (as the runtime plans), so each group runs once.
 """
 
 from __future__ import annotations
@@ -45,10 +45,7 @@ class SplitPrograms:
     """Split-batch ops of one rank (mixed into `simulator.step._Programs` through OptimizerPrograms)."""
 
     def _group_ranks(self, r: int, group) -> tuple[int, ...]:
-        """The global ranks of plan group `group` as rank r sees it (HSDP: the copy on r's node)."""
-        if self.s.layout.startswith("hsdp"):
-            base = (r // self.s.per_node) * self.s.per_node
-            return tuple(base + g for g in group)
+        """The global ranks of plan group `group` (the plan spans every rank in every layout)."""
         return tuple(group)
 
     def _group_coll(self, ranks: tuple[int, ...], key: tuple, kind: str, size_bytes: float, step: int,
