@@ -173,6 +173,7 @@ class PlanRunner:
         "bucket_numel": 0,
         "time_limit_s": 10.0,
         "seed": 0,
+        "ep": 1,  # expert-parallel degree (dmuon.plan.ep.build_ep_plan; 1 = build_plan)
     }
 
     def group_key(self, s: dict) -> str:
@@ -187,7 +188,7 @@ class PlanRunner:
     def run_group(self, group: list[dict], ctx: dict):
         import warnings
 
-        from dmuon.plan.build import build_plan
+        from dmuon.plan.ep import build_ep_plan
         from simulator.costs import load_cost
         from simulator.workload import resolve_workload
 
@@ -196,10 +197,11 @@ class PlanRunner:
             workload = resolve_workload(s["workload"], s.get("model"))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
-                plan = build_plan(
+                plan = build_ep_plan(
                     workload.muon_matrices,
                     s["gpus"],
                     cost,
+                    ep=s.get("ep", 1),
                     balancer=s["balancer"],
                     method=s["method"],
                     dtype=s["dtype"],

@@ -266,8 +266,16 @@ def test_moe_figure_labels_each_cluster_source():
     assert cluster_label(df, "my-cluster") == "my-cluster (measured)"
 
 
+def moe_ep_rows():
+    return pd.DataFrame([{"workload": w, "gpus": g, "ep": ep, "makespan_s": 0.1 / ep ** 0.3,
+                          "lower_bound_s": 0.09, "cost_source": "a800", "method": "gram_sym", "dtype": "bf16",
+                          "balancer": "lpt"}
+                         for w in ("qwen3-30b-a3b", "kimi-k2-like") for g in (256, 1024) for ep in (1, 8, 64)])
+
+
 DATA = {
     "moe": moe_rows,
+    "moe_ep": moe_ep_rows,
     "paper": paper_rows,
     "ablation": ablation_rows,
     "scaling": scaling_rows,

@@ -5,7 +5,7 @@ figure the command and the data file behind it. comparison.md is written by `har
     render_experiment("paper", results_root=Path("results"), figures_dir=Path("paper_figures"))
 
 Modules: common (style, saving), paper (1, 2, 6), scaling (3), ablation (4), balancers (5),
-validation (7), kernels (8), moe (9), comparison (comparison.md).
+validation (7), kernels (8), moe (9), moe_ep (10), comparison (comparison.md).
 """
 
 from __future__ import annotations
@@ -91,6 +91,9 @@ FIGURES = {
         ),
         FigureSpec(
             9, "moe", "moe", "MoE what-if: step and optimizer time vs GPUs per model and cluster", "moe:moe"
+        ),
+        FigureSpec(
+            10, "moe_ep", "moe_ep", "MoE owner plans: NS makespan vs expert-parallel degree", "moe_ep:moe_ep"
         ),
     )
 }
