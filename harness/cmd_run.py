@@ -107,7 +107,7 @@ def register(app, bench) -> None:
         experiment: str = typer.Argument(
             "paper",
             help="experiments/<name>.toml name (paper | ablation | scaling "
-            "| balancers | kernels) or a path to your own .toml.",
+            "| balancers | kernels | moe | moe_ep) or a path to your own .toml.",
         ),
         out: str = typer.Option(None, help="Output folder (default: results/<experiment>)."),
         jobs: int = typer.Option(
@@ -189,7 +189,7 @@ def register(app, bench) -> None:
     def figures_cmd(
         experiment: str = typer.Argument(
             "all",
-            help="paper | ablation | scaling | balancers | kernels | "
+            help="paper | ablation | scaling | balancers | kernels | moe | moe_ep | "
             "validation | all (every experiment with stored results).",
         ),
         results: str = typer.Option(str(DEFAULT_RESULTS), help="Folder holding <experiment>/results.csv."),
