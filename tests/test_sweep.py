@@ -72,6 +72,8 @@ def test_every_shipped_experiment_expands():
     assert sizes["ablation"] == 4 * 2 * 11  # 10 paper variants + "+split"
     assert sizes["balancers"] == 4 * 6 * 3
     assert sizes["kernels"] == 3
+    assert sizes["moe"] == 3 * 2 * 2 * 3  # models x clusters x GPU counts x strategies
+    assert sizes["moe_ep"] == 3 * 3 * 5  # models x rank counts x EP degrees
     assert sizes["scaling"] == 2 * 8 * 3 + 6 * 3 + 3 * 3 + 8 * 2  # ... + the split grid (dmuon only)
 
 
