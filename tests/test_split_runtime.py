@@ -48,6 +48,8 @@ W2 = [
     ckpt("ckpt_sharded_split_to_plain", 2, 1, **SHARDED),
     ckpt("ckpt_owner_plain_to_split", 1, 2, **OWNER),
     case("errors", runner="errors"),
+    *[case(f"nonfinite_{n}", runner="nonfinite", k=2, **lay)
+      for n, lay in (("replicated", REPL), ("owner", OWNER), ("sharded", SHARDED))],
 ]
 W4 = [
     case("replicated_k2", k=2, **REPL),
@@ -145,6 +147,21 @@ def test_bad_split_setups_are_one_line_errors_on_every_rank(world):
                           ("plan_world", f"the plan is for {world + 1} ranks")):
             assert res[key].startswith("InputError") and text in res[key], (key, res[key])
             assert "\n" not in res[key]
+
+
+NONFINITE = [c["name"] for c in W2 if c.get("runner") == "nonfinite"]
+
+
+@pytest.mark.parametrize("name", NONFINITE)
+def test_nonfinite_gradient_stops_a_split_step_everywhere(name):
+    per_rank = results(2, name)
+    for rank, res in enumerate(per_rank):
+        assert "non-finite gradient" in res["error"] and "blocks.0.up.weight" in res["error"], (rank, res)
+        assert res["unchanged"], f"rank {rank}: parameters changed in the skipped step"
+    assert per_rank[0]["split_of_up"] == [[0, 1]] or per_rank[0]["split_of_up"] == [[1, 0]], per_rank[0]
+    for res in per_rank[1:]:
+        for k, v in per_rank[0]["params"].items():
+            assert bool((v == res["params"][k]).all()), k
 
 
 def _plan(batches, owners, shapes, world=4) -> Plan:

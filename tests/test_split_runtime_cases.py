@@ -129,7 +129,38 @@ def run_errors(case: dict, rank: int, world: int) -> dict:
     return out
 
 
-RUNNERS = {"plain": run_plain, "checkpoint": run_checkpoint, "errors": run_errors}
+def run_nonfinite(case: dict, rank: int, world: int) -> dict:
+    """Steps 0, 1 with groups; at step 2 rank 1 only gets a NaN in blocks.0.up's gradient: every rank must
+    raise and change nothing (the lead's speculative split NS is dropped); then steps 3, 4 train."""
+    from dmuon.runtime.guards import NonFiniteGradientError
+
+    model, opt = split_setup(case, world)
+    train(model, opt, case, [0, 1], rank, world)
+    before = full_params(model, opt)
+
+    def poison(module, args, output):
+        output.register_hook(lambda g: g * float("nan"))
+
+    handle = model.blocks[0].up.register_forward_hook(poison) if rank == 1 else None
+    err = ""
+    try:
+        train(model, opt, case, [2], rank, world)
+    except NonFiniteGradientError as e:
+        err = str(e)
+        opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    after = full_params(model, opt)
+    unchanged = all(bool((before[k] == after[k]).all()) for k in before)
+    train(model, opt, case, [3, 4], rank, world)
+    out = {"error": err, "unchanged": unchanged, "params": full_params(model, opt),
+           "split_of_up": [list(g) for g, n in zip(opt.plan.groups, opt.names, strict=False)
+                           if n == "blocks.0.up.weight"]}
+    opt.close()
+    return out
+
+
+RUNNERS = {"plain": run_plain, "checkpoint": run_checkpoint, "errors": run_errors, "nonfinite": run_nonfinite}
 
 
 def run_cases(rank: int, world: int, cases: list[dict]) -> dict:
