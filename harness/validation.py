@@ -134,7 +134,7 @@ def multinode_checks() -> list[dict]:
         metric = f"{r['collective']} {r['metric']} at {r['size_bytes']:.4g} B"
         out.append(_row("multinode_public", label, "", "", metric, r["unit"], r["published"],
                         f"public: {r['source']}", r["simulated"], BOUND, True, r["note"],
-                        "a800 network constants"))
+                        "a800"))
     return out
 
 
