@@ -73,15 +73,25 @@ def test_ep_equal_to_ranks_owns_each_expert_on_its_only_holder():
 
 
 def test_dense_matrices_fill_around_the_experts():
-    """LPT starts the dense matrices from the experts' loads: the plan is no worse than placing them
-    ignoring those loads (round-robin), and the experts' sub-plan is shared by every EP rank."""
+    """LPT is no worse than round-robin, and where large dense matrices dominate, balancing them first and
+    the experts around them beats the experts-first order (which is also tried: the better plan wins)."""
+    from dmuon.plan.balance import build_work_model
+    from dmuon.plan.ep import _experts_first, _loads
+
     mats = tiny_moe(layers=4, experts=16)
     lpt = build_ep_plan(mats, 16, A800, ep=4, balancer="lpt")
     rr = build_ep_plan(mats, 16, A800, ep=4, balancer="round_robin")
     assert lpt.makespan_s <= rr.makespan_s * (1 + 1e-12)
-    per_ep = [sorted(len(b.members) for b in lpt.batches if b.owner % 4 == k
-                     and expert_index(mats[b.members[0]].name) is not None) for k in range(4)]
-    assert all(p == per_ep[0] for p in per_ep)
+    big = [MatrixSpec("model.layers.0.mlp.down_proj", 4096, 4096, 0)] + tiny_moe(layers=2, experts=8)
+    plan = build_ep_plan(big, 4, A800, ep=2, balancer="lpt")
+    where = expert_placement(big, 2)
+    local = [[i for i, w in enumerate(where) if w == k] for k in range(2)]
+    dense = [i for i, w in enumerate(where) if w is None]
+    dmodel = build_work_model([big[i] for i in dense], 4, A800)
+    mkw = dict(method="gram_sym", dtype="bf16", batching=True, max_batch=8)
+    first = _experts_first(big, local, dense, dmodel, EPLayout(4, 2), A800, "lpt", {}, mkw)
+    assert plan.makespan_s < max(_loads(first[1], 4)) * (1 - 1e-6)
+    assert any("dense matrices balanced first" in n for n in plan.notes)
 
 
 def test_ep_one_is_build_plan_and_old_json_is_unchanged():

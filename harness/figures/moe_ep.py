@@ -35,5 +35,6 @@ def moe_ep(df):
     r = df.iloc[0]
     caption(fig, f"Plans priced by the '{r['cost_source']}' cost table ({r['method']}, {r['dtype']}, "
                  f"balancer {r['balancer']}); not a simulated step. With EP an expert is owned inside its EP "
-                 "rank's replica group and the dense matrices are balanced around the experts' loads.")
+                 "rank's replica group; the plan is the better of balancing the experts first or the dense "
+                 "matrices first (dmuon.plan.ep).")
     return fig
