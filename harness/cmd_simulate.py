@@ -145,7 +145,9 @@ def register(app, bench) -> None:
         overlap: bool = typer.Option(True, "--overlap/--no-overlap",
                                      help="dmuon: overlap publication with the next forward."),
         hierarchical: bool = typer.Option(True, "--hierarchical/--no-hierarchical",
-                                          help="Two-level collectives across nodes (else one flat ring)."),
+                                          help="dmuon: two-level owner exchange across nodes (the "
+                                               "runtime's node_size; else flat). FSDP's collectives "
+                                               "run as NCCL picks either way."),
         nic_gbps: float = typer.Option(None, help="Inter-node NIC bandwidth per node, Gbit/s (default: "
                                                   "profile; a800: 800 = 4 x 200 Gb/s HDR)."),
         overlap_slowdown: float = typer.Option(None, help="Compute slowdown while communication overlaps it "

@@ -64,7 +64,9 @@ class SimConfig:
     batching: bool = _f(True, "dmuon: batch same-shape matrices on an owner")
     balancer: str = _f("lpt", "dmuon owner balancer: round_robin | lpt | milp")
     overlap: bool = _f(True, "dmuon: overlap publication with the next forward (per-layer wait)")
-    hierarchical: bool = _f(True, "two-level collectives across nodes (False: one flat ring)")
+    hierarchical: bool = _f(True, "dmuon's owner exchange two-level across nodes, as the runtime with "
+                                  "node_size / an HSDP mesh (False: flat over all ranks); NCCL-native "
+                                  "collectives (FSDP's, naive's, all-reduces) run as NCCL picks either way")
     nic_gbps: float | None = _f(None, "inter-node NIC bandwidth per node, Gbit/s per direction "
                                       "(None: profile)")
     overlap_slowdown: float | None = _f(None, "compute slowdown while communication overlaps it, e.g. 0.1 "

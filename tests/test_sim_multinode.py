@@ -143,3 +143,14 @@ def test_free_layouts_publish_on_their_own_stream_as_the_runtime_does():
     pubs = built.cluster.ops(0, "pub")
     assert pubs and all(op.coll.kind in ("broadcast", "all_gather") for op in pubs)
     assert not any(op.name.startswith(("pub", "regather")) for op in built.cluster.ops(0, "comm"))
+
+
+def test_hsdp_dmuon_plans_over_every_rank_as_the_runtime():
+    from simulator.api import run
+
+    res, built = run(SimConfig(workload="qwen2.5-1.5b", gpus=32, strategy="dmuon", layout="hsdp-keep"))
+    plan = built.spec.plan
+    assert plan.world_size == 32 and max(plan.owners) >= 8  # owners beyond the first node
+    assert not any(op.name.startswith("ar_owned") for op in built.cluster.ops(0, "inter"))
+    one_node = simulate(SimConfig(workload="qwen2.5-1.5b", gpus=8, strategy="dmuon", layout="hsdp-keep"))
+    assert res.ns_makespan_s < one_node.ns_makespan_s  # each NS once in the job, spread over 32 ranks
