@@ -7,13 +7,13 @@ dicts and the checkpoints see an ordinary owner: the lead receives the summed gr
 momentum, forms the NS input stack (B, n, m) (n <= m, the batch's NS shape) exactly as an unsplit owner
 does, and, once the group is done, applies the whole update and publishes the new weights as before.
 In between (`SplitExecutor.run`), within the group's own process group:
-  1. scatter: the lead sends member j its column block j of the stack (`split_sizes(m, k)` widths,
-     padded to the widest so one gloo/NCCL scatter carries them), in the stack's dtype;
+  1. blocks out: the lead sends member j its column block j of the stack (`split_sizes(m, k)` widths;
+     point-to-point, so uneven blocks need no padding), in the stack's dtype;
   2. NS: every member runs `orthogonalize_distributed` on its block (k-way all-reduces of the m x m
      Gram products, upper triangles in fp32: see dmuon/split_ns.py);
-  3. gather: the lead collects the blocks of the polar factor and concatenates them.
-Extra bytes per split batch over the unsplit owner: 2 (k - 1) / k of the stack through the lead (one
-scatter, one gather), beside the Gram all-reduces the plan prices; the plan does not price these two
+  3. blocks back: the lead receives the members' blocks of the polar factor and concatenates them.
+Extra bytes per split batch over the unsplit owner: 2 (k - 1) / k of the stack through the lead (out
+and back), beside the Gram all-reduces the plan prices; the plan does not price these two
 (`dmuon.plan.split` counts the all-reduces only), see docs/runtime.md. A member that is not the lead
 needs no gradient, momentum or weight of the matrix (memory='free' works unchanged).
 
@@ -128,38 +128,39 @@ class SplitExecutor:
         lead = me == 0
         n, m = batch.rows, batch.cols
         sizes = split_sizes(m, k)
-        wmax = sizes[0]
+        starts = [sum(sizes[:j]) for j in range(k)]
         name = f"split batch {batch.rows}x{batch.cols} x{count} on ranks {list(group)}"
         start = time.perf_counter()
-        recv = torch.empty((count, n, wmax), dtype=dtype, device=device)
-        send = None
         if lead:
             if stack.shape != (count, n, m):
                 raise AssertionError(f"{name}: stack {tuple(stack.shape)}, expected {(count, n, m)}")
-            pad = torch.zeros((k, count, n, wmax), dtype=dtype, device=device)
-            lo = 0
-            for j, w in enumerate(sizes):
-                pad[j, :, :, :w].copy_(stack[:, :, lo:lo + w])
-                lo += w
-            send = list(pad.unbind(0))
-        self._wait(dist.scatter(recv, send, group_src=0, group=pg, async_op=True), f"{name}: scatter")
-        block = recv[:, :, :sizes[me]].contiguous()
+            sends = [dist.isend(stack[:, :, starts[j]:starts[j] + sizes[j]].contiguous(), group_dst=j,
+                                group=pg) for j in range(1, k)]
+            block = stack[:, :, :sizes[0]]  # a view: orthogonalize_distributed copies what it needs
+        else:
+            block = torch.empty((count, n, sizes[me]), dtype=dtype, device=device)
+            self._wait(dist.irecv(block, group_src=0, group=pg), f"{name}: block from the lead")
         out = orthogonalize_distributed(block, group=pg, tall=False, timeout_s=self.timeout_s, check=False,
                                         **ns_kwargs)
-        back = torch.zeros((count, n, wmax), dtype=dtype, device=device)
-        back[:, :, :sizes[me]].copy_(out)
-        gathered = [torch.empty_like(back) for _ in range(k)] if lead else None
-        self._wait(dist.gather(back, gathered, group_dst=0, group=pg, async_op=True), f"{name}: gather")
+        if lead:
+            parts = [torch.empty((count, n, w), dtype=dtype, device=device) for w in sizes[1:]]
+            recvs = [dist.irecv(t, group_src=j + 1, group=pg) for j, t in enumerate(parts)]
+            for w in sends:
+                self._wait(w, f"{name}: blocks to the members")
+            for w in recvs:
+                self._wait(w, f"{name}: blocks from the members")
+        else:
+            self._wait(dist.isend(out, group_dst=0, group=pg), f"{name}: block to the lead")
         if self.stats is not None:
             self.stats.ns_s += time.perf_counter() - start
             self.stats.ns_calls += 1
             item = torch.empty(0, dtype=dtype).element_size()
-            blocks = count * n * wmax * item
-            self.stats.add_bytes("split_blocks", blocks * (k - 1) if lead else blocks)
+            mine = count * n * sizes[me] * item
+            self.stats.add_bytes("split_blocks", count * n * (m - sizes[0]) * item if lead else mine)
             self._count_gram(batch, count, k, ns_kwargs)
         if not lead:
             return None
-        return torch.cat([g[:, :, :w] for g, w in zip(gathered, sizes, strict=True)], dim=-1)
+        return torch.cat([out, *parts], dim=-1)
 
 
 
