@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dmuon.plan.balance import ShapeClass, WorkModel, build_work_model, lpt_marginal
+from dmuon.plan.balance import ShapeClass, WorkModel, build_work_model, lpt_for_cap, lpt_marginal
 from dmuon.plan.build import build_plan, map_slots
 from dmuon.plan.cost import CostTable
 from dmuon.plan.types import MatrixSpec
@@ -98,6 +98,38 @@ def test_fast_marginal_lpt_and_slot_mapping_match_the_scans(seed):
     loads = lpt_marginal(model)
     assert loads == _reference_marginal(model)
     assert map_slots(model, loads) == _reference_slots(model, loads)
+
+
+def _reference_lpt_for_cap(model: WorkModel, max_size: int):
+    """lpt_for_cap under a memory cap as a scan over every rank per batch."""
+    jobs = sorted((-model.classes[s].times_s[b], s, -b) for s, c in enumerate(model.classes)
+                  for b in model.best_split(s, c.count, max_size))
+    n = model.world_size
+    load, used, loads = [0.0] * n, [0] * n, [{} for _ in range(n)]
+    for neg_t, s, neg_b in jobs:
+        need = model.classes[s].state_bytes * -neg_b
+        fits = [r for r in range(n) if used[r] + need <= model.memory_cap_bytes]
+        if not fits:
+            return None
+        best = min(fits, key=lambda r: (load[r], r))
+        load[best] -= neg_t
+        used[best] += need
+        loads[best].setdefault(s, []).append(-neg_b)
+    return loads
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_capped_lpt_matches_the_scan(seed):
+    rng = random.Random(100 + seed)
+    shapes = rng.sample([(256, 1024), (768, 2048), (2048, 2048), (1024, 4096), (512, 512)], 3)
+    mats = [MatrixSpec(f"l{layer}.m{j}", *rng.choice(shapes), layer)
+            for layer in range(rng.randint(2, 10)) for j in range(rng.randint(1, 12))]
+    n = rng.randint(2, 12)
+    total = sum(m.numel for m in mats) * 8
+    biggest = max(m.numel for m in mats) * 8
+    model = build_work_model(mats, n, A800, memory_cap_bytes=max(biggest, total / n * rng.uniform(1.0, 1.6)))
+    for cap in range(1, 9):
+        assert lpt_for_cap(model, cap) == _reference_lpt_for_cap(model, cap)
 
 
 def test_biggest_moe_plans_by_lpt_in_seconds():

@@ -392,18 +392,19 @@ def lpt_for_cap(model: WorkModel, max_size: int, counts=None, initial=None) -> L
     heapq.heapify(heap)
     for neg_t, s, neg_b in jobs:
         b, need = -neg_b, model.classes[s].state_bytes * -neg_b
-        if cap is None:
-            _, best = heapq.heappop(heap)
-        else:
-            fits = [r for r in range(n_ranks) if used[r] + need <= cap]
-            if not fits:
-                return None
-            best = min(fits, key=lambda r: (load[r], r))
+        # the heap holds (load, rank) of every rank: the first with room is the least loaded one that fits
+        full = []
+        while heap and cap is not None and used[heap[0][1]] + need > cap:
+            full.append(heapq.heappop(heap))
+        if not heap:
+            return None
+        _, best = heapq.heappop(heap)
+        for item in full:
+            heapq.heappush(heap, item)
         load[best] -= neg_t
         used[best] += need
         loads[best].setdefault(s, []).append(b)
-        if cap is None:
-            heapq.heappush(heap, (load[best], best))
+        heapq.heappush(heap, (load[best], best))
     return loads
 
 
