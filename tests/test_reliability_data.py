@@ -34,9 +34,9 @@ import signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
 import simulator.api as api
 real = api.run
-def slow(cfg):
+def slow(cfg, **kwargs):
     time.sleep(1.0)  # wide enough that a loaded CI machine still interrupts mid-sweep
-    return real(cfg)
+    return real(cfg, **kwargs)
 api.run = slow
 from harness.cli import main
 sys.exit(main(sys.argv[1:]))
@@ -87,9 +87,9 @@ def _resume_and_check(exp: Path, out: Path, kept: set[str], reference: pd.DataFr
     calls = []
     real = simulator.api.run
 
-    def counting(cfg):
+    def counting(cfg, **kwargs):
         calls.append(cfg)
-        return real(cfg)
+        return real(cfg, **kwargs)
 
     monkeypatch.setattr(simulator.api, "run", counting)
     s = run_sweep(load_experiment(str(exp)), out, jobs=1)
@@ -131,11 +131,11 @@ def test_a_raising_row_keeps_the_rows_before_it(exp, tmp_path, reference, monkey
     real = simulator.api.run
     calls = []
 
-    def flaky(cfg):
+    def flaky(cfg, **kwargs):
         calls.append(cfg)
         if len(calls) == 5:
             raise RuntimeError("node lost")
-        return real(cfg)
+        return real(cfg, **kwargs)
 
     monkeypatch.setattr(simulator.api, "run", flaky)
     out = tmp_path / "out"

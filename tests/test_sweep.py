@@ -58,9 +58,9 @@ def count_runs(monkeypatch):
     calls = []
     real = simulator.api.run
 
-    def counting(cfg):
+    def counting(cfg, **kwargs):
         calls.append(cfg)
-        return real(cfg)
+        return real(cfg, **kwargs)
 
     monkeypatch.setattr(simulator.api, "run", counting)
     return calls
@@ -238,11 +238,11 @@ def test_interrupted_sweep_leaves_only_whole_rows(tiny, tmp_path, monkeypatch):
     real = simulator.api.run
     calls = []
 
-    def flaky(cfg):
+    def flaky(cfg, **kwargs):
         calls.append(cfg)
         if len(calls) == 3:
             raise RuntimeError("node lost")
-        return real(cfg)
+        return real(cfg, **kwargs)
 
     monkeypatch.setattr(simulator.api, "run", flaky)
     out = tmp_path / "out"
@@ -359,3 +359,25 @@ def test_rows_sharing_a_plan_build_it_once(tiny, tmp_path, monkeypatch):
     s = run_sweep(exp, tmp_path / "out", jobs=1)
     assert s.ran == 12
     assert len(built) == 2  # one plan per GPU count: overlap on/off and the other strategies reuse it
+
+
+def test_every_rank_is_simulated_only_where_a_trace_is_written(tiny, tmp_path, monkeypatch):
+    seen = []
+    real = simulator.api.run
+
+    def recording(cfg, all_ranks=True):
+        seen.append((cfg.gpus, cfg.strategy, all_ranks))
+        return real(cfg, all_ranks=all_ranks)
+
+    monkeypatch.setattr(simulator.api, "run", recording)
+    tiny.write_text(tiny.read_text() + "[[trace]]\ngpus = 2\nstrategy = \"dmuon\"\n")
+    s = run_sweep(load_experiment(str(tiny)), tmp_path / "out", jobs=1)
+    assert s.ran == 6 and len(seen) == 6
+    assert {(g, st) for g, st, every in seen if every} == {(2, "dmuon")}
+    rows = pd.read_csv(tmp_path / "out" / "results.csv")
+    assert rows["trace_file"].notna().sum() == 1
+    # the representative-rank rows are the all-rank results (tests/test_sim_multinode.py checks every field)
+    full = real(simulator.api.SimConfig(workload=str(tmp_path / "tiny.toml"), gpus=2, strategy="naive",
+                                        gpu="a800", seq_len=64, micro_batch=1))[0]
+    naive2 = rows[(rows.gpus == 2) & (rows.strategy == "naive")].iloc[0]
+    assert naive2["step_s"] == pytest.approx(full.step_s, rel=1e-9)
