@@ -244,12 +244,11 @@ def run_bad_load(case: dict, rank: int, world: int) -> dict:
     return {"error": err, "keys": sorted(meta)}
 
 
-def run_nonfinite(case: dict, rank: int, world: int) -> dict:
-    """Steps 0, 1; at step 2 rank 1 (only) gets a NaN in one Muon gradient: step() must raise on every
-    rank and change nothing; then steps 3, 4 train normally."""
+def nonfinite_round(model, opt, case: dict, rank: int, world: int) -> tuple[str, bool]:
+    """Steps 0, 1; at step 2 rank 1 (only) gets a NaN in blocks.0.up's gradient: step() must raise on
+    every rank and change nothing; then steps 3, 4 train normally. Returns (error text, unchanged)."""
     from dmuon.runtime.guards import NonFiniteGradientError
 
-    model, opt = setup(case, world)
     train(model, opt, case, [0, 1], rank, world)
     before = full_params(model, opt)
     # through the module's output gradient: FSDP2 computes with an unsharded copy of the weight
@@ -268,6 +267,13 @@ def run_nonfinite(case: dict, rank: int, world: int) -> dict:
     after = full_params(model, opt)
     unchanged = all(torch.equal(before[k], after[k]) for k in before)
     train(model, opt, case, [3, 4], rank, world)
+    return err, unchanged
+
+
+def run_nonfinite(case: dict, rank: int, world: int) -> dict:
+    """`nonfinite_round` on the case's set-up."""
+    model, opt = setup(case, world)
+    err, unchanged = nonfinite_round(model, opt, case, rank, world)
     out = {"error": err, "unchanged": unchanged, "params": full_params(model, opt)}
     opt.close()
     return out

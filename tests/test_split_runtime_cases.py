@@ -16,7 +16,7 @@ import time
 import traceback
 
 import torch.distributed as dist
-from test_fsdp_cases import full_params, setup, train
+from test_fsdp_cases import full_params, nonfinite_round, setup, train
 
 
 def force_splits(plan, k: int):
@@ -130,29 +130,9 @@ def run_errors(case: dict, rank: int, world: int) -> dict:
 
 
 def run_nonfinite(case: dict, rank: int, world: int) -> dict:
-    """Steps 0, 1 with groups; at step 2 rank 1 only gets a NaN in blocks.0.up's gradient: every rank must
-    raise and change nothing (the lead's speculative split NS is dropped); then steps 3, 4 train."""
-    from dmuon.runtime.guards import NonFiniteGradientError
-
+    """test_fsdp_cases.nonfinite_round with groups: the lead's speculative split NS must be dropped."""
     model, opt = split_setup(case, world)
-    train(model, opt, case, [0, 1], rank, world)
-    before = full_params(model, opt)
-
-    def poison(module, args, output):
-        output.register_hook(lambda g: g * float("nan"))
-
-    handle = model.blocks[0].up.register_forward_hook(poison) if rank == 1 else None
-    err = ""
-    try:
-        train(model, opt, case, [2], rank, world)
-    except NonFiniteGradientError as e:
-        err = str(e)
-        opt.zero_grad()
-    if handle is not None:
-        handle.remove()
-    after = full_params(model, opt)
-    unchanged = all(bool((before[k] == after[k]).all()) for k in before)
-    train(model, opt, case, [3, 4], rank, world)
+    err, unchanged = nonfinite_round(model, opt, case, rank, world)
     out = {"error": err, "unchanged": unchanged, "params": full_params(model, opt),
            "split_of_up": [list(g) for g, n in zip(opt.plan.groups, opt.names, strict=False)
                            if n == "blocks.0.up.weight"]}
