@@ -1,9 +1,14 @@
 """`harness sensitivity`: which uncertain input of the profile moves a simulated output most.
 
 One-at-a-time over the profile's `[uncertainty]` ranges (simulator.bands): the configuration is simulated
-with each input at its low and at its high end; the rows, ranked by swing, go to a CSV and a tornado chart
-(paper_figures/sensitivity.png and .pdf unless --figure-dir / --stem say otherwise). The compute rates
-are not refitted when an input moves: the swing is the model's, at fixed calibration. SIMULATED.
+with each input at its low and at its high end; the rows, ranked by swing, go to a CSV (with the
+configuration's columns, so the chart can be redrawn from it) and a tornado chart. The configuration of
+figure 11 (qwen2.5-7b DMuon on 128 A800s, `--csv results/sensitivity/qwen2.5-7b_128_dmuon_step.csv`) is
+drawn through the figure registry: paper_figures/sensitivity.png and .pdf, listed in figures.json and
+index.md (`harness figures sensitivity` redraws it from the CSV). Any other configuration's chart is
+<figure-dir>/sensitivity_<workload>_<gpus>_<strategy>_<output>.png unless --stem names it, and is not
+indexed. The compute rates are not refitted when an input moves: the swing is the model's, at fixed
+calibration. SIMULATED.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 FIGURE_DIR = Path("paper_figures")
+RESULTS_DIR = Path("results/sensitivity")
 
 
 def register(app, bench) -> None:
@@ -30,7 +36,9 @@ def register(app, bench) -> None:
                                                   "optimizer_s, exposed_comm_s, ...)."),
         csv: str = typer.Option(None, help="Write the rows to this CSV as well."),
         figure_dir: str = typer.Option(str(FIGURE_DIR), help="Where the tornado chart goes."),
-        stem: str = typer.Option("sensitivity", help="File name of the chart (PNG and PDF)."),
+        stem: str = typer.Option(None, help="File name of the chart (PNG and PDF); default: figure 11's "
+                                            "'sensitivity' for its CSV, else sensitivity_<workload>_<gpus>_"
+                                            "<strategy>_<output>."),
     ):
         """Rank the profile's uncertain inputs by how much each moves OUTPUT; tornado chart + table."""
         from dmuon.errors import InputError
@@ -42,6 +50,8 @@ def register(app, bench) -> None:
         cfg = SimConfig(workload=workload, gpus=gpus, gpu=gpu, strategy=strategy, layout=layout,
                         seq_len=seq_len, micro_batch=micro_batch)
         base, rows = sensitivity(cfg, output)
+        conf = {"workload": workload, "gpus": gpus, "gpu": gpu, "strategy": strategy, "layout": layout,
+                "seq_len": seq_len, "micro_batch": micro_batch}
         print(f"{output} of {strategy} {workload} on {gpus} x {gpu} ({layout}), SIMULATED: base {base:.6g}")
         for r in rows:
             print(f"  {r['input']:18s} {r['input_low']:>9.4g} .. {r['input_high']:<9.4g} -> "
@@ -52,11 +62,19 @@ def register(app, bench) -> None:
             from dmuon.io import atomic_path
 
             with atomic_path(Path(csv)) as tmp:
-                pd.DataFrame(rows).to_csv(tmp, index=False)
-        from .figures.sensitivity import tornado
+                pd.DataFrame([{**r, **conf} for r in rows]).to_csv(tmp, index=False)
+        from .figures import FIGURES, render, write_index
+        from .figures.sensitivity import title_and_note, tornado
 
-        title = f"Sensitivity of {output}: {strategy}, {workload}, {gpus} x {gpu}, {layout}"
-        note = (f"SIMULATED with profile {gpu}; one input at a time over the profile's [uncertainty] ranges, "
-                "others at the profile's values; compute rates not refitted (harness sensitivity)")
+        spec = FIGURES["sensitivity"]
+        indexed = csv and stem is None and Path(csv).resolve() == (RESULTS_DIR / spec.data).resolve()
+        if indexed:  # figure 11: drawn from the CSV just written, entered in figures.json / index.md
+            entry = render("sensitivity", RESULTS_DIR, Path(figure_dir))
+            write_index(Path(figure_dir), [entry])
+            print(f"figure {entry['number']}: {Path(figure_dir) / entry['files'][0]} (index updated)")
+            return
+        title, note = title_and_note(conf, output)
+        name = Path(workload).stem if workload.endswith((".toml", ".csv", ".json")) else Path(workload).name
+        stem = stem or f"sensitivity_{name}_{gpus}_{strategy}_{output.removesuffix('_s')}"
         for p in tornado(rows, base, title, note, Path(figure_dir), stem):
             print(f"figure: {p}")

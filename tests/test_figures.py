@@ -99,6 +99,9 @@ def ablation_rows():
     return pd.DataFrame(rows)
 
 
+SPLIT_GPUS = (8, 64, 1024)
+
+
 def scaling_rows():
     rows = []
     for gpu in ("a800", "h200"):
@@ -140,6 +143,11 @@ def scaling_rows():
                     "step_s": 1.0,
                 }
             )
+    for g in SPLIT_GPUS:
+        for k, opt in ((1, 0.05), (8, 0.05 * 8 / g)):
+            rows.append({"grid": "split", "gpu": "a800", "gpus": g, "strategy": "dmuon", "max_split": k,
+                         "tokens_per_s": 1.0, "step_s": 1.0, "optimizer_s": opt + 0.001 * k,
+                         "ns_makespan_s": opt})
     df = pd.DataFrame(rows)
     df["workload"], df["seq_len"], df["micro_batch"], df["layout"], df["balancer"] = (
         "qwen2.5-7b",
@@ -152,6 +160,30 @@ def scaling_rows():
     df["profile_description"] = df["gpu"] + ": test"
     df["cost_source"] = df["gpu"].map({"a800": "a800", "h200": "h200 datasheet roofline"})
     return df
+
+
+def test_scaling_figure_draws_the_split_grid():
+    from harness.figures.scaling import scaling
+
+    df = scaling_rows()
+    fig = scaling(df)
+    (ax_opt,) = [a for a in fig.axes if a.get_title().startswith("(e)")]
+    (ax_ns,) = [a for a in fig.axes if a.get_title().startswith("(f)")]
+    split = df[df["grid"] == "split"]
+    for ax, col in ((ax_opt, "optimizer_s"), (ax_ns, "ns_makespan_s")):
+        lines = {ln.get_label(): ln for ln in ax.get_lines()}
+        assert len(lines) == 2
+        for k in (1, 8):
+            (label,) = [lab for lab in lines if f"max_split {k} " in lab]
+            assert "A800 (NS: measured table)" in label
+            want = split[split["max_split"] == k].sort_values("gpus")
+            assert list(lines[label].get_xdata()) == list(SPLIT_GPUS)
+            assert list(lines[label].get_ydata()) == pytest.approx(list(want[col] * 1e3))
+    assert "max_split 1 vs 8" in fig.texts[-1].get_text()
+    # without the grid (an older table) the panels are hidden, the rest still draws
+    old = df[df["grid"] != "split"].drop(columns=["max_split", "optimizer_s", "ns_makespan_s"])
+    fig2 = scaling(old)
+    assert not [a for a in fig2.axes if a.get_visible() and a.get_title().startswith(("(e)", "(f)"))]
 
 
 def balancer_rows():
@@ -270,10 +302,41 @@ def moe_ep_rows():
     return pd.DataFrame([{"workload": w, "gpus": g, "ep": ep, "makespan_s": 0.1 / ep ** 0.3,
                           "lower_bound_s": 0.09, "cost_source": "a800", "method": "gram_sym", "dtype": "bf16",
                           "balancer": "lpt"}
-                         for w in ("qwen3-30b-a3b", "kimi-k2-like") for g in (256, 1024) for ep in (1, 8, 64)])
+                         for w in ("qwen3-30b-a3b", "kimi-k2-like") for g in (256, 1024)
+                         for ep in (1, 8, 64)])
+
+
+def sensitivity_rows():
+    conf = {"workload": "qwen2.5-7b", "gpus": 128, "gpu": "a800", "strategy": "dmuon", "layout": "fsdp-keep",
+            "seq_len": 2048, "micro_batch": 2, "output": "step_s", "base": 1.0}
+    return pd.DataFrame([{"input": name, "input_low": lo, "input_high": hi, "at_low": a, "at_high": b,
+                          "swing": abs(b - a), "source": "test", **conf}
+                         for name, lo, hi, a, b in (("bwd_tflops", 190, 210, 1.05, 0.97),
+                                                    ("nccl_channels", 8, 32, 0.9, 1.04))])
+
+
+def test_sensitivity_figure_from_its_csv_ranked_by_swing(tmp_path):
+    rdir = tmp_path / "results" / "sensitivity"
+    rdir.mkdir(parents=True)
+    sensitivity_rows().to_csv(rdir / FIGURES["sensitivity"].data, index=False)
+    figs = tmp_path / "figs"
+    (entry,) = render_experiment("sensitivity", tmp_path / "results", figs)
+    assert entry["files"] == ["sensitivity.png", "sensitivity.pdf"]
+    assert entry["command"].startswith("harness sensitivity --workload qwen2.5-7b --gpus 128 --csv ")
+    assert "## 11. Sensitivity" in (figs / "index.md").read_text()
+    from harness.figures.sensitivity import sensitivity
+
+    fig = sensitivity(sensitivity_rows())
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["bwd_tflops", "nccl_channels"]  # top: largest
+    widths = sorted(round(abs(p.get_width()), 6) for p in ax.patches)
+    assert widths == pytest.approx(sorted([50.0, 30.0, 100.0, 40.0]))  # ms from the 1000 ms base
+    with pytest.raises(InputError, match="one configuration"):
+        sensitivity(pd.concat([sensitivity_rows(), sensitivity_rows().assign(gpus=8)]))
 
 
 DATA = {
+    "sensitivity": sensitivity_rows,
     "moe": moe_rows,
     "moe_ep": moe_ep_rows,
     "paper": paper_rows,

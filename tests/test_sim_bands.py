@@ -52,9 +52,35 @@ def test_cli_sensitivity_writes_a_tornado_chart_and_simulate_prints_a_band(tmp_p
     out = tmp_path / "rows.csv"
     assert main(["sensitivity", "--workload", "qwen2.5-1.5b", "--gpus", "8", "--figure-dir", str(tmp_path),
                  "--csv", str(out)]) == 0
-    assert (tmp_path / "sensitivity.png").is_file() and (tmp_path / "sensitivity.pdf").is_file()
+    stem = "sensitivity_qwen2.5-1.5b_8_dmuon_step"  # not figure 11's configuration: not indexed
+    assert (tmp_path / f"{stem}.png").is_file() and (tmp_path / f"{stem}.pdf").is_file()
     assert out.read_text().count("\n") == len(INPUTS) + 1
+    assert not (tmp_path / "figures.json").exists()
     assert main(["simulate", "--workload", "qwen2.5-1.5b", "--gpus", "8", "--strategy", "adamw",
                  "--bands"]) == 0
     assert "band" in capsys.readouterr().out
     assert main(["sensitivity", "--figure-dir", str(tmp_path / "none")]) == 2
+
+
+def test_cli_sensitivity_of_figure_11s_configuration_redraws_it_and_the_index(tmp_path, monkeypatch):
+    import json
+
+    import pandas as pd
+
+    import harness.figures as figs
+    from harness.figures.sensitivity import CONFIG_COLUMNS
+
+    csv = "qwen2.5-1.5b_8_dmuon_step.csv"  # figure 11's registry entry pointed at a small configuration
+    spec = dataclasses.replace(figs.FIGURES["sensitivity"], data=csv)
+    monkeypatch.setitem(figs.FIGURES, "sensitivity", spec)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results" / "sensitivity").mkdir(parents=True)
+    (tmp_path / "paper_figures").mkdir()
+    assert main(["sensitivity", "--workload", "qwen2.5-1.5b", "--gpus", "8", "--csv",
+                 f"results/sensitivity/{csv}"]) == 0
+    df = pd.read_csv(tmp_path / "results" / "sensitivity" / csv)
+    assert set(CONFIG_COLUMNS) <= set(df.columns) and df["gpus"].eq(8).all()
+    entry = json.loads((tmp_path / "paper_figures" / "figures.json").read_text())["sensitivity"]
+    assert entry["number"] == 11 and entry["data"] == f"results/sensitivity/{csv}"
+    assert (tmp_path / "paper_figures" / "sensitivity.png").is_file()
+    assert "## 11. Sensitivity" in (tmp_path / "paper_figures" / "index.md").read_text()

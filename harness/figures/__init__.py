@@ -5,7 +5,8 @@ figure the command and the data file behind it. comparison.md is written by `har
     render_experiment("paper", results_root=Path("results"), figures_dir=Path("paper_figures"))
 
 Modules: common (style, saving), paper (1, 2, 6), scaling (3), ablation (4), balancers (5),
-validation (7), kernels (8), moe (9), moe_ep (10), comparison (comparison.md).
+validation (7), kernels (8), moe (9), moe_ep (10), sensitivity (11: the tornado chart of
+`harness sensitivity`, drawn from its CSV), comparison (comparison.md).
 """
 
 from __future__ import annotations
@@ -27,11 +28,15 @@ class FigureSpec:
     title: str
     func: str  # "module:function", called as function(df, results_dir) -> matplotlib Figure
     data: str = "results.csv"  # file inside results/<experiment>/
+    file_stem: str | None = None  # the files' name when not <number>_<name>
+    command: str | None = None  # what writes the data, when not `harness run <experiment>`
 
     @property
     def stem(self) -> str:
-        return f"{self.number:02d}_{self.name}"
+        return self.file_stem or f"{self.number:02d}_{self.name}"
 
+
+SENSITIVITY_CSV = "qwen2.5-7b_128_dmuon_step.csv"  # the configuration figure 11 shows (docs/simulator.md)
 
 FIGURES = {
     f.name: f
@@ -54,7 +59,7 @@ FIGURES = {
             3,
             "scaling",
             "scaling",
-            "Scaling what-if: throughput vs GPUs (A800, H200), NIC bandwidth, GPUs per node",
+            "Scaling what-if: throughput vs GPUs (A800, H200), NIC bandwidth, GPUs per node, split NS",
             "scaling:scaling",
         ),
         FigureSpec(
@@ -94,6 +99,17 @@ FIGURES = {
         ),
         FigureSpec(
             10, "moe_ep", "moe_ep", "MoE owner plans: NS makespan vs expert-parallel degree", "moe_ep:moe_ep"
+        ),
+        FigureSpec(
+            11,
+            "sensitivity",
+            "sensitivity",
+            "Sensitivity: which uncertain profile input moves the simulated step most (tornado)",
+            "sensitivity:sensitivity",
+            data=SENSITIVITY_CSV,
+            file_stem="sensitivity",
+            command="harness sensitivity --workload qwen2.5-7b --gpus 128 --csv "
+            f"results/sensitivity/{SENSITIVITY_CSV}",
         ),
     )
 }
@@ -140,6 +156,7 @@ def render(
         "files": [p.name for p in paths],
         "data": _rel(data),
         "command": command
+        or spec.command
         or (
             "harness validate && harness figures validation"
             if spec.experiment == "validation"

@@ -1,5 +1,7 @@
 """Figure 3: the scaling what-if (experiments/scaling.toml): throughput vs GPUs on A800 and H200 nodes,
-per-GPU throughput relative to the smallest run, and step time vs NIC bandwidth and GPUs per node.
+per-GPU throughput relative to the smallest run, step time vs NIC bandwidth and GPUs per node, and the
+'split' grid: DMuon's optimizer time and NS makespan vs GPUs with one owner per batch (max_split 1) and
+with owner groups of up to 8 ranks (max_split 8).
 """
 
 from __future__ import annotations
@@ -15,14 +17,61 @@ def _grid(df, name: str):
 
 
 def _device_label(df, gpu: str) -> str:
+    """'A800 (NS: measured table)' or 'H200 (roofline/borrowed profile)', from the rows' cost_source."""
     sub = df[df["gpu"] == gpu]
     cost = str(sub["cost_source"].iloc[0]) if "cost_source" in sub and len(sub) else ""
-    return f"{gpu.upper()}" + (" (roofline/borrowed profile)" if "roofline" in cost else "")
+    if not cost or cost == "nan":
+        return gpu.upper()
+    return gpu.upper() + (" (roofline/borrowed profile)" if "roofline" in cost else " (NS: measured table)")
+
+
+SPLIT_STYLE = {1: ("-", "o", "one owner per batch"), 8: ("--", "s", "owner groups of up to 8 ranks")}
+
+
+def split_series(df) -> dict[int, object]:
+    """The 'split' grid's DMuon rows per max_split value, sorted by GPUs (empty when the grid is absent)."""
+    d0 = _grid(df, "split")
+    if "grid" not in df.columns or "max_split" not in d0.columns or not len(d0):
+        return {}
+    d0 = d0[d0["strategy"] == "dmuon"] if "strategy" in d0.columns else d0
+    return {int(k): sub.sort_values("gpus") for k, sub in d0.groupby("max_split", sort=True)}
+
+
+def _split_panels(df, ax_opt, ax_ns) -> None:
+    series = split_series(df)
+    if not series:
+        ax_opt.set_visible(False)
+        ax_ns.set_visible(False)
+        return
+    for k, d in series.items():
+        style, marker, what = SPLIT_STYLE.get(k, (":", "^", f"owner groups of up to {k} ranks"))
+        devices = sorted(set(d["gpu"]))
+        lab = f"DMuon, max_split {k} ({what}), " + ", ".join(_device_label(df, g) for g in devices)
+        ax_opt.plot(d["gpus"], d["optimizer_s"] * 1e3, style, marker=marker, ms=4,
+                    color=STRATEGY_COLORS["dmuon"], label=lab)
+        if "ns_makespan_s" in d.columns:
+            ax_ns.plot(d["gpus"], d["ns_makespan_s"] * 1e3, style, marker=marker, ms=4,
+                       color=STRATEGY_COLORS["dmuon"], label=lab)
+    gp = sorted({int(g) for d in series.values() for g in d["gpus"]})
+    first = next(iter(series.values()))
+    where = f"{str(first['gpu'].iloc[0]).upper()}, {first['layout'].iloc[0]}" if "layout" in first else ""
+    for a, ylabel, title in (
+        (ax_opt, "optimizer time (ms)", f"(e) DMuon optimizer time: split NS or not ({where})"),
+        (ax_ns, "NS makespan, slowest rank (ms)", "(f) DMuon NS makespan: split NS or not"),
+    ):
+        a.set_xscale("log", base=2)
+        a.set_xticks(gp)
+        a.set_xticklabels([str(x) for x in gp])
+        a.set_xlabel("GPUs")
+        a.set_ylim(bottom=0)
+        a.set_ylabel(ylabel)
+        a.set_title(title, fontsize=9)
+        a.legend(fontsize=6.5)
 
 
 def scaling(df):
     pyplot = plt()
-    fig, axes = pyplot.subplots(2, 2, figsize=(12, 8.5))
+    fig, axes = pyplot.subplots(3, 2, figsize=(12, 12.5))
     g = _grid(df, "gpus")
     ax, ax_eff = axes[0, 0], axes[0, 1]
     for gpu in dict.fromkeys(g["gpu"]):
@@ -89,6 +138,7 @@ def scaling(df):
             fontsize=9,
         )
         panel.legend(fontsize=6.5)
+    _split_panels(df, axes[2, 0], axes[2, 1])
     w = df["workload"].iloc[0]
     fig.suptitle(
         f"Scaling what-if: {w}, seq {df['seq_len'].iloc[0]}, micro-batch {df['micro_batch'].iloc[0]} per "
@@ -100,6 +150,8 @@ def scaling(df):
         fig,
         f"{profile_caption(df)}. H200: no step or NS kernel measured on an H200 here: compute = the A800 "
         f"fit's fraction of peak x datasheet peak, NS priced by the datasheet roofline. DMuon balancer: "
-        f"{df['balancer'].iloc[0]}.",
+        f"{df['balancer'].iloc[0]}."
+        + (" (e, f): grid 'split', DMuon with max_split 1 vs 8 (split NS only where the plan finds it pays)."
+           if split_series(df) else ""),
     )
     return fig
