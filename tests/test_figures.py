@@ -82,6 +82,7 @@ def ablation_rows():
         "-load_balance": 2.2,
         "-batching_autotune": 3.0,
         "-overlap": 3.0,
+        "+split": 1.9,
     }
     rows = []
     for w, scale in (("pi0", 1.0), ("qwen2.5-7b", 2.0)):
@@ -422,6 +423,8 @@ def test_ablation_shares_and_leave_one_out():
         300.0
     )
     assert paper_shares() == {"+sym_gram": 48.0, "+owners_lb": 32.0, "+batching_autotune": 16.0}
+    split = lo[(lo.workload == "pi0") & (lo.variant == "+split")]["increase_pct"].iloc[0]
+    assert split == pytest.approx(-5.0)  # full DMuon + split NS, 1.9 vs 2.0
 
 
 def test_missing_results_say_what_to_run(tmp_path):

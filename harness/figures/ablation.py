@@ -6,7 +6,8 @@ Additive path (variants of experiments/ablation.toml): naive -> +sym_gram -> +ow
 with T the simulated training-step time (`step_s`; `optimizer_s` gives the optimizer-time shares). Shares sum
 to 100% per configuration; a negative share means that step made the step slower there. The headline
 share is the mean over the configurations. Leave-one-out: full DMuon with one optimization removed,
-reported as the step-time increase over full DMuon.
+reported as the step-time increase over full DMuon; the `+split` variant (full DMuon with owner groups,
+beyond the paper) is drawn beside them as its change over full DMuon.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ LEAVE_ONE_OUT = {
     "-load_balance": "owners round-robin (no balancing)",
     "-batching_autotune": "no batching / autotuning",
     "-overlap": "no overlap",
+    "+split": "+ split NS (owner groups, max_split 8)",  # beyond the paper: an addition, not a removal
 }
 
 
@@ -169,7 +171,8 @@ def ablation(df):
         ax2.invert_yaxis()
         ax2.set_xscale("symlog", linthresh=1)
         ax2.set_xlabel("step-time increase over full DMuon (%, symlog)")
-        ax2.set_title("Removed one at a time from full DMuon", fontsize=9)
+        title = "Removed one at a time from full DMuon" + (" (and + split NS)" if "+split" in order else "")
+        ax2.set_title(title, fontsize=9)
         ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=6.5)
     fig.suptitle("Ablation: where DMuon's step-time saving comes from", y=1.02)
     fig.tight_layout()
