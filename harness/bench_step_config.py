@@ -34,6 +34,7 @@ class StepConfig:
     warmup: int = 2
     rounds: int = 2
     phase_barrier: bool = True
+    rank_sessions: bool = False  # spawned ranks: each in a session of its own (scheduler autogroup)
     balancer: str = "lpt"
     exchanges: tuple[str, ...] = ("auto",)
     node_size: int | None = None

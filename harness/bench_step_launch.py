@@ -21,10 +21,24 @@ from .bench_step_rank import rank_main
 from .errors import RunFailed
 
 
+def _own_session() -> None:
+    """--rank-sessions: put this rank in a session of its own. Linux's scheduler with autogroups
+    (/proc/sys/kernel/sched_autogroup_enabled = 1) shares the CPU fairly between sessions, not threads,
+    so ranks spawned into the launcher's session share one session's share against other sessions'
+    jobs; in a session of its own each rank competes as one process (as a rank on its own node would).
+    Measured on the shared 2-core machine: no clear effect on the split ratios (results/bench/README.md)."""
+    try:
+        os.setsid()
+    except (AttributeError, OSError):  # not POSIX, or already a session / group leader
+        pass
+
+
 def _spawned(rank: int, world: int, port: int, cfg: StepConfig, out) -> None:
     import torch
     import torch.distributed as dist
 
+    if cfg.rank_sessions:
+        _own_session()
     torch.set_num_threads(threads_for(cfg, world))
     try:
         backend = "nccl" if use_cuda(cfg) else "gloo"

@@ -26,6 +26,16 @@ def _rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _runq_s() -> float:
+    """Seconds this thread has spent runnable but waiting for a CPU (the run queue) since it started:
+    /proc/thread-self/schedstat's second field (Linux with schedstats); NaN where it cannot be read."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return math.nan
+
+
 def _reset_peak_rss() -> None:
     """Reset the kernel's resident-set high-water mark (Linux >= 4.0; else the peak stays process-wide)."""
     try:
@@ -187,10 +197,10 @@ def run_variant(cfg: StepConfig, variant: tuple, rank: int, world: int, device, 
         t2 = now()
         skew = align()
         t2 += skew
-        c2 = time.thread_time()
+        c2, q2 = time.thread_time(), _runq_s()
         w2 = opt.comm_stats.wait_s
         opt.step()
-        c3 = time.thread_time()
+        c3, q3 = time.thread_time(), _runq_s()
         t3 = now()
         w3 = opt.comm_stats.wait_s
         opt.zero_grad(set_to_none=True)
@@ -200,6 +210,7 @@ def run_variant(cfg: StepConfig, variant: tuple, rank: int, world: int, device, 
                                 optimizer_s=t3 - t2,
                                 exposed_comm_s=opt.comm_stats.wait_s, optimizer_cpu_s=c3 - c2,
                                 optimizer_ns_s=opt.comm_stats.ns_s, optimizer_wait_s=w3 - w2,
+                                optimizer_runq_s=q3 - q2,
                                 ns_calls=opt.comm_stats.ns_calls,
                                 peak_mem_bytes=(torch.cuda.max_memory_allocated(device) if cuda
                                                 else _peak_rss() - base_rss),
@@ -273,8 +284,8 @@ def aggregate(cfg: StepConfig, variant: tuple, per_rank: list[list[dict]],
     row = dict(ranks=world, strategy=strategy, overlap=overlap, exchange=exchange, layout=cfg.layout,
                memory=cfg.memory, ns_method=ns_method, ns_dtype=ns_dtype, comm_dtype=cfg.comm_dtype or "",
                max_split=max_split, wide_matrix="x".join(map(str, cfg.wide)) if cfg.wide else "")
-    for key in ("optimizer_ns_s", "optimizer_wait_s", "ns_calls"):
-        row[key] = statistics.median(max(r[i][key] for r in per_rank) for i in range(steps))
+    for key in ("optimizer_ns_s", "optimizer_wait_s", "ns_calls", "optimizer_runq_s"):
+        row[key] = statistics.median(max(r[i].get(key, math.nan) for r in per_rank) for i in range(steps))
     accounted = []
     for i in range(steps):
         slow = max(per_rank, key=lambda r, i=i: r[i]["optimizer_s"])[i]
@@ -301,6 +312,7 @@ def aggregate(cfg: StepConfig, variant: tuple, per_rank: list[list[dict]],
                final_loss=per_rank[0][-1]["loss"], workload=cfg.workload, width_scale=cfg.width_scale,
                layers=cfg.layers, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch, steps=cfg.steps,
                warmup=cfg.warmup, rounds=cfg.rounds, phase_barrier=cfg.phase_barrier, balancer=cfg.balancer,
+               rank_sessions=cfg.rank_sessions,
                node_size=cfg.node_size,
                exact_memory=device.type == "cpu" and bool(os.environ.get("MALLOC_MMAP_THRESHOLD_")),
                device=str(device.type), backend="nccl" if device.type == "cuda" else "gloo",

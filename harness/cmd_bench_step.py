@@ -15,6 +15,8 @@ Per timed step (after --warmup steps) each rank records, on its compute thread:
                   CPU-side waits: the compute stream's waits for the communication stream are inside
                   the phase times)
   optimizer_cpu_s CPU time of the compute thread inside step() (unaffected by CPU oversubscription)
+  optimizer_runq_s time the compute thread was runnable inside step() but waited for a CPU (Linux
+                  schedstat; NaN elsewhere): the oversubscription the wall time contains
   optimizer_ns_s  the compute thread's time inside NS calls during step() (`CommStats.ns_s`), and
   optimizer_wait_s its waits for communication inside step(); optimizer_over_ns_comm = optimizer_s /
                   (the two) on the slowest rank: 1.0 means the step is nothing but NS and collectives
@@ -105,6 +107,9 @@ def ratios(rows: list[dict]) -> dict[str, float]:
                 out[f"{pre}_optimizer_s_min_{tag}"] = _div(base["optimizer_s_min"], d["optimizer_s_min"])
                 out[f"{pre}_step_s_{tag}"] = _div(base["step_s"], d["step_s"])
                 out[f"{pre}_optimizer_cpu_s_{tag}"] = _div(base["optimizer_cpu_s"], d["optimizer_cpu_s"])
+                out[f"{pre}_optimizer_s_less_runq_{tag}"] = _div(
+                    base["optimizer_s"] - base.get("optimizer_runq_s", math.nan),
+                    d["optimizer_s"] - d.get("optimizer_runq_s", math.nan))
         n = next((r for r in rows if r["strategy"] == "naive" and r["overlap"] == d["overlap"]
                   and _ns_key(r) == _ns_key(d)), None)
         a = next((r for r in rows if r["strategy"] == "adamw" and r["overlap"] == d["overlap"]), None)
@@ -172,7 +177,8 @@ def print_table(rows: list[dict]) -> None:
                     f"{r0['threads_per_rank']} threads/rank, {r0['cpu_cores']} cores); medians of "
                     f"{r0['steps']} steps")
     cols = ["strategy", "layout", "memory", "overlap", "exchange", "ns", "split", "step ms", "fwd ms",
-            "bwd ms", "opt ms", "opt NS ms", "opt wait ms", "exposed comm ms", "opt cpu ms", "comm MB/step",
+            "bwd ms", "opt ms", "opt NS ms", "opt wait ms", "exposed comm ms", "opt cpu ms", "opt runq ms",
+            "comm MB/step",
             "opt state MB", "peak mem MB"]
     for c in cols:
         t.add_column(c, justify="right")
@@ -184,6 +190,7 @@ def print_table(rows: list[dict]) -> None:
                   *[f"{r[k] * 1e3:.1f}" for k in ("step_s", "forward_s", "backward_s", "optimizer_s",
                                                    "optimizer_ns_s", "optimizer_wait_s", "exposed_comm_s",
                                                    "optimizer_cpu_s")],
+                  f"{r.get('optimizer_runq_s', math.nan) * 1e3:.1f}",
                   f"{r['comm_bytes_per_step'] / 1e6:.2f}", f"{r['opt_state_bytes'] / 1e6:.2f}",
                   f"{r['peak_mem_bytes'] / 1e6:.0f}")
     console = Console(width=200)
@@ -240,6 +247,9 @@ def register(app, bench) -> None:
         rounds: int = typer.Option(2, help="Alternate the variants' blocks this many times."),
         phase_barrier: bool = typer.Option(True, help="Align ranks (untimed barrier) between backward and "
                                            "step() (see docs)."),
+        rank_sessions: bool = typer.Option(False, "--rank-sessions/--shared-session", help="Spawned ranks: "
+                                           "each in a session of its own (the scheduler's autogroup; see "
+                                           "docs) or all in this one (default)."),
         balancer: str = typer.Option("lpt", help="lpt | round_robin | milp (DMuon owners)."),
         exchange: str = typer.Option("auto", help="auto | reduce_scatter | reduce (DMuon exchange), or a "
                                      "comma-separated list (one DMuon variant each)."),
@@ -281,14 +291,15 @@ def register(app, bench) -> None:
                          overlap=overlap or ("off" if no_overlap else "on"), workload=workload,
                          width_scale=parse_scale(width_scale), layers=layers, seq_len=seq_len,
                          micro_batch=micro_batch, steps=steps, warmup=warmup, rounds=rounds,
-                         phase_barrier=phase_barrier, balancer=balancer, exchanges=_split(exchange),
+                         phase_barrier=phase_barrier, rank_sessions=rank_sessions, balancer=balancer,
+                         exchanges=_split(exchange),
                          node_size=node_size, profile=profile, device=device, threads=threads, seed=seed,
                          timeout_s=timeout_s, profile_trace=profile_trace, layout=layout, memory=memory,
                          exact_memory=exact_memory, speed_probe=speed_probe, ns_methods=_split(ns_method),
                          ns_dtypes=_split(ns_dtype), comm_dtype=comm_dtype,
                          max_splits=_ints("--max-split", max_split), wide=_shape(wide_matrix))
         if under_torchrun():
-            cfg.ranks = int(os.environ["WORLD_SIZE"])
+            cfg.ranks, cfg.rank_sessions = int(os.environ["WORLD_SIZE"]), False  # torchrun starts the ranks
             check_config(cfg)
             rows = run_torchrun(cfg)
             if rows is None:
