@@ -158,6 +158,9 @@ def register(app, bench) -> None:
         split_exchange: str = typer.Option("lead", help="dmuon, split batches: lead (as the runtime: the "
                                                         "lead scatters / gathers the NS stack) | blocks "
                                                         "(every member holds its column block)."),
+        ep: int = typer.Option(1, help="Expert parallelism degree: experts / ep per rank, expert gradients "
+                                       "over their gpus / ep replica group, token all-to-alls over ep "
+                                       "consecutive ranks (MoE models; 1 = none)."),
         naive_batching: bool = typer.Option(False, "--naive-batching/--no-naive-batching",
                                             help="naive: one batched NS call per shape (as dmuon.NaiveMuon) "
                                                  "instead of one per matrix."),
@@ -189,7 +192,7 @@ def register(app, bench) -> None:
                       overlap=overlap, hierarchical=hierarchical, nic_gbps=nic_gbps,
                       overlap_slowdown=overlap_slowdown, naive_batching=naive_batching,
                       cpu_threads=cpu_threads, bucket_numel=bucket_numel, max_split=max_split,
-                      split_exchange=split_exchange,
+                      split_exchange=split_exchange, ep=ep,
                       jitter=jitter)
             for s in strategies_of(strategy)
         ]

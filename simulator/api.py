@@ -99,6 +99,10 @@ class SimConfig:
     naive_batching: bool = _f(False, "naive: one batched NS call per matrix shape, as dmuon.NaiveMuon runs "
                                      "it (False: one call per matrix, the published FSDP2+Muon baseline)")
     max_batch: int = _f(8, "dmuon: largest NS batch")
+    ep: int = _f(1, "expert parallelism degree (simulator.step_ep): each rank holds experts / ep of every "
+                    "MoE "
+                    "layer, experts sharded / reduced over their gpus / ep replica group, token all-to-alls "
+                    "over ep consecutive ranks; 1 = none. Layouts fsdp-keep, fsdp-free")
     max_split: int = _f(1, "dmuon: largest owner group of one batch (split NS over 2, 4, ... ranks up to "
                            "it, where the plan finds it pays; 1 = one owner per batch, the paper's design)")
     split_exchange: str = _f("lead", "dmuon, split batches: lead (as the runtime: the lead holds gradient, "
@@ -189,6 +193,17 @@ def validate_config(cfg: SimConfig) -> None:
     _check_int("micro_batch", cfg.micro_batch)
     _check_int("max_batch", cfg.max_batch)
     _check_int("max_split", cfg.max_split, maximum=MAX_GPUS)
+    _check_int("ep", cfg.ep, maximum=MAX_GPUS)
+    if cfg.ep > 1:
+        from .step_ep import EP_LAYOUTS
+
+        if cfg.gpus % cfg.ep:
+            raise InputError(f"ep={cfg.ep} does not divide gpus={cfg.gpus}; accepted: a divisor of the GPU "
+                             "count")
+        if cfg.layout not in EP_LAYOUTS:
+            raise InputError(f"ep > 1 runs with layout {' | '.join(EP_LAYOUTS)}, got {cfg.layout!r}")
+        if cfg.max_split > 1:
+            raise InputError("max_split > 1 is not supported with ep > 1; accepted: max_split=1")
     if cfg.split_exchange not in SPLIT_EXCHANGES:
         raise choice_error("split_exchange", cfg.split_exchange, SPLIT_EXCHANGES)
     _check_int("cpu_threads", cfg.cpu_threads)
@@ -278,6 +293,9 @@ def run(cfg: SimConfig, all_ranks: bool = True):
     profile = profile_of(cfg)
     per_node_cap = cfg.gpus_per_node or profile.gpus_per_node
     nodes, per_node = node_shape(cfg.gpus, per_node_cap)
+    if cfg.ep > 1 and per_node % cfg.ep and cfg.ep % per_node:
+        raise InputError(f"ep={cfg.ep} with {per_node} GPUs per node: EP groups must fit a node or span "
+                         f"whole nodes; accepted: a divisor or a multiple of {per_node}")
     cost = cfg.cost if cfg.cost is not None else load_cost(profile.cost_profiles)
     thread_cost = thread_cost_for(profile, cfg) if cfg.cost is None else None
     spec, info = make_spec(cfg, workload, profile, cost, per_node, thread_cost)

@@ -100,6 +100,13 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
             ew_answers[op] = (n, a)  # provenance names the largest pass
         return a.time_s * scale * (profile.grad_prep_passes if op == "grad_prep" else 1.0)
 
+    ep = None
+    if cfg.ep > 1:  # expert parallelism (simulator.step_ep): placement, all-to-all bytes, expert compute
+        from .step_ep import ep_spec
+
+        ep = ep_spec(workload, muon, cfg.ep, cfg.seq_len, cfg.micro_batch, profile,
+                     profile.contention(per_node, cfg.cpu_threads) * k, DTYPE_BYTES[profile.dtype])
+        ns_naive_local = [t for t, w in zip(ns_naive, ep.muon_ep, strict=True) if w in (None, 0)]
     network = profile.network_for(per_node, k if profile.cpu_cores else 1.0)
     plan = None
     info = {"ns_makespan_s": 0.0, "balancer": "", "method": "", "notes": list(workload.notes)}
@@ -109,6 +116,10 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
         world = cfg.gpus
         if cfg.plan is not None:
             _check_plan(cfg.plan, muon, world)
+            if getattr(cfg.plan, "ep", 1) != cfg.ep:
+                raise InputError(f"the given plan has ep={getattr(cfg.plan, 'ep', 1)}; this config has "
+                                 f"ep={cfg.ep}: accepted: a plan of the same ep "
+                                 "(dmuon.plan.ep.build_ep_plan)")
             plan = cfg.plan
         else:  # planned from the table of this thread count, as the runtime plans (runtime.planning)
             links = None
@@ -120,11 +131,12 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
             plan = plan_for(muon, world, priced, balancer=cfg.balancer, method=ns_method_of(cfg, profile),
                             dtype=ns_dtype, batching=cfg.batching, max_batch=cfg.max_batch,
                             bucket_numel=cfg.bucket_numel, time_limit_s=cfg.milp_time_limit_s,
-                            max_split=cfg.max_split, links=links)
+                            max_split=cfg.max_split, links=links, ep=cfg.ep)
         info.update(ns_makespan_s=plan.makespan_s * ns_stretch, balancer=plan.balancer, method=plan.method)
         info["notes"] += list(plan.notes)
     elif cfg.strategy == "naive":
-        info.update(ns_makespan_s=sum(ns_naive), method=f"{cfg.naive_ns_method} ({ns_dtype}, every rank)")
+        info.update(ns_makespan_s=sum(ns_naive if ep is None else ns_naive_local),
+                    method=f"{cfg.naive_ns_method} ({ns_dtype}, every rank)")
 
     spec = StepSpec(
         strategy=cfg.strategy, layout=cfg.layout, n_ranks=cfg.gpus, per_node=per_node,
@@ -139,7 +151,7 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
         hierarchical=cfg.hierarchical, overlap=cfg.overlap,
         param_bytes=DTYPE_BYTES[cfg.param_comm_dtype or profile.dtype],
         grad_bytes=DTYPE_BYTES[cfg.grad_comm_dtype or profile.dtype], plan=plan, ns_stretch=ns_stretch,
-        split_exchange=cfg.split_exchange,
+        split_exchange=cfg.split_exchange, ep_spec=ep,
     )
     # called after the step programs are built: they price the elementwise passes provenance names
     def provenance() -> dict:
@@ -165,6 +177,11 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
         return prov
 
     info["provenance"] = provenance
+    if ep is not None:
+        info["notes"].append(f"expert parallelism ep={cfg.ep}: experts reduced / gathered over their "
+                             f"{cfg.gpus // cfg.ep}-rank replica group, 2 + 2 token all-to-alls per MoE "
+                             "layer "
+                             "over the EP group (simulator.step_ep); ASSUMPTION: balanced routing")
     if len({p.component for p in workload.params}) > 1:
         info["notes"].append("ASSUMPTION: every token passes through every component (per-component token "
                              "counts are not public)")

@@ -55,6 +55,7 @@ from dmuon.errors import InputError
 from .collectives import Group
 from .engine import Cluster, Op
 from .step_comm import CommPrograms
+from .step_ep import EPPrograms
 from .step_optimizer import OptimizerPrograms
 
 LAYOUTS = ("fsdp-keep", "fsdp-free", "hsdp-keep", "hsdp-free", "ddp", "sharded")
@@ -91,6 +92,7 @@ class StepSpec:
     ns_stretch: float = 1.0  # CPU contention applied to plan batch times
     steps: int = 2
     sm_share: float = 0.0  # share of a GPU's SMs each running collective takes (simulator.engine)
+    ep_spec: object = None  # simulator.step_ep.EPSpec with ep > 1 (expert parallelism), else None
 
     @property
     def n_layers(self) -> int:
@@ -106,7 +108,7 @@ class Built:
     notes: list[str] = field(default_factory=list)
 
 
-class _Programs(OptimizerPrograms, CommPrograms):
+class _Programs(OptimizerPrograms, CommPrograms, EPPrograms):
     def __init__(self, spec: StepSpec, cluster: Cluster):
         self.s = spec
         self.c = cluster
@@ -128,8 +130,10 @@ class _Programs(OptimizerPrograms, CommPrograms):
         # per-layer and total Muon elements, summed once (MoE workloads have ~10^5 matrices)
         self.layer_muon_numel = [sum(spec.muon_numel[i] for i in ms) for ms in spec.layer_muon]
         self.muon_total = sum(spec.muon_numel)
+        self._prepare_ep()
         self.naive_runs = self._naive_runs()
         self._prepare_plan()
+        self._prepare_ep_plan()
 
     def _naive_runs(self) -> list[tuple[int, int]]:
         """naive's per-matrix chain (gather, NS, gather, NS, ...) as (matrix, count) runs: one matrix each,
@@ -141,11 +145,12 @@ class _Programs(OptimizerPrograms, CommPrograms):
         if s.strategy != "naive":
             return []
         n = len(s.muon_numel)
-        if n <= NAIVE_MERGE_ABOVE:
-            return [(i, 1) for i in range(n)]
+        mine = [i for i in range(n) if self._is_local(i)]  # EP: dense and EP rank 0's experts (same shapes)
+        if len(mine) <= NAIVE_MERGE_ABOVE:
+            return [(i, 1) for i in mine]
         runs: dict[tuple, list[int]] = {}
-        for i in range(n):
-            key = (s.muon_shape[i], s.ns_naive_s[i])
+        for i in mine:
+            key = (s.muon_shape[i], s.ns_naive_s[i], self._muon_group(i))
             if key in runs:
                 runs[key][1] += 1
             else:
@@ -180,9 +185,10 @@ class _Programs(OptimizerPrograms, CommPrograms):
             numel, mu = self._gathered_numel(l)
             if self.shard is not None and numel:
                 opt_dep = prev["adam"] if (self.dm and not self.sharded) else prev["opt_last"]
-                col = self.coll(r, ("ag", step, "fwd", l), self.shard, "all_gather", numel * s.param_bytes,
-                                muon_fraction=mu / numel, step=step)
-                ops.append(c.collective(col, r, phase="fwd", step=step, deps=(dep, opt_dep)))
+                for grp, k, m, tag in self._fsdp_parts(l, numel, mu):
+                    col = self.coll(r, ("ag", step, "fwd", l, *tag), grp, "all_gather", k * s.param_bytes,
+                                    muon_fraction=m / k, step=step)
+                    ops.append(c.collective(col, r, phase="fwd", step=step, deps=(dep, opt_dep)))
             if publish_here:
                 for b in self.layer_buckets.get(l, ()):
                     if self.bucket_layers[b][0] == l:
@@ -191,6 +197,7 @@ class _Programs(OptimizerPrograms, CommPrograms):
             gathers[l] = ops
 
         gather(0, None)
+        wait: list[Op] = []  # EP: the previous MoE layer's combine all-to-all
         for l in range(L):
             if l + 1 < L:
                 gather(l + 1, fwd[l - 1] if l >= 1 else None)
@@ -199,7 +206,8 @@ class _Programs(OptimizerPrograms, CommPrograms):
                 deps += [pubs[b] for b in self.layer_buckets.get(l, ())]
             elif l == 0:
                 deps += list(prev["pubs"].values())  # dmuon without overlap: everything published first
-            fwd.append(c.compute(r, f"fwd{l}", s.layer_fwd_s[l], phase="fwd", step=step, deps=deps))
+            op, wait = self._layer_op(r, step, l, "fwd", s.layer_fwd_s[l], deps + wait)
+            fwd.append(op)
         return fwd
 
     def _backward(self, r: int, step: int, fwd: list[Op]) -> dict:
@@ -215,9 +223,10 @@ class _Programs(OptimizerPrograms, CommPrograms):
             ops = []
             numel, mu = self._gathered_numel(l)
             if numel:
-                col = self.coll(r, ("ag", step, "bwd", l), self.shard, "all_gather", numel * s.param_bytes,
-                                muon_fraction=mu / numel, step=step)
-                ops.append(c.collective(col, r, phase="bwd", step=step, deps=(dep,)))
+                for grp, k, m, tag in self._fsdp_parts(l, numel, mu):
+                    col = self.coll(r, ("ag", step, "bwd", l, *tag), grp, "all_gather", k * s.param_bytes,
+                                    muon_fraction=m / k, step=step)
+                    ops.append(c.collective(col, r, phase="bwd", step=step, deps=(dep,)))
             if self.dm and not self.sharded:
                 for b in self.layer_buckets.get(l, ()):
                     if self.bucket_layers[b][-1] == l:
@@ -235,7 +244,8 @@ class _Programs(OptimizerPrograms, CommPrograms):
                 deps = list(gathers[l])
                 if self.dm and not self.sharded:
                     deps += [pubs[b] for b in self.layer_buckets.get(l, ())]
-            bwd[l] = c.compute(r, f"bwd{l}", s.layer_bwd_s[l], phase="bwd", step=step, deps=deps)
+            bwd[l] = self._layer_op(r, step, l, "bwd", s.layer_bwd_s[l], deps,
+                                    bwd[l + 1] if l + 1 < L else fwd[L - 1])[0]
             numel, mu = self._gathered_numel(l)  # reduced like it is gathered
             if numel:
                 op = self._reduce_layer(r, step, l, numel, mu, bwd[l])
@@ -245,7 +255,8 @@ class _Programs(OptimizerPrograms, CommPrograms):
             if self.dm and not self.sharded:
                 for b in self.layer_buckets.get(l, ()):
                     if self.bucket_layers[b][0] == l:
-                        red["last"] = red["bucket"][b] = self._reduce_bucket(r, b, step, bwd[l])
+                        op = red["bucket"][b] = self._reduce_bucket(r, b, step, bwd[l])
+                        red["last"] = op or red["last"]
         return red
 
     # ---- pieces ---------------------------------------------------------------------------------
@@ -286,6 +297,8 @@ def build(spec: StepSpec, overlap_slowdown: float = 0.0, comm_overlap_slowdown: 
     streams = ("compute", "comm", "inter") if spec.layout.startswith("hsdp") else ("compute", "comm")
     if spec.strategy == "dmuon" and spec.layout.endswith("-free"):
         streams += ("pub",)  # the publications of memory='free' (see _Programs.pub_stream)
+    if spec.ep_spec is not None and spec.ep_spec.ep > 1:
+        streams += ("ep",)  # the EP communicator's token all-to-alls (simulator.step_ep)
     if spec.strategy == "dmuon" and spec.plan.split_batches:
         streams += ("split",)  # the owner groups' collectives (simulator.step_split)
     cluster = Cluster(spec.n_ranks, streams=streams, overlap_slowdown=overlap_slowdown,

@@ -46,6 +46,10 @@ class CommPrograms:
             return self.world, 0
         if group == "intra":
             return self.intra, rank // self.s.per_node
+        if group == "ep":  # simulator.step_ep: E consecutive ranks
+            return self.ep_group, rank // self.ep
+        if group == "rep":  # the ranks holding the same experts
+            return self.rep_group, rank % self.ep
         return self.inter, rank % self.s.per_node
 
     def coll(self, rank: int, key: tuple, group: str, kind: str, size_bytes: float, *, muon_fraction: float,
@@ -68,24 +72,30 @@ class CommPrograms:
                                       sm_share=self.s.sm_share, size=n)
             if group == "intra":  # one node's group stands for every node of the same signature
                 c.copies = self.c.weight[rank]
+            elif group in ("ep", "rep"):  # the instances its simulated members stand for
+                c.copies = self.present_weight.get((group, inst), n) / n
             self.colls[full] = c
         return c
 
     # ---- dmuon's owner exchange ------------------------------------------------------------------
-    def owner_coll(self, r: int, key: tuple, b: int, kind: str, elem_bytes: int, group: str, step: int):
+    def owner_coll(self, r: int, key: tuple, b: int, kind: str, elem_bytes: int, group: str, step: int,
+                   part: tuple | None = None):
         """Bucket b's owner exchange (kind "reduce": gradients to owners; "broadcast": publication), in the
-        mode and shape the runtime issues it (module docstring)."""
-        shape = self._owner_shapes.get((b, kind, group)) if hasattr(self, "_owner_shapes") else None
+        mode and shape the runtime issues it (module docstring). part: (payload, largest owner's share,
+        {owner: numel}) of a part of the bucket (expert parallelism, simulator.step_ep), else the bucket."""
+        g, inst = self._instance(group, r)
+        ck = (b, kind, group) if part is None else (b, kind, group, inst)
+        shape = self._owner_shapes.get(ck) if hasattr(self, "_owner_shapes") else None
         if shape is None:
-            g, _ = self._instance(group, r)
-            n, payload, chunk = g.size, self.bucket_numel[b], self.max_owned[b]
+            n = g.size
+            whole = (self.bucket_numel[b], self.max_owned[b], self.owned[b])
+            payload, chunk, owners = whole if part is None else part
             if n * chunk <= AUTO_MAX_PADDING * payload:  # one reduce-scatter / all-gather of padded chunks
                 shape = ("reduce_scatter" if kind == "reduce" else "all_gather", n * chunk, 0, 1, 1)
             else:
-                owners = self.owned[b]
                 per_local = Counter(o % self.s.per_node for o in owners) if g.nodes > 1 else Counter()
                 shape = (kind, payload, chunk, len(owners), max(per_local.values(), default=1))
-            self.__dict__.setdefault("_owner_shapes", {})[(b, kind, group)] = shape
+            self.__dict__.setdefault("_owner_shapes", {})[ck] = shape
         k, numel, chunk, owners, per_local = shape
         if k != kind:
             return self.coll(r, key, group, k, numel * elem_bytes, muon_fraction=1.0, step=step,
@@ -95,16 +105,23 @@ class CommPrograms:
 
     # ---- backward's gradient reductions ----------------------------------------------------------
     def _reduce_layer(self, r: int, step: int, l: int, numel: int, mu: int, dep: Op) -> Op | None:
+        op = None  # EP: the dense part over the shard group, the local experts over the replica group
+        for grp, k, m, tag in self._fsdp_parts(l, numel, mu):
+            op = self._reduce_part(r, step, (l, *tag), grp, k, m, dep)
+        return op
+
+    def _reduce_part(self, r: int, step: int, lk: tuple, grp, numel: int, mu: int, dep: Op) -> Op:
         s, c = self.s, self.c
         frac = mu / numel
         size = numel * s.grad_bytes
-        if self.shard is None:  # ddp
-            col = self.coll(r, ("ar", step, l), "world", "all_reduce", size, muon_fraction=frac, step=step)
+        if grp is None:  # ddp
+            col = self.coll(r, ("ar", step, *lk), "world", "all_reduce", size, muon_fraction=frac, step=step)
             return c.collective(col, r, phase="bwd", step=step, deps=(dep,))
-        col = self.coll(r, ("rs", step, l), self.shard, "reduce_scatter", size, muon_fraction=frac, step=step)
+        col = self.coll(r, ("rs", step, *lk), grp, "reduce_scatter", size, muon_fraction=frac, step=step)
         op = c.collective(col, r, phase="bwd", step=step, deps=(dep,))
         if self.replicate == "inter":
-            col = self.coll(r, ("ar", step, l), "inter", "all_reduce", size / s.per_node, muon_fraction=frac,
+            col = self.coll(r, ("ar", step, *lk), "inter", "all_reduce", size / s.per_node,
+                            muon_fraction=frac,
                             step=step)
             op = c.collective(col, r, phase="bwd", step=step, deps=(op,), stream="inter")
         return op
@@ -114,8 +131,11 @@ class CommPrograms:
         s, c = self.s, self.c
         # HSDP too: the runtime reduces each owner's chunk over every rank (two-level: in the node to the
         # owner's local index, then across nodes to the owner), so each NS runs once in the job
-        col = self.owner_coll(r, ("reduce", step, b), b, "reduce", s.grad_bytes, "world", step)
-        return c.collective(col, r, phase="bwd", step=step, deps=(dep,))
+        op = None  # EP: the dense matrices over the world, this EP rank's experts over its replica group
+        for group, tag, part in self._owner_parts(r, b):
+            col = self.owner_coll(r, ("reduce", step, b, *tag), b, "reduce", s.grad_bytes, group, step, part)
+            op = c.collective(col, r, phase="bwd", step=step, deps=(dep,))
+        return op
 
     # ---- which ranks to simulate -----------------------------------------------------------------
     def _signature(self, rank: int) -> tuple:
@@ -130,7 +150,8 @@ class CommPrograms:
         n, p = s.n_ranks, s.per_node
         plan = s.plan if getattr(self, "dm", False) else None
         self._owners = set(plan.owners) if plan is not None else set()
-        if all_ranks or (plan is not None and getattr(plan, "split_batches", None)):
+        ep_dm = plan is not None and getattr(self, "ep", 1) > 1  # per-replica-group exchanges: every rank
+        if all_ranks or ep_dm or (plan is not None and getattr(plan, "split_batches", None)):
             reps, weight = list(range(n)), [1] * n
         elif s.layout.startswith("hsdp"):
             first: dict[tuple, int] = {}
@@ -155,8 +176,11 @@ class CommPrograms:
             for r, k in count.items():
                 weight[r] = k
         present: Counter = Counter()
+        self.present_weight = Counter()
+        groups = ("world", "intra", "inter") + (("ep", "rep") if getattr(self, "ep", 1) > 1 else ())
         for r in reps:
-            for group in ("world", "intra", "inter"):
+            for group in groups:
                 present[(group, self._instance(group, r)[1])] += 1
+                self.present_weight[(group, self._instance(group, r)[1])] += weight[r]
         self.present = dict(present)
         return reps, weight

@@ -81,7 +81,8 @@ class OptimizerPrograms(SplitPrograms):
                 numel = s.muon_numel[i]
                 deps = (last,)
                 if self.shard is not None:
-                    col = self.coll(r, ("ag", step, "opt", i), self.shard, "all_gather", numel * s.grad_bytes,
+                    col = self.coll(r, ("ag", step, "opt", i), self._muon_group(i), "all_gather",
+                                    numel * s.grad_bytes,
                                     muon_fraction=1.0, step=step, repeat=k)
                     deps = (c.collective(col, r, phase="opt", step=step, deps=(last,)),)
                 last = cm(r, f"ns{i}" if k == 1 else f"ns{i}x{k}", s.ns_naive_s[i] * k, phase="opt",
@@ -120,11 +121,15 @@ class OptimizerPrograms(SplitPrograms):
     def _publish(self, r: int, b: int, step: int, deps, *, phase: str, tag: str = "pub",
                  op_step: int | None = None, stream: str = "comm") -> Op:
         s, c = self.s, self.c
-        group = "world"  # HSDP too: the runtime's two-level publication over every rank
-        col = self.owner_coll(r, (tag, step, b), b, "broadcast", s.param_bytes, group,  # simulator.step_comm
-                              step if op_step is None else op_step)
-        return c.collective(col, r, phase=phase, step=step if op_step is None else op_step, deps=tuple(deps),
-                            stream=stream)
+        # HSDP too: the runtime's two-level publication over every rank ("world"); EP: the experts over
+        # their replica group (simulator.step_ep)
+        op = None
+        for group, ptag, part in self._owner_parts(r, b):
+            col = self.owner_coll(r, (tag, step, b, *ptag), b, "broadcast", s.param_bytes, group,
+                                  step if op_step is None else op_step, part)  # simulator.step_comm
+            op = c.collective(col, r, phase=phase, step=step if op_step is None else op_step,
+                              deps=tuple(deps), stream=stream)
+        return op
 
     def _sharded_optimizer(self, r: int, step: int, adam_numel: float, red: dict) -> Op:
         s, c, cm = self.s, self.c, self.c.compute

@@ -1,0 +1,192 @@
+"""Expert parallelism (EP) in the step programs: where experts live, their groups, the token all-to-alls.
+
+With `StepSpec.ep` = E > 1 (`SimConfig.ep`), N ranks, p per node (the layout of `dmuon.plan.ep`):
+  EP group       rank r is EP rank r % E of EP group r // E (E consecutive ranks: inside a node when
+                 E <= p, whole nodes when E is a multiple of p); group "ep"
+  replica group  the N / E ranks with one EP rank (r % E): the data-parallel copies of the same experts;
+                 group "rep" (E < p: p / E of them per node, E such groups share the node's NICs; E >= p:
+                 one per node, p groups share the NICs)
+  experts        each rank holds E_l / E of layer l's experts (expert e on EP rank e // (E_l / E),
+                 `dmuon.plan.ep.expert_placement`); shared experts and every other parameter are dense
+  FSDP           dense parameters are gathered / reduce-scattered over the world as without EP; the local
+                 experts over the replica group (adamw, naive; naive's optimizer gathers and runs NS on its
+                 local experts only, over the replica group); per-rank elements are unchanged (experts / E
+                 sharded over N / E ranks = experts / N)
+  dmuon          the plan is `dmuon.plan.ep.build_ep_plan`'s (expert owners inside their replica group):
+                 per bucket the dense matrices' owner exchange and publication over the world, the EP
+                 rank's experts' over its replica group only
+  tokens         per MoE layer (a layer holding routed experts) the forward pass is the layer's non-expert
+                 compute, the dispatch all-to-all, the expert compute, the combine all-to-all; backward
+                 mirrors it (the combine's gradient all-to-all, expert backward, the dispatch's gradient
+                 all-to-all, the rest), so 2 all-to-alls forward and 2 backward over the EP group, each of
+                 T x hidden x top_k activations (T = seq_len x micro_batch tokens per rank, activation
+                 dtype = the profile's). This is the dispatch / combine of GShard (Lepikhin et al. 2020,
+                 arXiv:2006.16668, sec. 3.2 / Algorithm 2: AllToAll before and after the experts) and
+                 DeepSpeed-MoE (Rajbhandari et al. 2022, arXiv:2201.05596, sec. 5.2: two all-to-alls per
+                 MoE layer forward, their backward two more); each routed copy of a token (top_k per token)
+                 is one row sent (Megatron-Core's alltoall token dispatcher permutes T x top_k rows). They
+                 run on their own stream ("ep", the EP communicator) and the compute waits for them (the
+                 critical path: exposed communication unless other ranks are slower).
+  ASSUMPTION     balanced routing: every rank's experts get T x top_k tokens in all, i.e. the same expert
+                 FLOPs as without EP (no capacity-factor padding or dropped tokens), and all-to-all rows
+                 spread evenly over the EP group; gradients of a layer are reduced after its whole backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .collectives import Group
+from .engine import Op
+
+EP_LAYOUTS = ("fsdp-keep", "fsdp-free")  # layouts the simulator runs with ep > 1
+
+
+@dataclass(frozen=True)
+class EPSpec:
+    """What EP adds to a `simulator.step.StepSpec` (built by `ep_spec`)."""
+
+    ep: int
+    muon_ep: tuple  # per Muon matrix: the EP rank holding it, None for a dense matrix
+    layer_expert_numel: tuple  # per layer: Muon elements of all its routed experts (every EP rank's)
+    layer_a2a_bytes: tuple  # per layer: bytes of one dispatch / combine all-to-all per rank (0: no MoE)
+    layer_expert_fwd_s: tuple  # per layer: forward seconds of its expert matmuls (backward: x bwd ratio)
+    layer_expert_bwd_s: tuple
+
+
+def _moe_layer_shape(params) -> tuple[int, int, int]:
+    """(experts, top_k, hidden) of one layer's routed-expert parameters (simulator.hf_config names)."""
+    from dmuon.plan.ep import expert_index
+
+    by_expert: dict[int, list] = {}
+    for p in params:
+        by_expert.setdefault(expert_index(p.name), []).append(p)
+    n = len(by_expert)
+    first = by_expert[min(by_expert)]
+    top_k = max(1, round(first[0].matmuls_per_token * n))  # hf_config: uses = top_k / experts
+    dims = set.intersection(*({p.rows, p.cols} for p in first))  # hidden: the side every matrix shares
+    return n, top_k, max(dims) if dims else first[0].cols
+
+
+def ep_spec(workload, muon, ep: int, seq_len: int, micro_batch: int, profile, stretch: float,
+            act_bytes: int) -> EPSpec:
+    """The EP view of `workload` (see the module docstring). stretch: the layer compute's multiplier
+    (CPU contention x speed_scale), as simulator.compute.layer_times applies it."""
+    from dmuon.errors import InputError
+    from dmuon.plan.ep import expert_index, expert_placement
+
+    where = expert_placement(muon, ep)
+    if all(w is None for w in where):
+        raise InputError(f"ep={ep}: workload {workload.name!r} has no routed experts (matrices named "
+                         "'experts.<e>.'); accepted: ep=1 for a dense model")
+    n_layers = workload.n_layers
+    ex_numel = [0] * n_layers
+    for m, w in zip(muon, where, strict=True):
+        if w is not None:
+            ex_numel[m.layer] += m.numel
+    tokens = seq_len * micro_batch
+    a2a = [0.0] * n_layers
+    fwd = [0.0] * n_layers
+    bwd = [0.0] * n_layers
+    for layer, params in enumerate(workload.layer_params()):
+        routed = [p for p in params if p.optimizer == "muon" and expert_index(p.name) is not None]
+        if not routed:
+            continue
+        _, top_k, hidden = _moe_layer_shape(routed)
+        a2a[layer] = float(tokens * hidden * top_k * act_bytes)
+        flops = sum(2.0 * p.numel * tokens * p.matmuls_per_token for p in routed)
+        fwd[layer] = stretch * flops / profile.fwd_flops
+        bwd[layer] = stretch * 2.0 * flops / profile.bwd_flops
+    return EPSpec(ep, tuple(where), tuple(ex_numel), tuple(a2a), tuple(fwd), tuple(bwd))
+
+
+class EPPrograms:
+    """EP groups, FSDP parts, the dmuon exchange split and the token all-to-alls (mixed into
+    `simulator.step._Programs`)."""
+
+    def _prepare_ep(self) -> None:
+        s = self.s
+        e = s.ep_spec
+        self.ep = e.ep if e is not None else 1
+        if self.ep == 1:
+            return
+        n, p, ep = s.n_ranks, s.per_node, self.ep
+        reps = n // ep
+        self.ep_group = Group(1, ep) if ep <= p else Group(ep // p, p)
+        per = max(1, p // ep)  # replica-group members per node
+        self.rep_group = Group(reps // per, per, share=p // per)
+        self.ep_of = e.muon_ep
+
+    def _is_local(self, i: int, ep_rank: int = 0) -> bool:
+        """Whether Muon matrix i is held by (a rank of) EP rank `ep_rank`: dense or its expert."""
+        return self.ep == 1 or self.ep_of[i] is None or self.ep_of[i] == ep_rank
+
+    def _muon_group(self, i: int):
+        """The group that shards Muon matrix i (naive's gradient gathers): the replica group for experts."""
+        return self.shard if self.ep == 1 or self.ep_of[i] is None else "rep"
+
+    def _fsdp_parts(self, l: int, numel: int, mu: int) -> list[tuple]:
+        """[(group, elements, of which Muon, key tag)] of layer l's FSDP gather / reduction: one part over
+        the shard group without EP; with EP the dense part over it and the rank's experts over the
+        replica group (dmuon publishes its Muon matrices instead: its parts are dense AdamW only)."""
+        ex = self.s.ep_spec.layer_expert_numel[l] if self.ep > 1 else 0
+        if not ex or mu < ex:
+            return [(self.shard, numel, mu, ())]
+        parts = [(self.shard, numel - ex, mu - ex, ())] if numel > ex else []
+        return parts + [("rep", ex // self.ep, ex // self.ep, ("ep",))]
+
+    # ---- token all-to-alls -------------------------------------------------------------------------
+    def _a2a(self, r: int, step: int, l: int, what: str, phase: str, dep: Op | None) -> Op:
+        col = self.coll(r, ("a2a", step, what, l), "ep", "all_to_all", self.s.ep_spec.layer_a2a_bytes[l],
+                        muon_fraction=0.0, step=step)
+        return self.c.collective(col, r, phase=phase, step=step, deps=(dep,), stream="ep")
+
+    def _layer_op(self, r: int, step: int, l: int, phase: str, dur: float, deps: list,
+                  prev: Op | None = None) -> tuple[Op, list]:
+        """Layer l's compute: (its last compute op, what the next layer's compute waits for). A MoE layer
+        with EP runs as its non-expert part, dispatch, experts, combine (backward: mirrored); prev = the
+        compute op before it (backward: the combine's gradient all-to-all waits for it)."""
+        cm = self.c.compute
+        a2a = self.s.ep_spec.layer_a2a_bytes[l] if self.ep > 1 else 0.0
+        if not a2a:
+            return cm(r, f"{phase}{l}", dur, phase=phase, step=step, deps=deps), []
+        e = self.s.ep_spec
+        if phase == "fwd":
+            ex = e.layer_expert_fwd_s[l]
+            pre = cm(r, f"fwd{l}", dur - ex, phase=phase, step=step, deps=deps)
+            dispatch = self._a2a(r, step, l, "dispatch", phase, pre)
+            experts = cm(r, f"fwd{l}.experts", ex, phase=phase, step=step, deps=(dispatch,))
+            return experts, [self._a2a(r, step, l, "combine", phase, experts)]
+        ex = e.layer_expert_bwd_s[l]
+        g_combine = self._a2a(r, step, l, "combine_grad", phase, prev)
+        experts = cm(r, f"bwd{l}.experts", ex, phase=phase, step=step, deps=[*deps, g_combine])
+        g_dispatch = self._a2a(r, step, l, "dispatch_grad", phase, experts)
+        return cm(r, f"bwd{l}", dur - ex, phase=phase, step=step, deps=(g_dispatch,)), []
+
+    # ---- dmuon's owner exchange, split by where the matrices live --------------------------------
+    def _prepare_ep_plan(self) -> None:
+        """Per bucket: (payload, largest owner's share, {owner: numel}) of its dense matrices, and of
+        each EP rank's experts."""
+        if self.ep == 1 or not self.dm:
+            return
+        from dmuon.plan.ep import expert_placement
+
+        mats = self.s.plan.matrices
+        owners = self.s.plan.owners
+        where = expert_placement(mats, self.ep)  # in the plan's matrix order
+        self.ep_parts = []
+        for b in self.s.plan.buckets:
+            parts: dict = {}
+            for i in b.members:
+                d = parts.setdefault(where[i], {})
+                d[owners[i]] = d.get(owners[i], 0) + mats[i].numel
+            self.ep_parts.append({k: (sum(d.values()), max(d.values()), d) for k, d in parts.items()})
+
+    def _owner_parts(self, r: int, b: int) -> list[tuple]:
+        """[(group, key tag, part)] of bucket b's owner exchange for rank r (part None: the whole bucket)."""
+        if self.ep == 1:
+            return [("world", (), None)]
+        parts = self.ep_parts[b]
+        out = [("world", (), parts[None])] if None in parts else []
+        mine = parts.get(r % self.ep)
+        return out + ([("rep", ("ep",), mine)] if mine is not None else [])

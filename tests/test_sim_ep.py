@@ -1,0 +1,117 @@
+"""Expert parallelism in the simulator (simulator.step_ep): groups, collective sizes, all-to-alls, errors."""
+
+import json
+
+import pytest
+
+from dmuon.errors import InputError
+from simulator.api import SimConfig, run, simulate
+
+TINY = {"model_type": "qwen3_moe", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024, "moe_intermediate_size": 128,
+        "intermediate_size": 512, "num_experts": 16, "num_experts_per_tok": 4, "tie_word_embeddings": False}
+SEQ, GPUS = 128, 16
+EXPERT_NUMEL = 16 * 3 * 128 * 256  # per MoE layer: 16 experts x (gate, up, down) of 128 x 256
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tinymoe")
+    (d / "config.json").write_text(json.dumps(TINY))
+    return str(d)
+
+
+def _cfg(model, **kw):
+    return SimConfig(**{"model": model, "gpus": GPUS, "seq_len": SEQ, "micro_batch": 1, **kw})
+
+
+def _cfg_kw(model, kw):
+    return SimConfig(**{"model": model, "gpus": GPUS, "seq_len": SEQ, "micro_batch": 1, **kw})
+
+
+def _colls(built, step=1):
+    return [c for c in built.cluster.collectives if c.step == step]
+
+
+@pytest.mark.parametrize("strategy", ["adamw", "naive", "dmuon"])
+def test_ep1_has_no_ep_ops(model, strategy):
+    r, built = run(_cfg(model, strategy=strategy))
+    assert r == simulate(_cfg(model, strategy=strategy, ep=1))
+    assert not [c for c in _colls(built) if c.kind == "all_to_all" or c.group.startswith(("ep", "rep"))]
+    assert {c.group for c in _colls(built)} == {"world0"}
+
+
+@pytest.mark.parametrize("ep", [2, 4, 8, 16])
+def test_all_to_alls_and_expert_groups(model, ep):
+    _, built = run(_cfg(model, strategy="adamw", ep=ep))
+    a2a = [c for c in _colls(built) if c.kind == "all_to_all"]
+    # 2 MoE layers x 4 all-to-alls (dispatch, combine, their gradients) x gpus / ep EP groups
+    assert len(a2a) == 2 * 4 * GPUS // ep
+    sent = SEQ * 256 * 4 * 2  # tokens x hidden x top_k x bf16
+    assert all(c.size == ep and c.bytes_per_rank == pytest.approx((ep - 1) / ep * sent) for c in a2a)
+    names = sorted({c.name.split("/")[2] for c in a2a})
+    assert names == ["combine", "combine_grad", "dispatch", "dispatch_grad"]
+    # experts reduce-scattered over their replica group (gpus / ep ranks), ep / gpus of the layer's experts
+    rs = [c for c in _colls(built) if c.kind == "reduce_scatter" and c.group.startswith("rep")]
+    reps = GPUS // ep
+    assert len(rs) == 2 * ep and all(c.size == reps for c in rs)
+    assert all(c.bytes_per_rank == pytest.approx((reps - 1) / reps * EXPERT_NUMEL / ep * 2) for c in rs)
+    # the dense world reductions no longer carry the experts
+    world = [c for c in _colls(built) if c.kind == "reduce_scatter" and c.group == "world0"]
+    _, base = run(_cfg(model, strategy="adamw"))
+    base_rs = {c.name: c for c in _colls(base) if c.kind == "reduce_scatter"}
+    for c in world:
+        b = base_rs[c.name]
+        moe = c.name.split("/")[-1] in ("1", "2")
+        assert b.bytes_per_rank - c.bytes_per_rank == pytest.approx(15 / 16 * EXPERT_NUMEL * 2 if moe else 0)
+
+
+def test_exposed_all_to_alls_cost_time(model):
+    """The forward waits for the dispatch / combine: EP across nodes is slower than inside one node."""
+    inside = simulate(_cfg(model, strategy="adamw", ep=8))
+    across = simulate(_cfg(model, strategy="adamw", ep=16))
+    assert across.forward_s > inside.forward_s
+
+
+@pytest.mark.parametrize("strategy", ["adamw", "naive", "dmuon"])
+def test_representatives_match_all_ranks(model, strategy):
+    cfg = _cfg(model, strategy=strategy, ep=4)
+    full, _ = run(cfg)
+    assert simulate(cfg) == full
+
+
+def test_dmuon_experts_exchanged_in_replica_group(model):
+    r, built = run(_cfg(model, strategy="dmuon", ep=4))
+    plan = built.spec.plan
+    assert plan.ep == 4
+    ex = [c for c in _colls(built) if c.name.startswith(("reduce/", "pub/")) and c.group.startswith("rep")]
+    assert ex and all(c.size == GPUS // 4 for c in ex)
+    # every expert matrix's owner is in the replica group of its EP rank
+    from dmuon.plan.ep import expert_placement
+
+    for m, w, o in zip(plan.matrices, expert_placement(plan.matrices, 4), plan.owners, strict=True):
+        assert w is None or o % 4 == w, m.name
+    # the dense matrices still go over the world group
+    assert [c for c in _colls(built) if c.name.startswith("reduce/") and c.group == "world0"]
+    # naive: expert gradients gathered over the replica group only, NS on the local experts only
+    n1, n4 = simulate(_cfg(model, strategy="naive")), simulate(_cfg(model, strategy="naive", ep=4))
+    assert n4.ns_makespan_s < n1.ns_makespan_s
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(ep=3), "divide gpus=16"),
+    (dict(ep=32), "divide gpus=16"),  # ep > gpus: not a divisor
+    (dict(ep=0), "ep must be an integer >= 1"),
+    (dict(ep=4, layout="hsdp-keep"), "layout fsdp-keep | fsdp-free"),
+    (dict(ep=4, max_split=2), "max_split"),
+    (dict(workload="qwen2.5-7b", model=None, ep=2), "no routed experts"),
+])
+def test_bad_input(model, kw, msg):
+    with pytest.raises(InputError, match=msg.replace("|", r"\|")):
+        simulate(_cfg_kw(model, kw))
+
+
+def test_ep_must_divide_experts(model, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "num_experts": 12}))
+    with pytest.raises(InputError, match="does not divide the 12 experts"):
+        simulate(_cfg(str(tmp_path), gpus=8, ep=8, strategy="adamw"))
