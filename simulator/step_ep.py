@@ -21,9 +21,9 @@ With `StepSpec.ep` = E > 1 (`SimConfig.ep`), N ranks, p per node (the layout of 
                  all-to-all, the rest), so 2 all-to-alls forward and 2 backward over the EP group, each of
                  T x hidden x top_k activations (T = seq_len x micro_batch tokens per rank, activation
                  dtype = the profile's). This is the dispatch / combine of GShard (Lepikhin et al. 2020,
-                 arXiv:2006.16668, sec. 3.2 / Algorithm 2: AllToAll before and after the experts) and
-                 DeepSpeed-MoE (Rajbhandari et al. 2022, arXiv:2201.05596, sec. 5.2: two all-to-alls per
-                 MoE layer forward, their backward two more); each routed copy of a token (top_k per token)
+                 arXiv:2006.16668: an AllToAll before and after the experts of each MoE layer) and
+                 DeepSpeed-MoE (Rajbhandari et al. 2022, arXiv:2201.05596: two all-to-alls per MoE layer
+                 in forward, their backward two more); each routed copy of a token (top_k per token)
                  is one row sent (Megatron-Core's alltoall token dispatcher permutes T x top_k rows). They
                  run on their own stream ("ep", the EP communicator) and the compute waits for them (the
                  critical path: exposed communication unless other ranks are slower).
