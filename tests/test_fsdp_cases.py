@@ -279,18 +279,23 @@ def run_nonfinite(case: dict, rank: int, world: int) -> dict:
     return out
 
 
-def run_errors(case: dict, rank: int, world: int) -> dict:
-    """Bad set-ups: their error messages."""
-    import dmuon
-
-    out = {}
-
+def catcher(out: dict):
+    """catch(key, fn): out[key] = "" if fn() runs, else "ErrorType: message" (the tests read it)."""
     def catch(key, fn):
         try:
             fn()
             out[key] = ""
         except Exception as e:  # noqa: BLE001 - the test reads the message
             out[key] = f"{type(e).__name__}: {e}"
+    return catch
+
+
+def run_errors(case: dict, rank: int, world: int) -> dict:
+    """Bad set-ups: their error messages."""
+    import dmuon
+
+    out = {}
+    catch = catcher(out)
 
     plain = make_model({})
     catch("layout_mismatch", lambda: dmuon.DMuon(plain, layout="fsdp2-owner", profile=None))

@@ -102,18 +102,12 @@ def run_checkpoint(case: dict, rank: int, world: int) -> dict:
 
 def run_errors(case: dict, rank: int, world: int) -> dict:
     """Bad split set-ups: their messages (on every rank, before any collective of the split)."""
-    from test_fsdp_cases import make_model
+    from test_fsdp_cases import catcher, make_model
 
     import dmuon
 
     out = {}
-
-    def catch(key, fn):
-        try:
-            fn()
-            out[key] = ""
-        except Exception as e:  # noqa: BLE001 - the test reads the message
-            out[key] = f"{type(e).__name__}: {e}"
+    catch = catcher(out)
 
     catch("max_split_too_big", lambda: dmuon.DMuon(make_model({}), profile=None, max_split=2 * world))
     catch("max_split_zero", lambda: dmuon.DMuon(make_model({}), profile=None, max_split=0))
