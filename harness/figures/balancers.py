@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from .common import WALL_WM_NOTE, caption, plt
+from .common import WALL_WM_NOTE, caption, log2_axis, plt
 
 COLORS = {"round_robin": "#c44e52", "lpt": "#dd8452", "milp": "#55a868"}
 LABELS = {"round_robin": "round-robin", "lpt": "LPT (greedy)", "milp": "MILP"}
@@ -62,10 +62,7 @@ def balancer_loads(df, detail_gpus: int = DETAIL_GPUS):
                     )
         for row in (1, 2):
             a = axes[row, k]
-            a.set_xscale("log", base=2)
-            a.set_xticks(gpus)
-            a.set_xticklabels([str(g) for g in gpus])
-            a.set_xlabel("ranks (GPUs)")
+            log2_axis(a, gpus, "ranks (GPUs)")
         axes[1, k].set_ylim(0, 1.05)
         axes[2, k].set_yscale("log")
     axes[0, 0].set_ylabel("NS load per rank (ms)")

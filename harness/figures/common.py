@@ -77,6 +77,16 @@ def save(fig, out_dir: Path, stem: str) -> list[Path]:
     return paths
 
 
+def log2_axis(ax, ticks, label: str | None = None, fmt=str) -> None:
+    """A log-2 x axis with one labelled tick per value (GPU counts, degrees) and an optional x label."""
+    ticks = sorted(ticks)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([fmt(x) for x in ticks])
+    if label:
+        ax.set_xlabel(label)
+
+
 def caption(fig, text: str) -> None:
     fig.text(0.01, -0.01, text, ha="left", va="top", fontsize=7.5, wrap=True, color="#333333")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from .common import STRATEGY_COLORS, STRATEGY_LABELS, caption, plt, profile_caption
+from .common import STRATEGY_COLORS, STRATEGY_LABELS, caption, log2_axis, plt, profile_caption
 
 STRATEGIES = ("adamw", "naive", "dmuon")
 STYLES = ("-", "--", ":", "-.")
@@ -42,12 +42,8 @@ def moe(df):
                     ax.plot(d["gpus"], d[col], STYLES[ci % len(STYLES)], marker="o", ms=3.5,
                             color=STRATEGY_COLORS[s],
                             label=f"{STRATEGY_LABELS[s].split(' (')[0]}, {cluster_label(df, cl)}")
-            ax.set_xscale("log", base=2)
-            gp = sorted(d0["gpus"].unique())
-            ax.set_xticks(gp)
-            ax.set_xticklabels([str(x) for x in gp])
+            log2_axis(ax, d0["gpus"].unique(), "GPUs")
             ax.set_yscale("log")
-            ax.set_xlabel("GPUs")
             ax.set_ylabel(ylabel)
             ax.set_title(f"{model}: {'step' if row == 0 else 'optimizer'}", fontsize=9)
             if j == 0 and row == 0:

@@ -4,7 +4,7 @@ parallelism (every matrix balanced over every rank)."""
 
 from __future__ import annotations
 
-from .common import caption, plt
+from .common import caption, log2_axis, plt
 
 COLORS = ("#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974")
 
@@ -21,12 +21,8 @@ def moe_ep(df):
             color = COLORS[ci % len(COLORS)]
             ax.plot(d["ep"], d["makespan_s"] * 1e3, "o-", ms=3.5, color=color, label=f"{g} ranks: plan")
             ax.plot(d["ep"], d["lower_bound_s"] * 1e3, ":", color=color, label=f"{g} ranks: lower bound")
-        eps = sorted(d0["ep"].unique())
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(eps)
-        ax.set_xticklabels([str(x) for x in eps])
+        log2_axis(ax, d0["ep"].unique(), "expert-parallel degree (1 = none)")
         ax.set_yscale("log")
-        ax.set_xlabel("expert-parallel degree (1 = none)")
         ax.set_ylabel("NS makespan per step (ms, log)")
         ax.set_title(model, fontsize=9)
         if j == 0:

@@ -8,7 +8,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .common import STRATEGY_COLORS, STRATEGY_LABELS, WALL_WM_NOTE, caption, fmt_ms, plt, profile_caption
+from .common import (
+    STRATEGY_COLORS,
+    STRATEGY_LABELS,
+    WALL_WM_NOTE,
+    caption,
+    fmt_ms,
+    log2_axis,
+    plt,
+    profile_caption,
+)
 
 STRATEGIES = ("adamw", "naive", "dmuon")
 OPT_DEF = (
@@ -96,10 +105,8 @@ def optimizer_time(df):
                     color=STRATEGY_COLORS["dmuon"],
                     fontweight="bold",
                 )
-        ax.set_xscale("log", base=2)
+        log2_axis(ax, sub["gpus"].unique())
         ax.set_yscale("log")
-        ax.set_xticks(sorted(sub["gpus"].unique()))
-        ax.set_xticklabels([str(g) for g in sorted(sub["gpus"].unique())])
         ax.set_title(_title(w))
         ax.set_xlabel("GPUs")
     for ax in axes[:, 0]:

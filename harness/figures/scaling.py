@@ -6,7 +6,7 @@ with owner groups of up to 8 ranks (max_split 8).
 
 from __future__ import annotations
 
-from .common import STRATEGY_COLORS, STRATEGY_LABELS, caption, plt, profile_caption
+from .common import STRATEGY_COLORS, STRATEGY_LABELS, caption, log2_axis, plt, profile_caption
 
 STRATEGIES = ("adamw", "naive", "dmuon")
 DEVICE_STYLE = {"a800": "-", "h200": "--", "h100": ":"}
@@ -59,10 +59,7 @@ def _split_panels(df, ax_opt, ax_ns) -> None:
         (ax_opt, "optimizer time (ms)", f"(e) DMuon optimizer time: split NS or not ({where})"),
         (ax_ns, "NS makespan, slowest rank (ms)", "(f) DMuon NS makespan: split NS or not"),
     ):
-        a.set_xscale("log", base=2)
-        a.set_xticks(gp)
-        a.set_xticklabels([str(x) for x in gp])
-        a.set_xlabel("GPUs")
+        log2_axis(a, gp, "GPUs")
         a.set_ylim(bottom=0)
         a.set_ylabel(ylabel)
         a.set_title(title, fontsize=9)
@@ -95,11 +92,7 @@ def scaling(df):
                 label=lab,
             )
     for a in (ax, ax_eff):
-        a.set_xscale("log", base=2)
-        gp = sorted(g["gpus"].unique())
-        a.set_xticks(gp)
-        a.set_xticklabels([str(x) for x in gp])
-        a.set_xlabel("GPUs")
+        log2_axis(a, g["gpus"].unique(), "GPUs")
     ax.set_yscale("log")
     ax.set_ylabel("throughput (tokens/s, log scale)")
     ax.set_title("(a) throughput vs GPUs")
@@ -120,10 +113,7 @@ def scaling(df):
                 d[col], d["step_s"] * 1e3, "o-", color=STRATEGY_COLORS[s], label=STRATEGY_LABELS[s], ms=4
             )
         if xlog:
-            panel.set_xscale("log", base=2)
-            xs = sorted(d0[col].unique())
-            panel.set_xticks(xs)
-            panel.set_xticklabels([f"{x:g}" for x in xs])
+            log2_axis(panel, d0[col].unique(), fmt=lambda x: f"{x:g}")
         panel.set_ylim(bottom=0)
         panel.set_xlabel(xlabel)
         panel.set_ylabel("training step time (ms)")
