@@ -317,12 +317,15 @@ RUNNERS = {"plain": run_plain, "bytes": run_bytes, "checkpoint": run_checkpoint,
            "errors": run_errors, "bad_load": run_bad_load, "nonfinite": run_nonfinite}
 
 
-def run_cases(rank: int, world: int, cases: list[dict]) -> dict:
+def run_cases(rank: int, world: int, cases: list[dict], runners: dict | None = None) -> dict:
+    """Every case through its runner (`runners`, default this module's RUNNERS); a failure is reported
+    per case, with its traceback, and every case is timed."""
+    runners = RUNNERS if runners is None else runners
     out = {}
     for case in cases:
         start = time.perf_counter()
         try:
-            res = RUNNERS[case.get("runner", "plain")](case, rank, world)
+            res = runners[case.get("runner", "plain")](case, rank, world)
         except Exception as e:  # noqa: BLE001 - reported per case to the test
             res = {"failed": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
         res["time_s"] = time.perf_counter() - start

@@ -12,11 +12,10 @@ balancer's choice.
 from __future__ import annotations
 
 import dataclasses
-import time
-import traceback
 
 import torch.distributed as dist
 from test_fsdp_cases import full_params, nonfinite_round, setup, train
+from test_fsdp_cases import run_cases as fsdp_run_cases
 
 
 def force_splits(plan, k: int):
@@ -138,13 +137,4 @@ RUNNERS = {"plain": run_plain, "checkpoint": run_checkpoint, "errors": run_error
 
 
 def run_cases(rank: int, world: int, cases: list[dict]) -> dict:
-    out = {}
-    for case in cases:
-        start = time.perf_counter()
-        try:
-            res = RUNNERS[case.get("runner", "plain")](case, rank, world)
-        except Exception as e:  # noqa: BLE001 - reported per case to the test
-            res = {"failed": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
-        res["time_s"] = time.perf_counter() - start
-        out[case["name"]] = res
-    return out
+    return fsdp_run_cases(rank, world, cases, RUNNERS)
