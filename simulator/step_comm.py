@@ -29,10 +29,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+from dmuon.runtime.exchange import pads_cheaply
+
 from .collectives import Group, bytes_per_rank, collective_time_s
 from .engine import Op
-
-AUTO_MAX_PADDING = 1.10  # dmuon.runtime.units.AUTO_MAX_PADDING: reduce-scatter mode up to 10% padding
 
 
 class CommPrograms:
@@ -90,7 +90,7 @@ class CommPrograms:
             n = g.size
             whole = (self.bucket_numel[b], self.max_owned[b], self.owned[b])
             payload, chunk, owners = whole if part is None else part
-            if n * chunk <= AUTO_MAX_PADDING * payload:  # one reduce-scatter / all-gather of padded chunks
+            if pads_cheaply(n * chunk, payload):  # one reduce-scatter / all-gather of padded chunks
                 shape = ("reduce_scatter" if kind == "reduce" else "all_gather", n * chunk, 0, 1, 1)
             else:
                 per_local = Counter(o % self.s.per_node for o in owners) if g.nodes > 1 else Counter()

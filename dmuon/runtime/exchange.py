@@ -31,6 +31,15 @@ import torch.distributed as dist
 from .groups import CommGroups
 
 EXCHANGE_MODES = ("reduce", "reduce_scatter")
+AUTO_MAX_PADDING = 1.10  # "auto" exchange: reduce-scatter if the padded buffer is at most 10% larger
+
+
+def pads_cheaply(padded_numel: float, payload_numel: float) -> bool:
+    """What "auto" asks of a bucket off gloo (runtime and simulator alike): one reduce-scatter /
+    all-gather of owner chunks padded to equal size, if that padding adds at most 10% to the payload."""
+    return padded_numel <= AUTO_MAX_PADDING * payload_numel
+
+
 EXCHANGE_CHOICES = ("auto", *EXCHANGE_MODES)  # "auto": chosen per bucket by its padding (see units.py)
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -22,10 +22,15 @@ from dataclasses import dataclass
 import torch
 
 from .comm import CommWorker, Handle
-from .exchange import OwnerLayout, all_reduce_sum, padded_numel, publish_from_owners, reduce_to_owners
+from .exchange import (
+    OwnerLayout,
+    all_reduce_sum,
+    padded_numel,
+    pads_cheaply,
+    publish_from_owners,
+    reduce_to_owners,
+)
 from .groups import CommGroups
-
-AUTO_MAX_PADDING = 1.10  # "auto" exchange: reduce-scatter if the padded buffer is at most 10% larger
 
 
 @dataclass
@@ -157,7 +162,7 @@ def auto_mode(numels, owners, groups: CommGroups) -> str:
     if groups.backend == "gloo":
         return "reduce"
     padded = OwnerLayout(numels, owners, groups, "reduce_scatter")
-    return "reduce_scatter" if padded.total <= AUTO_MAX_PADDING * padded.payload else "reduce"
+    return "reduce_scatter" if pads_cheaply(padded.total, padded.payload) else "reduce"
 
 
 class OwnerUnit(_Unit):
