@@ -41,7 +41,9 @@ src/graph/tuning.cc ncclTopoTuneModel, Simple protocol, named in the profile):
                     max(intra ring term, 2 S / (tree_bw_factor B_nic)) (tuner: tree busBw x 0.92, algbw x 0.5)
     protocols       across nodes, each time is the cheapest over Simple and the profile's other protocols
                     (LL, LL128: lower latencies, bandwidth x bw_factor), as NCCL's tuner picks; a single
-                    node keeps its measured curve, which holds NCCL's own choice already
+                    node keeps its measured curve, which holds NCCL's own choice already. Two-level owner
+                    broadcasts / reduces: the inter phase (its own NCCL call over one local index's
+                    ranks) picks its protocol the same way
 owner broadcasts / reduces issued as `owners` separate collectives on one communicator (the runtime's
 "reduce" exchange mode: one async reduce / broadcast per owner chunk): NCCL runs them one after another
 on its stream, so their latency is paid `owners` times (two-level: the intra phase `owners` times, the
@@ -292,9 +294,13 @@ def collective_time_s(kind: str, size_bytes: float, group: Group, net: Network, 
     if owner_kind:
         # owners' data crosses the network once per node (inter, whole S over the node's NICs), then
         # spreads inside the node (intra); reduces mirror this
+        # the inter phase is its own NCCL call over the m ranks of one local index: NCCL's tuner picks its
+        # protocol (nccl=True), as for a flat ring; the intra phase keeps the measured single-node curve
         intra_lat, intra_bw = _intra(kind, size_bytes, p, net, max_share_bytes)
         inter_bw = _inter_bw_s(kind, size_bytes, m, nic, max_share_bytes)
-        return intra_lat * k + intra_bw + inter_lat * k_local + inter_bw
+        inter = min((q.ring_base_s + (m - 1) * q.ring_inter_s) * k_local + inter_bw / q.bw_factor
+                    for q in (_simple(net), *(net.protocols if nccl else ())))
+        return intra_lat * k + intra_bw + inter
     intra_lat, intra_bw = _intra(kind, size_bytes, p, net, 0.0)
     inter_bw = _inter_bw_s(kind, size_bytes / p, m, nic / p, 0.0)
     return intra_lat + intra_bw + inter_lat + inter_bw

@@ -7,12 +7,13 @@ Pricing (`simulator.collectives.collective_time_s`, every collective NCCL-native
       rank of the ring: (n - M) NVLink steps + (M - 1) network steps), ring or double binary tree for
       all-reduce, whichever its tuner model prices lower.
   dmuon's owner exchange (gradients to owners in backward, publication of the new weights), as the
-      runtime's `dmuon.runtime.exchange` issues it: per bucket the exchange mode the runtime's
-      `units.auto_mode` picks on NCCL, i.e. "reduce_scatter" (one reduce-scatter / all-gather of the
-      owner chunks padded to the largest, n x C bytes) where that padding adds at most 10% to the
-      bucket, else "reduce" (one reduce / broadcast per owner with a chunk, issued one after another
-      on one communicator: latency once per owner); two-level (intra, then inter per local index) where
-      `StepSpec.hierarchical` (the runtime's node_size), else flat over the group.
+      runtime's `dmuon.runtime.exchange` issues it: per bucket the mode the runtime's "auto" picks on
+      NCCL (`exchange.choose_mode`, the same function `units.auto_mode` calls, given the profile's fabric:
+      largest measured intra-node busbw, NIC x inter efficiency, NCCL latencies): "reduce_scatter" (one
+      reduce-scatter / all-gather of the owner chunks padded to the largest, n x C bytes) where its
+      alpha-beta estimate is lower, else "reduce" (one reduce / broadcast per owner with a chunk, issued
+      one after another on one communicator: latency once per owner); two-level (intra, then inter per
+      local index) where `StepSpec.hierarchical` (the runtime's node_size), else flat over the group.
   Each collective holds `StepSpec.sm_share` of its participants' SMs while it runs (simulator.engine).
 
 Representative ranks (`representatives`): ranks whose programs are identical and whose collectives all
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from dmuon.runtime.exchange import pads_cheaply
+from dmuon.runtime.exchange import LinkEstimate, choose_mode
 
 from .collectives import Group, bytes_per_rank, collective_time_s
 from .engine import Op
@@ -90,11 +91,14 @@ class CommPrograms:
             n = g.size
             whole = (self.bucket_numel[b], self.max_owned[b], self.owned[b])
             payload, chunk, owners = whole if part is None else part
-            if pads_cheaply(n * chunk, payload):  # one reduce-scatter / all-gather of padded chunks
+            per_local = Counter(o % self.s.per_node for o in owners) if g.nodes > 1 else Counter()
+            k_local = max(per_local.values(), default=1)
+            mode = choose_mode(payload * elem_bytes, chunk * elem_bytes, len(owners), k_local, n,
+                               g.per_node, self.s.hierarchical, self._links())
+            if mode == "reduce_scatter":  # one reduce-scatter / all-gather of padded chunks
                 shape = ("reduce_scatter" if kind == "reduce" else "all_gather", n * chunk, 0, 1, 1)
             else:
-                per_local = Counter(o % self.s.per_node for o in owners) if g.nodes > 1 else Counter()
-                shape = (kind, payload, chunk, len(owners), max(per_local.values(), default=1))
+                shape = (kind, payload, chunk, len(owners), k_local)
             self.__dict__.setdefault("_owner_shapes", {})[ck] = shape
         k, numel, chunk, owners, per_local = shape
         if k != kind:
@@ -102,6 +106,14 @@ class CommPrograms:
                              nccl=not self.s.hierarchical)
         return self.coll(r, key, group, kind, numel * elem_bytes, muon_fraction=1.0,
                          max_share=chunk * elem_bytes, step=step, owners=owners, owners_per_local=per_local)
+
+    def _links(self) -> LinkEstimate:
+        """The fabric estimate the exchange mode is chosen with: the profile's own numbers (largest
+        measured intra-node busbw, NIC x inter efficiency, NCCL latencies), as `auto_mode` would be given."""
+        net = self.s.network
+        nic = net.nic_Bps_per_node * net.inter_efficiency
+        return LinkEstimate(net.curves["all_gather"].busbw_Bps[-1], nic, net.base_latency_s,
+                            net.intra_alpha_s, net.inter_alpha_s)
 
     # ---- backward's gradient reductions ----------------------------------------------------------
     def _reduce_layer(self, r: int, step: int, l: int, numel: int, mu: int, dep: Op) -> Op | None:

@@ -9,6 +9,9 @@ rank owns one contiguous chunk: either the tensors it owns (Muon matrices, one o
   "reduce_scatter"  every chunk padded to the largest one (C elements), so one reduce-scatter delivers
                     each owner its chunk and one all-gather publishes them: 1 collective per bucket and
                     (N C - sum chunk) elements of padding.
+  "auto" (units.auto_mode) takes, per bucket, the mode `choose_mode` prices lower: padding's extra bytes
+  over the bandwidth against one latency per owner (`exchange_costs_s`, NCCL's latency constants and a
+  per-GPU bandwidth estimate, `LINKS`); the simulator chooses with the same function.
 
 Two-level (`CommGroups.two_level`, g ranks per node): "reduce" runs an intra-node reduce to the rank
 with the owner's local index, then an inter-node reduce among the ranks with that local index (mirror
@@ -24,23 +27,105 @@ They depend only on flat buffers and owners, not on how parameters are stored (r
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
+from ..errors import InputError
 from .groups import CommGroups
 
 EXCHANGE_MODES = ("reduce", "reduce_scatter")
-AUTO_MAX_PADDING = 1.10  # "auto" exchange: reduce-scatter if the padded buffer is at most 10% larger
+EXCHANGE_CHOICES = ("auto", *EXCHANGE_MODES)  # "auto": chosen per bucket by `choose_mode` (see units.py)
+
+# NCCL's own latency model (tuner constants, Simple protocol; NVIDIA/nccl src/graph/tuning.cc
+# ncclTopoTuneModel, quoted in the shared reference collectives.md): per launch, per NVLink ring step,
+# per network ring step. The same constants price every collective in the simulator's profiles.
+NCCL_BASE_S, NCCL_NVLINK_STEP_S, NCCL_NET_STEP_S = 8.4e-6, 3.4e-6, 14.0e-6
 
 
-def pads_cheaply(padded_numel: float, payload_numel: float) -> bool:
-    """What "auto" asks of a bucket off gloo (runtime and simulator alike): one reduce-scatter /
-    all-gather of owner chunks padded to equal size, if that padding adds at most 10% to the payload."""
-    return padded_numel <= AUTO_MAX_PADDING * payload_numel
+@dataclass(frozen=True)
+class LinkEstimate:
+    """What "auto" assumes of the fabric (alpha-beta, SI units): one rank's achieved intra-node bus
+    bandwidth, one node's achieved NIC bandwidth (all its NICs, per direction) and NCCL's latencies."""
+
+    intra_Bps: float
+    nic_Bps: float
+    base_s: float = NCCL_BASE_S
+    intra_step_s: float = NCCL_NVLINK_STEP_S
+    inter_step_s: float = NCCL_NET_STEP_S
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not (self.intra_Bps > 0 and self.nic_Bps > 0):
+            raise InputError(f"link bandwidths must be > 0 bytes/s, got {self.intra_Bps}, {self.nic_Bps}")
+        if min(self.base_s, self.intra_step_s, self.inter_step_s) < 0:
+            raise InputError("link latencies must be >= 0 s")
 
 
-EXCHANGE_CHOICES = ("auto", *EXCHANGE_MODES)  # "auto": chosen per bucket by its padding (see units.py)
+# The runtime's estimate per GPU (keys: dmuon/plan/profiles/hardware.csv devices), the numbers the
+# simulator's profiles of the same GPUs use. NIC x 0.9: the profiles' inter-node efficiency assumption.
+LINKS = {
+    "a800": LinkEstimate(70.9e9, 0.9 * 100e9, source=(
+        "intra: reported.csv a800_8gpu_comm, 466 MB all_gather_into_tensor 5.75 ms on 8 x A800 = 70.9 GB/s "
+        "busbw; NIC: 4 x 200 Gb/s HDR per node (collectives.md, typical A800 node) x 0.9")),
+    "a100": LinkEstimate(230e9, 0.9 * 200e9, source=(
+        "intra: collectives.md, 8 x A100 SXM4 NVLink all-reduce busbw 230-250 GB/s (low end); NIC: "
+        "8 x 200 Gb/s HDR per node (DGX A100) x 0.9")),
+    "h100": LinkEstimate(460e9, 0.9 * 400e9, source=(
+        "intra: collectives.md, 8 x H100 SXM all-reduce busbw 460-480 GB/s (low end); NIC: 8 x 400 Gb/s "
+        "NDR per node (collectives.md) x 0.9")),
+}
+LINKS["h200"] = replace(LINKS["h100"], source=LINKS["h100"].source + " (H200: the same NVLink4 and NICs)")
+DEFAULT_LINKS = "h100"  # a GPU not in the table (as dmuon.runtime.planning.default_profile)
+
+
+def default_links(device_name: str | None = None) -> LinkEstimate:
+    """The table entry whose key the device's name contains (default: the current CUDA device)."""
+    if device_name is None:
+        device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    name = device_name.lower()
+    key = next((k for k in sorted(LINKS, key=len, reverse=True) if k in name), DEFAULT_LINKS)
+    return LINKS[key]
+
+
+def exchange_costs_s(payload_bytes: float, cap_bytes: float, owners: int, owners_per_local: int,
+                     n: int, per_node: int, two_level: bool, links: LinkEstimate) -> dict[str, float]:
+    """Estimated seconds of one bucket's owner exchange (gradients to owners; publication mirrors it) in
+    each mode, on n ranks of per_node per node: "reduce_scatter" moves n x cap bytes (every owner chunk
+    padded to the largest, cap) in one collective, "reduce" moves the payload in `owners` collectives
+    issued one after another (latency once per owner; two-level: the inter phase once per owner sharing
+    a local index, `owners_per_local`). Ring / chain alpha-beta forms of collectives.md; a flat ring
+    across nodes is bounded by its slowest link (NVLink or the node's NICs)."""
+    if n <= 1:
+        return {"reduce_scatter": 0.0, "reduce": 0.0}
+    p = max(1, min(per_node, n))
+    m = -(-n // p)
+    L = links
+    padded = n * cap_bytes
+    k, k_local = max(1, owners), max(1, min(owners_per_local, owners))
+    if m == 1 or p == 1 or not two_level:
+        bw = L.intra_Bps if m == 1 else (L.nic_Bps if p == 1 else min(L.intra_Bps, L.nic_Bps))
+        lat = L.base_s + (n - m) * L.intra_step_s + (m - 1) * L.inter_step_s
+        rs = lat + (n - 1) / n * padded / bw
+        red = k * lat + max((n - 1) / n * payload_bytes, cap_bytes) / bw
+        return {"reduce_scatter": rs, "reduce": red}
+    intra_lat = L.base_s + (p - 1) * L.intra_step_s
+    inter_lat = L.base_s + (m - 1) * L.inter_step_s
+    # reduce-scatter: intra on the padded buffer, then p inter groups on 1/p of it sharing the node's NICs
+    rs = intra_lat + (p - 1) / p * padded / L.intra_Bps + inter_lat + (m - 1) / m * padded / L.nic_Bps
+    red = (k * intra_lat + max((p - 1) / p * payload_bytes, cap_bytes) / L.intra_Bps
+           + k_local * inter_lat + max((m - 1) / m * payload_bytes, cap_bytes) / L.nic_Bps)
+    return {"reduce_scatter": rs, "reduce": red}
+
+
+def choose_mode(payload_bytes: float, cap_bytes: float, owners: int, owners_per_local: int, n: int,
+                per_node: int, two_level: bool, links: LinkEstimate) -> str:
+    """What "auto" picks on NCCL, runtime and simulator alike: the mode `exchange_costs_s` prices lower
+    (a tie goes to "reduce_scatter", one collective)."""
+    c = exchange_costs_s(payload_bytes, cap_bytes, owners, owners_per_local, n, per_node, two_level, links)
+    return "reduce_scatter" if c["reduce_scatter"] <= c["reduce"] else "reduce"
+
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

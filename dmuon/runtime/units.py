@@ -17,16 +17,20 @@ transient=True, the FSDP2 owner layout) at each launch and dropped as soon as th
 
 from __future__ import annotations
 
+import os
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from .comm import CommWorker, Handle
 from .exchange import (
+    LinkEstimate,
     OwnerLayout,
     all_reduce_sum,
+    choose_mode,
+    default_links,
     padded_numel,
-    pads_cheaply,
     publish_from_owners,
     reduce_to_owners,
 )
@@ -154,15 +158,28 @@ class AllReduceUnit(_Unit):
         return self._grad_buf
 
 
-def auto_mode(numels, owners, groups: CommGroups) -> str:
+def auto_mode(numels, owners, groups: CommGroups, links: LinkEstimate | None = None,
+              elem_bytes: int = 2, per_node: int | None = None) -> str:
     """The exchange mode "auto" picks for one bucket. gloo: "reduce" (its reduce-scatter runs an
     all-reduce underneath: measured here, 8 MB over 2 / 4 CPU ranks, reduce-scatter 11.7 / 21.6 ms vs
-    per-owner reduces 5.1 / 14.5 ms). Others (NCCL): "reduce_scatter" (one collective) when padding the
-    owner chunks to equal size adds at most 10% to the bucket, else "reduce"."""
+    per-owner reduces 5.1 / 14.5 ms). Others (NCCL): `exchange.choose_mode`, the cheaper of one padded
+    reduce-scatter and one reduce per owner, priced with `links` (default: the GPU's entry of
+    exchange.LINKS). Ranks per node: node_size if given, else `per_node`, else torchrun's
+    LOCAL_WORLD_SIZE (else one node)."""
     if groups.backend == "gloo":
         return "reduce"
     padded = OwnerLayout(numels, owners, groups, "reduce_scatter")
-    return "reduce_scatter" if pads_cheaply(padded.total, padded.payload) else "reduce"
+    n = groups.world_size
+    if groups.node_size:
+        p = groups.node_size
+    else:
+        p = per_node or int(os.environ.get("LOCAL_WORLD_SIZE", n) or n)
+        p = p if 0 < p <= n and n % p == 0 else n
+    held = [o for o in range(n) if padded.chunk_numel[o] > 0]
+    per_local = Counter(o % p for o in held)
+    return choose_mode(padded.payload * elem_bytes, padded.chunk_cap * elem_bytes, len(held),
+                       max(per_local.values(), default=1), n, p, groups.two_level,
+                       links or default_links())
 
 
 class OwnerUnit(_Unit):
@@ -192,7 +209,7 @@ class OwnerUnit(_Unit):
         numels = [m.param.numel() for m in members]
         owners = None if sharded else [m.owner for m in members]
         if mode == "auto":
-            mode = auto_mode(numels, owners, groups)
+            mode = auto_mode(numels, owners, groups, elem_bytes=members[0].param.element_size())
         self.layout = OwnerLayout(numels, owners, groups, mode)
         self._offsets = list(self.layout.offsets)
         self._buf_numel = self.layout.total
