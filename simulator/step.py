@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from dmuon.errors import InputError
 
 from .collectives import Group
-from .engine import Cluster, Op
+from .engine import Cluster, Op, paused_gc
 from .step_comm import CommPrograms
 from .step_ep import EPPrograms
 from .step_optimizer import OptimizerPrograms
@@ -303,10 +303,11 @@ def build(spec: StepSpec, overlap_slowdown: float = 0.0, comm_overlap_slowdown: 
         streams += ("split",)  # the owner groups' collectives (simulator.step_split)
     cluster = Cluster(spec.n_ranks, streams=streams, overlap_slowdown=overlap_slowdown,
                       comm_overlap_slowdown=comm_overlap_slowdown, jitter=jitter[0], seed=jitter[1])
-    progs = _Programs(spec, cluster)
-    reps, cluster.weight = progs.select(all_ranks)
-    for r in reps:
-        progs.program(r)
+    with paused_gc():
+        progs = _Programs(spec, cluster)
+        reps, cluster.weight = progs.select(all_ranks)
+        for r in reps:
+            progs.program(r)
     notes = []
     if spec.layout == "sharded" and spec.strategy != "dmuon":
         notes.append(f"layout 'sharded' only changes the dmuon optimizer; {spec.strategy} runs as fsdp-keep")

@@ -80,6 +80,24 @@ def test_representatives_match_all_ranks(model, strategy):
     assert simulate(cfg) == full
 
 
+@pytest.mark.parametrize("strategy", ["adamw", "naive", "dmuon"])
+@pytest.mark.parametrize("kw", [dict(ep=4), dict(ep=16, layout="fsdp-free"), dict(ep=8, gpu="cpu")])
+def test_fast_engine_matches_simpy(model, monkeypatch, strategy, kw):
+    """The default event loop (simulator.engine_fast) gives every op the SimPy reference's times."""
+    from simulator.engine import Cluster
+
+    cfg = _cfg(model, strategy=strategy, **kw)
+    orig = Cluster.run
+    monkeypatch.setattr(Cluster, "run", lambda self: orig(self, reference=True))
+    ref, ref_built = run(cfg, all_ranks=False)
+    monkeypatch.setattr(Cluster, "run", orig)
+    fast, fast_built = run(cfg, all_ranks=False)
+    assert fast == ref
+    ops = [[(o.name, o.start, o.end) for q in b.cluster.queues.values() for o in q]
+           for b in (ref_built, fast_built)]
+    assert ops[0] and ops[0] == ops[1]
+
+
 def test_dmuon_experts_exchanged_in_replica_group(model):
     r, built = run(_cfg(model, strategy="dmuon", ep=4))
     plan = built.spec.plan
