@@ -149,6 +149,7 @@ class Network:
     tree_inter_alpha_s: float = 14.0e-6
     tree_bw_factor: float = 0.92
     protocols: tuple = ()  # Protocol: NCCL's other protocols, tried beside Simple across nodes (nccl=True)
+    backend: str = "nccl"  # what the runtime's collectives run on: "nccl" (GPUs) | "gloo" (CPU profiles)
 
     def __post_init__(self) -> None:
         if not 0 < self.tree_bw_factor <= 1:
@@ -161,6 +162,8 @@ class Network:
             raise InputError(f"NIC bandwidth must be > 0 bytes/s, got {self.nic_Bps_per_node}")
         if not 0 < self.inter_efficiency <= 1:
             raise InputError(f"inter_efficiency must be in (0, 1], got {self.inter_efficiency}")
+        if self.backend not in ("nccl", "gloo"):
+            raise InputError(f"network backend must be 'nccl' or 'gloo', got {self.backend!r}")
         for k in ("all_gather", "broadcast"):
             if k not in self.curves:
                 raise InputError(f"network needs a {k!r} bandwidth curve; has {sorted(self.curves)}")

@@ -401,6 +401,7 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
         inter_alpha_s=nv["inter_alpha_us"] * 1e-6,
         nic_Bps_per_node=nv["nic_gbps_per_node"] * 1e9 / 8,
         inter_efficiency=nv["inter_efficiency"],
+        backend="gloo" if cores else "nccl",  # a CPU profile's ranks are gloo processes
     )
     return Profile(
         name=str(data.get("name", path.stem)),

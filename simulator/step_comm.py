@@ -94,7 +94,7 @@ class CommPrograms:
             per_local = Counter(o % self.s.per_node for o in owners) if g.nodes > 1 else Counter()
             k_local = max(per_local.values(), default=1)
             mode = choose_mode(payload * elem_bytes, chunk * elem_bytes, len(owners), k_local, n,
-                               g.per_node, self.s.hierarchical, self._links())
+                               g.per_node, self.s.hierarchical, self._links(), self.s.network.backend)
             if mode == "reduce_scatter":  # one reduce-scatter / all-gather of padded chunks
                 shape = ("reduce_scatter" if kind == "reduce" else "all_gather", n * chunk, 0, 1, 1)
             else:

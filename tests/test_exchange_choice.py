@@ -74,6 +74,8 @@ def test_flat_groups_take_ranks_per_node_from_torchrun(monkeypatch):
     assert auto_mode(numels, owners, _groups(64), links=A800) == nodes
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "7")  # does not divide 64: treated as one node
     assert auto_mode(numels, owners, _groups(64), links=A800) == one_node
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")  # not a number: one node
+    assert auto_mode(numels, owners, _groups(64), links=A800) == one_node
 
 
 def test_device_table_and_bad_input():
@@ -86,7 +88,7 @@ def test_device_table_and_bad_input():
 
 
 @pytest.mark.parametrize("gpu,gpus,layout", [("a800", 16, "fsdp-keep"), ("a800", 64, "hsdp-free"),
-                                             ("h200", 16, "fsdp-keep")])
+                                             ("h200", 16, "fsdp-keep"), ("cpu", 4, "fsdp-keep")])
 def test_simulator_picks_what_the_runtime_would(gpu, gpus, layout):
     """Every bucket of a simulated DMuon step is exchanged in the mode units.auto_mode picks for the same
     bucket (its owners and sizes), given the fabric estimate the simulator prices with."""
@@ -103,7 +105,8 @@ def test_simulator_picks_what_the_runtime_would(gpu, gpus, layout):
             shape = self._owner_shapes[(b, kind, group)]
             owned = self.owned[b]
             numels, owners = list(owned.values()), list(owned)
-            groups = _groups(g.size, self.s.per_node if self.s.hierarchical else None)
+            groups = _groups(g.size, self.s.per_node if self.s.hierarchical else None,
+                             backend=self.s.network.backend)
             want = auto_mode(numels, owners, groups, links=self._links(), elem_bytes=elem_bytes,
                              per_node=self.s.per_node)
             seen.append((want, "reduce" if shape[0] in ("reduce", "broadcast") else "reduce_scatter"))
@@ -116,6 +119,8 @@ def test_simulator_picks_what_the_runtime_would(gpu, gpus, layout):
     finally:
         step_comm.CommPrograms.owner_coll = orig
     assert seen and all(a == b for a, b in seen)
+    if gpu == "cpu":  # gloo ranks: the runtime never pads (its reduce-scatter is an all-reduce)
+        assert {b for _, b in seen} == {"reduce"}
 
 
 def test_two_level_owner_inter_phase_picks_its_protocol():

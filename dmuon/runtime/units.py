@@ -160,26 +160,23 @@ class AllReduceUnit(_Unit):
 
 def auto_mode(numels, owners, groups: CommGroups, links: LinkEstimate | None = None,
               elem_bytes: int = 2, per_node: int | None = None) -> str:
-    """The exchange mode "auto" picks for one bucket. gloo: "reduce" (its reduce-scatter runs an
-    all-reduce underneath: measured here, 8 MB over 2 / 4 CPU ranks, reduce-scatter 11.7 / 21.6 ms vs
-    per-owner reduces 5.1 / 14.5 ms). Others (NCCL): `exchange.choose_mode`, the cheaper of one padded
-    reduce-scatter and one reduce per owner, priced with `links` (default: the GPU's entry of
-    exchange.LINKS). Ranks per node: node_size if given, else `per_node`, else torchrun's
+    """The exchange mode "auto" picks for one bucket: `exchange.choose_mode` (gloo: "reduce"; NCCL: the
+    cheaper of one padded reduce-scatter and one reduce per owner, priced with `links`, default the
+    GPU's entry of exchange.LINKS). Ranks per node: node_size if given, else `per_node`, else torchrun's
     LOCAL_WORLD_SIZE (else one node)."""
-    if groups.backend == "gloo":
-        return "reduce"
     padded = OwnerLayout(numels, owners, groups, "reduce_scatter")
     n = groups.world_size
     if groups.node_size:
         p = groups.node_size
     else:
-        p = per_node or int(os.environ.get("LOCAL_WORLD_SIZE", n) or n)
+        env = os.environ.get("LOCAL_WORLD_SIZE", "")
+        p = per_node or (int(env) if env.isdigit() else n)
         p = p if 0 < p <= n and n % p == 0 else n
     held = [o for o in range(n) if padded.chunk_numel[o] > 0]
     per_local = Counter(o % p for o in held)
     return choose_mode(padded.payload * elem_bytes, padded.chunk_cap * elem_bytes, len(held),
                        max(per_local.values(), default=1), n, p, groups.two_level,
-                       links or default_links())
+                       links or default_links(), groups.backend)
 
 
 class OwnerUnit(_Unit):
