@@ -60,7 +60,8 @@ def paused_gc():
 
 def _clean(deps) -> tuple:
     """The dependencies as a tuple without Nones (built for ~10^5 ops per run: keep it cheap)."""
-    deps = tuple(deps)
+    if type(deps) is not tuple:
+        deps = tuple(deps)
     return tuple([d for d in deps if d is not None]) if None in deps else deps
 
 
@@ -147,12 +148,11 @@ class Cluster:
             raise InputError(f"op {name!r}: negative duration {dur}")
         if self._noise is not None and dur > 0:
             dur *= self._noise()
-        return self._add(Op(rank, stream or self.compute_stream, name, phase, step, dur=dur,
-                            deps=_clean(deps)))
+        return self._add(Op(rank, stream or self.compute_stream, name, phase, step, dur, None, _clean(deps)))
 
     def collective(self, coll: Collective, rank: int, *, phase: str, step: int, deps=(),
                    stream: str = "comm") -> Op:
-        return self._add(Op(rank, stream, coll.name, phase, step, coll=coll, deps=_clean(deps)))
+        return self._add(Op(rank, stream, coll.name, phase, step, 0.0, coll, _clean(deps)))
 
     def new_collective(self, *args, **kwargs) -> Collective:
         c = Collective(*args, **kwargs)

@@ -116,6 +116,7 @@ class EPPrograms:
         per = max(1, p // ep)  # replica-group members per node
         self.rep_group = Group(reps // per, per, share=p // per)
         self.ep_of = e.muon_ep
+        self._a2a_colls: dict = {}
 
     def _is_local(self, i: int, ep_rank: int = 0) -> bool:
         """Whether Muon matrix i is held by (a rank of) EP rank `ep_rank`: dense or its expert."""
@@ -137,9 +138,14 @@ class EPPrograms:
 
     # ---- token all-to-alls -------------------------------------------------------------------------
     def _a2a(self, r: int, step: int, l: int, what: str, phase: str, dep: Op | None) -> Op:
-        col = self.coll(r, ("a2a", step, what, l), "ep", "all_to_all", self.s.ep_spec.layer_a2a_bytes[l],
-                        muon_fraction=0.0, step=step)
-        return self.c.collective(col, r, phase=phase, step=step, deps=(dep,), stream="ep")
+        key = (step, what, l, r // self.ep)  # this EP group's collective (coll's own key, looked up once)
+        col = self._a2a_colls.get(key)
+        if col is None:
+            col = self._a2a_colls[key] = self.coll(r, ("a2a", step, what, l), "ep", "all_to_all",
+                                                   self.s.ep_spec.layer_a2a_bytes[l], muon_fraction=0.0,
+                                                   step=step)
+        return self.c.collective(col, r, phase=phase, step=step, deps=(dep,) if dep is not None else (),
+                                 stream="ep")
 
     def _layer_op(self, r: int, step: int, l: int, phase: str, dur: float, deps: list,
                   prev: Op | None = None) -> tuple[Op, list]:
