@@ -164,11 +164,26 @@ def test_gpu_without_points_borrows_the_nearest_profile(a800):
     assert e.time_s < a800.elementwise_time(10**8, "adamw").time_s  # 3.35 vs 2.04 TB/s
 
 
-def test_cpu_prices_gram_sym_with_its_roofline_and_says_so():
+def test_cpu_prices_gram_sym_as_the_torch_gram_it_runs_and_says_so():
+    # kernels='auto' keeps fp32 on torch (no measured Triton win), so gram_sym runs dense gram
     cpu = CostTable.load("cpu")
-    a = cpu.ns_time(224, 1184, 1, "gram_sym", "fp32")
-    assert not a.measured and "no sym-kernel fit" in a.detail
-    assert cpu.ns_time(224, 1184, 1, "gram", "fp32").measured
+    a, g = cpu.ns_time(224, 1184, 1, "gram_sym", "fp32"), cpu.ns_time(224, 1184, 1, "gram", "fp32")
+    assert g.measured and a.time_s == g.time_s and "gram_sym runs as gram" in a.detail
+
+
+@pytest.mark.parametrize("n, dense", [(256, True), (1024, True), (1025, False), (2048, False)])
+def test_symmetric_methods_priced_as_what_auto_dispatch_runs(a800, n, dense):
+    # published (muon.md): plain cuBLAS wins for n <= 1024, so kernels='auto' runs torch there
+    from dmuon.plan.flops import DEFAULT_AUTO_MIN_N, dispatched_method
+
+    assert DEFAULT_AUTO_MIN_N == 1025
+    for sym, plain in (("gram_sym", "gram"), ("standard_sym", "standard")):
+        assert (dispatched_method(sym, n, 4096, "bf16") == plain) == dense
+        assert dispatched_method(sym, 4096, n, "fp32") == plain  # fp32: torch until measured
+        s, p = a800.ns_time(n, 4096, 2, sym, "bf16"), a800.ns_time(n, 4096, 2, plain, "bf16")
+        assert (s.time_s == p.time_s) == dense
+        assert (f"{sym} runs as {plain}" in s.detail) == dense
+    assert dispatched_method("gram", 64, 64, "bf16") == "gram"
 
 
 def test_elementwise_points_interpolation_and_model(a800):

@@ -300,7 +300,7 @@ def test_plan_runner_rows(tmp_path):
     )
     for r in rows:
         loads = json.loads(r["loads_s"])
-        assert len(loads) == 3 and max(loads) == pytest.approx(r["makespan_s"], rel=1e-6)
+        assert len(loads) == 3 and max(loads) == pytest.approx(r["makespan_s"], rel=1e-6, abs=1e-9)  # ns
         assert r["lower_bound_s"] <= r["makespan_s"] * (1 + 1e-9)
         assert 0 < r["efficiency"] <= 1 + 1e-9
     assert rows[1]["makespan_s"] <= rows[0]["makespan_s"] * (

@@ -23,10 +23,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..plan.flops import DEFAULT_AUTO_MIN_N, default_auto_min_n
 from .configs import TileConfig, parse_key
 
 CACHE_FORMAT = "dmuon-autotune/1"
-DEFAULT_AUTO_MIN_N = 1025  # published: plain cuBLAS wins for n <= 1024
 ENV_CACHE_DIR = "DMUON_CACHE_DIR"
 ENV_AUTOTUNE = "DMUON_AUTOTUNE"
 
@@ -218,7 +218,7 @@ def auto_min_n(entries: dict[str, Entry], gpu: str, dtype: str, triton_version: 
         acc[0] += e.time_s
         acc[1] += e.torch_time_s
     if not per_bucket:  # fp32: Triton's exact-fp32 dot has no tensor cores; cuBLAS until measured
-        return math.inf if dtype == "fp32" else DEFAULT_AUTO_MIN_N
+        return default_auto_min_n(dtype)
     buckets = sorted(per_bucket)
     if per_bucket[buckets[-1]][0] >= per_bucket[buckets[-1]][1]:
         return math.inf

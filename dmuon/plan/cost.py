@@ -14,7 +14,8 @@ profile CSV (`profile_io`) plus datasheet figures (`profiles/hardware.csv`):
   else one curve shared by all points. FLOPs are those of the whole call (`flops.ns_flops`, batch
   included), so batching small matrices raises efficiency and saves overhead while large ones gain
   ~nothing.
-  A `model_scale` row multiplies the modelled time of one method (a calibration; see its source).
+  A `model_scale` row multiplies the modelled time of one method (a calibration; see its source). A
+  symmetric method is priced as what kernels='auto' runs (`flops.dispatched_method`).
 - A GPU without measured points (h100, or any "<gpu>-roofline") borrows the efficiency curve of the
   nearest measured GPU profile (closest bf16 peak) and says so in `detail`.
 - Memory-bound ops: bytes / (bandwidth x efficiency(bytes)) + overhead, the same curve form fitted to the
@@ -32,8 +33,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..errors import InputError, choice_error
-from .fit import MIN_FIT_POINTS, Curve, fit_curve
-from .flops import METHODS, ns_flops
+from .fit import MIN_FIT_POINTS, Curve, anchor_time, fit_curve
+from .flops import METHODS, dispatched_method, ns_flops
 from .hardware import HARDWARE_CSV, PROFILES_DIR, ROOFLINE_SUFFIX, Hardware, available_profiles, hardware
 from .hardware import _profile_files as _profile_files
 from .profile_io import DTYPE_BYTES, DTYPES, ELEMENTWISE_OPS, NS_OP, ProfileRow, read_profile
@@ -324,7 +325,11 @@ class CostTable:
         """One orthogonalization call of a (batch, rows, cols) stack (5 steps, restart at 2)."""
         key = ("ns", rows, cols, batch, method, dtype)
         if key not in self._cache:
-            self._cache[key] = self._ns_time(rows, cols, batch, method, dtype)
+            run = dispatched_method(method, rows, cols, dtype) if isinstance(rows, int) and isinstance(
+                cols, int) else method
+            a = self._ns_time(rows, cols, batch, run, dtype)
+            self._cache[key] = a if run == method else CostAnswer(
+                a.time_s, a.measured, f"{a.detail}; {method} runs as {run} (kernels='auto' keeps torch here)")
         return self._cache[key]
 
     def _ns_time(self, rows: int, cols: int, batch: int, method: str, dtype: str) -> CostAnswer:
@@ -357,7 +362,7 @@ class CostTable:
         if dtype in self._assumed:
             how = f"{how}; {self._assumed[dtype][1]}"
         if family:
-            t, detail = _anchor(family, batch, model, f"{self.name} profile")
+            t, detail = anchor_time(family, batch, model, f"{self.name} profile")
         else:
             t = model(batch)
             detail = f"{self.name} roofline fit (eff {flops / (peak * t):.2f}; {how}"
@@ -414,7 +419,7 @@ class CostTable:
 
         family = {nm: r for (pop, nm, pd), r in self._mem_points.items() if pop == op and pd == dtype}
         if family:
-            t, detail = _anchor(family, numel, model, f"{self.name} profile")
+            t, detail = anchor_time(family, numel, model, f"{self.name} profile")
         else:
             t = model(numel)
             detail = (
@@ -458,23 +463,6 @@ def _warn_once(key: tuple[str, str], text: str, stacklevel: int = 3) -> None:
     if key not in _WARNED:
         _WARNED.add(key)
         warnings.warn(text, RuntimeWarning, stacklevel=stacklevel)
-
-
-def _anchor(points: dict[int, ProfileRow], x: int, model, label: str) -> tuple[float, str]:
-    """Time at size x from measured sizes of one family: log-log interpolation between neighbours, else
-    the nearest measured point scaled along the model curve (monotone where the model is)."""
-    if x in points:  # same class, other dtype
-        r = points[x]
-        return r.time_s, f"{label}: {r.dtype} point used (same element size and peak): {r.source}"
-    lo = max((k for k in points if k < x), default=None)
-    hi = min((k for k in points if k > x), default=None)
-    if lo is not None and hi is not None:
-        f = (math.log(x) - math.log(lo)) / (math.log(hi) - math.log(lo))
-        t = math.exp((1 - f) * math.log(points[lo].time_s) + f * math.log(points[hi].time_s))
-        return t, f"{label}: log-log interpolation between measured sizes {lo} and {hi}"
-    ref = lo if lo is not None else hi
-    t = points[ref].time_s * model(x) / model(ref)
-    return t, f"{label}: measured size {ref} scaled along the fitted curve"
 
 
 @lru_cache(maxsize=8)

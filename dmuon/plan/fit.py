@@ -118,3 +118,21 @@ def fit_curve(work: Sequence[float], time_s: Sequence[float], rate: float) -> Cu
             best = (res, Curve(rate, t0, a, c, k, len(pts), math.sqrt(res / len(pts))))
     assert best is not None
     return best[1]
+
+
+def anchor_time(points: dict, x: int, model, label: str) -> tuple[float, str]:
+    """Time at size x from measured sizes of one family (size -> profile row): log-log interpolation
+    between neighbours, else the nearest measured point scaled along the model curve (monotone where the
+    model is)."""
+    if x in points:  # same class, other dtype
+        r = points[x]
+        return r.time_s, f"{label}: {r.dtype} point used (same element size and peak): {r.source}"
+    lo = max((k for k in points if k < x), default=None)
+    hi = min((k for k in points if k > x), default=None)
+    if lo is not None and hi is not None:
+        f = (math.log(x) - math.log(lo)) / (math.log(hi) - math.log(lo))
+        t = math.exp((1 - f) * math.log(points[lo].time_s) + f * math.log(points[hi].time_s))
+        return t, f"{label}: log-log interpolation between measured sizes {lo} and {hi}"
+    ref = lo if lo is not None else hi
+    t = points[ref].time_s * model(x) / model(ref)
+    return t, f"{label}: measured size {ref} scaled along the fitted curve"

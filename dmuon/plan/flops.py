@@ -10,7 +10,26 @@ n = min(rows, cols), m = max(rows, cols); a multiply-add counts as 2 FLOPs.
 
 from __future__ import annotations
 
+import math
+
 METHODS = ("standard", "standard_sym", "gram", "gram_sym")
+DEFAULT_AUTO_MIN_N = 1025  # published (reference/muon.md): plain cuBLAS wins for n <= 1024
+DENSE_COUNTERPART = {"gram_sym": "gram", "standard_sym": "standard"}
+
+
+def default_auto_min_n(dtype: str) -> float:
+    """Smallest n = min(rows, cols) at which kernels='auto' runs the Triton symmetric kernels when nothing
+    is measured (dmuon.kernels.autotune): the published default for bf16/fp16; fp32 stays on torch (Triton's
+    exact-fp32 dot has no tensor cores)."""
+    return math.inf if dtype == "fp32" else DEFAULT_AUTO_MIN_N
+
+
+def dispatched_method(method: str, rows: int, cols: int, dtype: str) -> str:
+    """The NS method kernels='auto' really runs for an unmeasured shape class: a symmetric method runs its
+    dense counterpart (torch ops) below `default_auto_min_n`. What the planner and the simulator price,
+    so that they price what the runtime executes."""
+    dense = DENSE_COUNTERPART.get(method)
+    return method if dense is None or min(rows, cols) >= default_auto_min_n(dtype) else dense
 DEFAULT_RESTARTS = (2,)
 
 
