@@ -7,7 +7,7 @@ processes as the reference (`Cluster.run(reference=True)`; tests/test_sim_engine
 the same op times on every strategy, layout and slowdown mode).
 
 Mechanics (what each SimPy construct becomes):
-  stream process      a `_Stream` (ops, position): `advance` issues ops until one has to wait: on a dependency
+  stream process      a `_Stream` (ops, position): the loop issues its ops until one waits: on a dependency
                       (the stream is appended to that op's or collective's waiters), a positive duration
                       (a timer on the heap) or a collective that is still incomplete or running
   op.done event       op.done = the list of streams waiting on op (created on the first waiter)
@@ -151,75 +151,73 @@ def run_fast(cl) -> float:
         s.i += 1
         ready.append(s)
 
-    def advance(s: _Stream) -> None:
-        nonlocal seq
-        ops, i, n = s.ops, s.i, s.n
-        while i < n:
-            op = ops[i]
-            c = op.coll
-            if s.arrived:  # woken by the end of the collective it joined
-                s.arrived = False
-                op.start, op.end = c.start, c.end
-                i += 1
-                continue
-            for d in op.deps:
-                dc = d.coll
-                if dc is not None:
-                    if dc.end is None:
-                        dc.done.append(s)
-                        s.i = i
-                        return
-                elif d.end is None:
-                    if d.done is None:
-                        d.done = [s]
-                    else:
-                        d.done.append(s)
-                    s.i = i
-                    return
-            if c is None:
-                op.start = now
-                dur = op.dur
-                if dur > 0:
-                    s.i = i
-                    if s.compute and comm_slow:
-                        set_computing(s.rank, True)
-                    if s.compute and slow:
-                        st = [dur, rate(s.rank), now, 0, s, op]
-                        running[s.rank] = st
-                        seq += 1
-                        push(heap, (now + dur / st[1], seq, _SLOW_END, st, 0))
-                    else:
-                        seq += 1
-                        push(heap, (now + dur, seq, _END, s, op))
-                    return
-                op.end = now
-                if op.done:
-                    ready.extend(op.done)
-                    op.done = None
-                i += 1
-                continue
-            c.arrived += 1
-            if track:
-                c.ranks.append(s.rank)
-            if c.arrived == c.n and start_coll(c):
-                op.start, op.end = c.start, c.end
-                i += 1
-                continue
-            c.done.append(s)
-            s.arrived = True
-            s.i = i
-            return
-        s.i = i
-
     order = sorted(cl.queues.items(), key=lambda kv: kv[0][1] == cl.compute_stream)
     for (rank, stream), ops in order:
         if ops:
             for op in ops:
                 op.done = None
             ready.append(_Stream(ops, rank, stream == cl.compute_stream))
+    popleft = ready.popleft
     while True:
-        while ready:
-            advance(ready.popleft())
+        while ready:  # advance stream s: issue its ops until one has to wait
+            s = popleft()
+            ops, i, n = s.ops, s.i, s.n
+            while i < n:
+                op = ops[i]
+                c = op.coll
+                if s.arrived:  # woken by the end of the collective it joined
+                    s.arrived = False
+                    op.start, op.end = c.start, c.end
+                    i += 1
+                    continue
+                blocked = False
+                for d in op.deps:
+                    dc = d.coll
+                    if dc is not None:
+                        if dc.end is None:
+                            dc.done.append(s)
+                            blocked = True
+                            break
+                    elif d.end is None:
+                        if d.done is None:
+                            d.done = [s]
+                        else:
+                            d.done.append(s)
+                        blocked = True
+                        break
+                if blocked:
+                    break
+                if c is None:
+                    op.start = now
+                    dur = op.dur
+                    if dur > 0:
+                        if s.compute and comm_slow:
+                            set_computing(s.rank, True)
+                        seq += 1
+                        if s.compute and slow:
+                            st = [dur, rate(s.rank), now, 0, s, op]
+                            running[s.rank] = st
+                            push(heap, (now + dur / st[1], seq, _SLOW_END, st, 0))
+                        else:
+                            push(heap, (now + dur, seq, _END, s, op))
+                        break
+                    op.end = now
+                    if op.done:
+                        ready.extend(op.done)
+                        op.done = None
+                    i += 1
+                    continue
+                c.arrived += 1
+                if track:
+                    c.ranks.append(s.rank)
+                if c.arrived == c.n and start_coll(c):
+                    op.start, op.end = c.start, c.end
+                    i += 1
+                    continue
+                c.done.append(s)
+                s.arrived = True
+                break
+            s.i = i
         if not heap:
             break
         now, _, kind, obj, ver = pop(heap)
