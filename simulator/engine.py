@@ -175,7 +175,7 @@ class Cluster:
     # ---- running -------------------------------------------------------------------------------
     def run(self, reference: bool = False) -> RunStats:
         """Run every stream to completion. reference=True: by one SimPy process per stream (the original
-        implementation, kept to check `simulator.engine_fast`, which runs the same model ~5x faster)."""
+        implementation, kept to check `simulator.engine_fast`, which runs the same model faster)."""
         with paused_gc():
             if reference:
                 end = self._run_simpy()
