@@ -69,7 +69,9 @@ class DMuon(DistributedMuonBase):
         max_split = check_max_split(self._max_split, self.world_size)
         return build_model_plan(specs, self.world_size, self.ns, self.device, balancer=balancer,
                                 profile=profile, max_batch=self.max_batch, bucket_numel=bucket_numel,
-                                max_split=max_split)
+                                max_split=max_split,
+                                # fsdp2-sharded runs the momentum on every rank's shards: not owner work
+                                owner_momentum=self.layout != "fsdp2-sharded")
 
     def _ordered_batches(self) -> list:
         """This rank's batches: its split batch first (the group's members wait for it), then plan order."""

@@ -104,7 +104,9 @@ class OptimizerPrograms(SplitPrograms):
                 if bt.group:
                     last = self._split_batch(r, step, k, bt, momentum_s * numel / owned, deps)
                 else:
-                    last = cm(r, f"batch{k}", bt.time_s * s.ns_stretch + momentum_s * numel / owned,
+                    # the plan's batch time includes its momentum share (Batch.momentum_s) for balancing;
+                    # the momentum is priced here, once, with this step's elementwise pricing
+                    last = cm(r, f"batch{k}", bt.ns_s * s.ns_stretch + momentum_s * numel / owned,
                               phase="opt", step=step, deps=deps)
                 for b in bks:
                     by_bucket.setdefault(b, []).append(last)
@@ -155,7 +157,7 @@ class OptimizerPrograms(SplitPrograms):
         for k, bt, bks, _numel in self.batches_of.get(r, ()):
             deps = [to_owner[b] for b in bks]
             op = (self._split_batch(r, step, k, bt, 0.0, deps) if bt.group
-                  else cm(r, f"batch{k}", bt.time_s * s.ns_stretch, phase="opt", step=step, deps=deps))
+                  else cm(r, f"batch{k}", bt.ns_s * s.ns_stretch, phase="opt", step=step, deps=deps))
             for b in bks:
                 by_bucket.setdefault(b, []).append(op)
             last = op

@@ -7,7 +7,7 @@ A plan batch with a group of k ranks (`dmuon.plan.types.Batch.group`, split NS:
   split/ag        the call's two small all-gathers (shape check, Frobenius normalization): latency only
   batch<j>.ns<i>  the compute between the group's all-reduces, each segment its FLOP share
                   (`simulator.split_program.segments`) of the plan's compute time for the batch
-                  (`Batch.time_s - Batch.comm_s`, the cost table's time of the widest block's call plus
+                  (`Batch.ns_s - Batch.comm_s`, the cost table's time of the widest block's call plus
                   the replicated n^3 work: `dmuon.plan.split.split_price`) x the NS contention factor
   split/ar<i>     the all-reduce of the b upper triangles of the n x n partial products (fp32)
 The collectives are real collectives of the group's ranks (a `Group` of the nodes they span:
@@ -67,7 +67,7 @@ class SplitPrograms:
         s, c = self.s, self.c
         ranks = self._group_ranks(r, bt.group)
         prog = split_calls(bt.rows, bt.cols, bt.size, len(ranks), bt.method or s.plan.method)
-        compute_s = max(bt.time_s - bt.comm_s, 0.0) * s.ns_stretch
+        compute_s = max(bt.ns_s - bt.comm_s, 0.0) * s.ns_stretch  # momentum: prep_s, priced by the step
         last = c.compute(r, f"batch{k}.prep", prep_s, phase="opt", step=step, deps=deps)
         lead = s.split_exchange == "lead"
         stack = bt.size * bt.rows * bt.cols * s.param_bytes

@@ -13,6 +13,7 @@ from dmuon.errors import InputError
 from dmuon.plan.balance import STATE_BYTES_PER_ELEMENT, build_work_model
 from dmuon.plan.build import build_plan
 from dmuon.plan.cost import CostTable
+from dmuon.plan.momentum import momentum_time
 from dmuon.plan.types import MatrixSpec, Plan
 
 A800 = CostTable.load("a800")
@@ -43,7 +44,8 @@ def _check_plan(plan: Plan, ranks: int) -> None:
         for i in b.members:
             m = plan.matrices[i]
             assert plan.owners[i] == b.owner and (min(m.shape), max(m.shape)) == (b.rows, b.cols)
-        single = A800.ns_time(b.rows, b.cols, 1, b.method, plan.dtype).time_s
+        single = (A800.ns_time(b.rows, b.cols, 1, b.method, plan.dtype).time_s
+                  + momentum_time(A800, b.rows * b.cols, 1))  # NS + the owner's momentum (default)
         assert b.time_s <= b.size * single * (1 + 1e-12)  # a batch never costs more than its members singly
     assert max(plan.loads_s) == pytest.approx(plan.makespan_s, rel=1e-12)
     assert plan.makespan_s >= plan.lower_bound_s * (1 - 1e-12)  # the lower bound is a theorem
@@ -61,7 +63,8 @@ def test_greedy_balancers_properties(inst):
         again = build_plan(mats, ranks, A800, balancer=balancer, max_batch=max_batch)
         assert again.owners == plan.owners and again.batches == plan.batches  # deterministic
     # Graham's bound for LPT: makespan <= sum of single-matrix times / N + the largest single time
-    singles = [A800.ns_time(m.rows, m.cols, 1, "gram_sym", "bf16").time_s for m in mats]
+    singles = [A800.ns_time(m.rows, m.cols, 1, "gram_sym", "bf16").time_s + momentum_time(A800, m.numel, 1)
+               for m in mats]  # each matrix's NS + its owner's momentum
     lpt = build_plan(mats, ranks, A800, balancer="lpt", max_batch=max_batch)
     assert lpt.makespan_s <= sum(singles) / ranks + max(singles) + 1e-15
 
@@ -148,7 +151,8 @@ def test_lower_bound_pigeonhole_term():
     mats = [MatrixSpec(f"w{i}", 4096, 14336, i) for i in range(3)]
     model = build_work_model(mats, 2, A800)
     terms = model.lower_bound_terms()
-    two = min(A800.ns_time(4096, 14336, 2).time_s, 2 * A800.ns_time(4096, 14336, 1).time_s)
+    one = A800.ns_time(4096, 14336, 1).time_s + momentum_time(A800, 4096 * 14336, 1)
+    two = min(A800.ns_time(4096, 14336, 2).time_s + momentum_time(A800, 4096 * 14336, 2), 2 * one)
     assert terms["pigeonhole 4096x14336"] == pytest.approx(two)
     plan = build_plan(mats, 2, A800, balancer="lpt")
     assert plan.makespan_s == pytest.approx(plan.lower_bound_s) and plan.efficiency == pytest.approx(1.0)
@@ -274,7 +278,8 @@ def _check_groups(plan: Plan, ranks: int) -> None:
         assert b.owner == lead and 0 < b.comm_s < b.time_s
         for r in b.group:
             in_split[r] += 1
-        unsplit = A800.ns_time(b.rows, b.cols, b.size, b.method, plan.dtype).time_s
+        unsplit = (A800.ns_time(b.rows, b.cols, b.size, b.method, plan.dtype).time_s
+                   + momentum_time(A800, b.rows * b.cols, b.size))  # both with the lead's momentum
         assert b.time_s < unsplit  # a split is only ever offered where it is faster than not splitting
     assert max(in_split) <= 1  # every rank in at most one split batch
     groups = plan.groups

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from ..errors import InputError, choice_error
 from . import batchdp
 from .flops import METHODS
+from .momentum import momentum_time
 from .split import area_bound, check_max_split, links_for, split_levels, split_price
 from .types import MatrixSpec
 
@@ -65,6 +66,7 @@ class ShapeClass:
     methods: dict[int, str]  # batch size -> method that prices it (differs per size only for "auto")
     sizes: tuple[int, ...]  # usable, non-dominated batch sizes, ascending (see module docstring)
     state_bytes: int  # owned state of one matrix of this class
+    momentum_s: dict[int, float] = field(default_factory=dict)  # batch size -> owner momentum in times_s
 
     @property
     def count(self) -> int:
@@ -89,10 +91,11 @@ class PieceType:
     compute_s: float
     comm_s: float
     method: str
+    momentum_s: float = 0.0  # the lead's momentum pass over the batch, which every member waits for
 
     @property
     def time_s(self) -> float:
-        return self.compute_s + self.comm_s
+        return self.compute_s + self.comm_s + self.momentum_s
 
 
 @dataclass
@@ -217,10 +220,16 @@ def build_work_model(
     memory_cap_bytes: float | None = None,
     max_split: int = 1,
     links=None,
+    owner_momentum: bool = True,
 ) -> WorkModel:
     """Group matrices into shape classes and price every batch size with the cost table; with
     max_split > 1 also the split piece types (groups of 2, 4, ... <= max_split ranks, priced by
-    `split.split_price` with `links`, default the cost table device's `split.LINKS` entry)."""
+    `split.split_price` with `links`, default the cost table device's `split.LINKS` entry).
+    owner_momentum: every T(s, b) includes the owner's momentum pass over the b matrices
+    (`momentum_time`), as the replicated and fsdp2-owner layouts run it; False for fsdp2-sharded, where
+    every rank runs the momentum on its shards (not owner work)."""
+    if not isinstance(owner_momentum, bool):
+        raise InputError(f"owner_momentum must be True or False, got {owner_momentum!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_RANKS:
         raise InputError(f"world_size must be a positive integer (at most {MAX_RANKS}), got {world_size!r}")
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
@@ -241,12 +250,13 @@ def build_work_model(
     classes = []
     for (n, m), members in sorted(groups.items()):
         top = min(max_batch, len(members)) if batching else 1
-        times, meths = {}, {}
+        times, meths, moms = {}, {}, {}
         for b in range(1, top + 1):
             cands = getattr(cost, "runnable_methods", METHODS) if method == AUTO_METHOD else (method,)
             priced = [(cost.ns_time(n, m, b, mt, dtype).time_s, METHODS.index(mt), mt) for mt in cands]
             t, _, mt = min(priced)
-            times[b], meths[b] = t, mt
+            moms[b] = momentum_time(cost, n * m, b) if owner_momentum else 0.0
+            times[b], meths[b] = t + moms[b], mt
         usable = [1] + [b for b in range(2, top + 1) if times[b] < b * times[1]]
         sizes = tuple(
             b
@@ -256,7 +266,8 @@ def build_work_model(
                 for b1 in range(1, b // 2 + 1)
             )
         )
-        classes.append(ShapeClass(n, m, tuple(members), times, meths, sizes, n * m * STATE_BYTES_PER_ELEMENT))
+        classes.append(ShapeClass(n, m, tuple(members), times, meths, sizes, n * m * STATE_BYTES_PER_ELEMENT,
+                                  moms))
     check_max_split(max_split)
     pieces: tuple[PieceType, ...] = ()
     links_source = ""
@@ -270,6 +281,7 @@ def build_work_model(
     model = WorkModel(matrices, world_size, tuple(classes), memory_cap_bytes, pieces, max_split, links_source)
     _check_memory(model)
     return model
+
 
 
 def _price_pieces(classes, cost, method, dtype, max_split, world_size, links) -> tuple[PieceType, ...]:
@@ -286,9 +298,12 @@ def _price_pieces(classes, cost, method, dtype, max_split, world_size, links) ->
                     pr = split_price(cost, cls.n, cls.m, b, k, mt, dtype, links, ranks)
                     priced.append((pr.time_s, METHODS.index(mt), mt, pr))
                 t, _, mt, pr = min(priced)
-                if t < beat:
-                    out.append(PieceType(s, k, b, pr.compute_s, pr.comm_s, mt))
-                    beat = t
+                # the runtime's lead runs the whole batch's momentum before scattering the blocks
+                # (dmuon.runtime.split_exec), so every member waits for it: the piece pays it in full
+                mom = cls.momentum_s.get(b, 0.0)
+                if t + mom < beat:
+                    out.append(PieceType(s, k, b, pr.compute_s, pr.comm_s, mt, mom))
+                    beat = t + mom
     return tuple(out)
 
 

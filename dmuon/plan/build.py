@@ -56,6 +56,7 @@ def build_plan(
     seed: int = 0,
     max_split: int = 1,
     links=None,
+    owner_momentum: bool = True,
 ) -> Plan:
     """Owners, batches and buckets for `matrices` on `world_size` ranks, priced by `cost` (a CostTable).
 
@@ -70,6 +71,10 @@ def build_plan(
     max_split: the largest owner group of one batch (split NS; groups of 2, 4, ... up to it); 1 (the
         default) = one owner per batch, as before. links: the collectives' cost (`split.LinkModel` or an
         object with all_reduce_s / all_gather_s); None = the cost table device's `split.LINKS` entry.
+    owner_momentum: price each batch as its NS call + the owner's momentum pass over its matrices
+        (`balance.momentum_time`; Batch.momentum_s), as the replicated and fsdp2-owner layouts run it
+        (the default, the simulator's default layout fsdp-keep); False for fsdp2-sharded, where every rank
+        runs the momentum on its shards: the balancers then see NS seconds alone.
     """
     if balancer not in BALANCERS:
         raise choice_error("balancer", balancer, BALANCERS)
@@ -96,6 +101,7 @@ def build_plan(
         memory_cap_bytes=memory_cap_bytes,
         max_split=max_split,
         links=links,
+        owner_momentum=owner_momentum,
     )
     notes: list[str] = []
     gap = 0.0
@@ -131,6 +137,10 @@ def build_plan(
         gap = (makespan - lb) / makespan if makespan > 0 else 0.0
     if not batching:
         notes.append("batching off: every matrix is its own NS call")
+    mom = sum(b.momentum_s for b in batches)
+    if mom:
+        notes.append(f"batch times include the owner's momentum pass ({mom * 1e3:.3f} ms over all batches; "
+                     "the pass's fixed intercept is paid once per owner, not per batch)")
     if model.max_split > 1:
         ks = sorted({model.pieces[j.piece].k for j in jobs})
         notes.append(
@@ -247,7 +257,8 @@ def make_batches(model: WorkModel, loads: Loads, owners: Sequence[int], jobs=())
                     job = jobs[r - n_ranks]
                     p = model.pieces[job.piece]
                     out.append(Batch(owner=job.ranks[0], rows=cls.n, cols=cls.m, members=members,
-                                     time_s=p.time_s, method=p.method, group=job.ranks, comm_s=p.comm_s))
+                                     time_s=p.time_s, method=p.method, group=job.ranks, comm_s=p.comm_s,
+                                     momentum_s=p.momentum_s))
                     continue
                 out.append(
                     Batch(
@@ -257,6 +268,7 @@ def make_batches(model: WorkModel, loads: Loads, owners: Sequence[int], jobs=())
                         members=members,
                         time_s=cls.times_s[b],
                         method=cls.methods[b],
+                        momentum_s=cls.momentum_s.get(b, 0.0),
                     )
                 )
     ready = {id(b): min(model.matrices[i].layer for i in b.members) for b in out}

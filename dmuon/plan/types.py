@@ -10,7 +10,10 @@ Owner groups (split NS, `dmuon.orthogonalize_distributed`). A batch may be run b
 (`Batch.group`, an aligned block of k consecutive ranks, k a power of two) that split its matrices'
 long side; `Batch.owner` is the group's lead (its first rank) and `Plan.owners[i]` stays the lead owner
 of matrix i, so code that knows only owners keeps working; `Plan.groups[i]` is the whole group (a
-1-tuple for unsplit matrices). A split batch's `time_s` is what every member spends (compute + the
+1-tuple for unsplit matrices). Where the layout runs the momentum on the owner (`owner_momentum`,
+the default), a batch's `time_s` includes the owner's momentum pass over its members
+(`Batch.momentum_s`), so loads and the makespan price the owner's whole per-batch work.
+A split batch's `time_s` is what every member spends (compute + the
 group's collectives, `comm_s` of it). Every rank is in at most one split batch, so groups never overlap
 and no rank orders the collectives of two groups. `Plan.loads_s` charges a split batch to every member;
 `batches_of(rank)` lists every batch the rank takes part in.
@@ -73,6 +76,13 @@ class Batch:
     method: str = ""  # NS method of this call; "" = the plan's method (differs only for method "auto")
     group: tuple[int, ...] = ()  # the ranks that split this batch (owner first); () = the owner alone
     comm_s: float = 0.0  # the group's collectives, included in time_s (0 without a group)
+    momentum_s: float = 0.0  # the owner's momentum pass over the members, included in time_s
+    # (`balance.momentum_time`; 0 where the plan's layout runs the momentum on shards: owner_momentum)
+
+    @property
+    def ns_s(self) -> float:
+        """The orthogonalization call alone (compute + the group's collectives)."""
+        return self.time_s - self.momentum_s
 
     @property
     def size(self) -> int:
@@ -162,6 +172,8 @@ class Plan:
         for b in d["batches"]:
             if not b["group"]:
                 del b["group"], b["comm_s"]
+            if not b["momentum_s"]:
+                del b["momentum_s"]  # plans priced on NS seconds alone serialize as before
         if not grouped and self.max_split == 1:
             del d["max_split"]
         if self.ep == 1:
@@ -184,7 +196,7 @@ class Plan:
         d["batches"] = tuple(
             Batch(owner=b["owner"], rows=b["rows"], cols=b["cols"], members=tuple(b["members"]),
                   time_s=b["time_s"], method=b.get("method", ""), group=tuple(b.get("group", ())),
-                  comm_s=b.get("comm_s", 0.0)) for b in d["batches"]
+                  comm_s=b.get("comm_s", 0.0), momentum_s=b.get("momentum_s", 0.0)) for b in d["batches"]
         )
         d["buckets"] = tuple(Bucket(index=b["index"], members=tuple(b["members"])) for b in d["buckets"])
         d["notes"] = tuple(d.get("notes", ()))

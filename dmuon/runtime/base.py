@@ -182,7 +182,9 @@ class DistributedMuonBase(torch.optim.Optimizer):
     def _build_plan(self, specs, balancer: str, profile: str | None, bucket_numel: int) -> Plan:
         return build_model_plan(specs, self.world_size, self.ns, self.device, balancer=balancer,
                                 profile=profile, max_batch=self.max_batch, bucket_numel=bucket_numel,
-                                priced=self.owner_centric)
+                                priced=self.owner_centric,
+                                # fsdp2-sharded runs the momentum on every rank's shards: not owner work
+                                owner_momentum=self.layout != "fsdp2-sharded")
 
     def _build_units(self, exchange: str, bucket_numel: int) -> list:
         """Exchange units in launch order (reverse forward layer). Muon matrices: the plan's buckets.

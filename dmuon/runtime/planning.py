@@ -144,10 +144,11 @@ def matmul_speed_ratio(dtype: str, base: str, device: torch.device) -> float:
 
 def build_model_plan(specs, world_size: int, ns: NSConfig, device: torch.device, *, balancer: str,
                      profile: str | None, max_batch: int, bucket_numel: int, priced: bool = True,
-                     max_split: int = 1) -> Plan:
+                     max_split: int = 1, owner_momentum: bool = True) -> Plan:
     """The Plan for these matrices, priced for what this NS config runs on this device (priced=False:
     FLOP counts, for NaiveMuon, which uses only the plan's buckets). max_split > 1: owner groups of up
-    to that many ranks where a split pays (`dmuon.plan.split`, the cost table device's link model)."""
+    to that many ranks where a split pays (`dmuon.plan.split`, the cost table device's link model).
+    owner_momentum: batches priced with the owner's momentum pass (build_plan; False for fsdp2-sharded)."""
     from ..plan.build import build_plan
 
     if not specs:
@@ -159,7 +160,8 @@ def build_model_plan(specs, world_size: int, ns: NSConfig, device: torch.device,
     dtype = DTYPE_NAMES[iteration_dtype(base, device, ns.dtype)]
     cost = ConfigCost(load_cost(profile, device, dtype) if priced else FlopCost(), ns, device)
     return build_plan(specs, world_size, cost, balancer=balancer, method=method, dtype=dtype, batching=True,
-                      max_batch=max_batch, bucket_numel=bucket_numel, max_split=max_split)
+                      max_batch=max_batch, bucket_numel=bucket_numel, max_split=max_split,
+                      owner_momentum=owner_momentum)
 
 
 def check_max_split(max_split, world_size: int) -> int:
