@@ -135,6 +135,20 @@ _FUSED_ADAMW = getattr(torch, "_fused_adamw_", None)  # torch's kernel behind Ad
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
+def suspect_indices(grads) -> list[int]:
+    """Indices of the tensors whose sum is not finite: one reduction each and one host sync per device,
+    the cheap first pass before `nonfinite_names` checks those exactly (a finite tensor can overflow its
+    sum, never the other way round)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, g in enumerate(grads):
+        by_device.setdefault(g.device, []).append(i)
+    out = []
+    for idx in by_device.values():
+        ok = torch.isfinite(torch.stack([grads[i].sum().float() for i in idx])).cpu()
+        out += [i for i, flag in zip(idx, ok.tolist(), strict=True) if not flag]
+    return sorted(out)
+
+
 def nonfinite_names(names, grads) -> list[str]:
     """Names of the gradients that contain NaN or inf (one host sync per device)."""
     names, grads = list(names), list(grads)

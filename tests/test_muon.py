@@ -448,3 +448,15 @@ def test_fused_adamw_equals_torch_fused_and_matches_the_op_sequence():
     dmuon.adamw_step_([noncontig], [torch.ones(6, 4)], [torch.zeros(6, 4)], [torch.zeros(6, 4)], [1],
                       lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
     assert torch.isfinite(noncontig).all()
+
+
+def test_suspect_indices_is_a_superset_of_the_exact_check():
+    from dmuon.optim import nonfinite_names, suspect_indices
+
+    big = torch.full((4,), 3e38)  # finite, but its fp32 sum overflows
+    grads = [torch.ones(3), torch.tensor([1.0, float("nan")]), big, torch.tensor([float("-inf")]),
+             torch.ones(2, dtype=torch.bfloat16)]
+    sus = suspect_indices(grads)
+    assert sus == [1, 2, 3]
+    assert nonfinite_names(sus, [grads[k] for k in sus]) == [1, 3]
+    assert suspect_indices([]) == []

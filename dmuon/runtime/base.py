@@ -17,7 +17,16 @@ import torch
 
 from ..errors import InputError, choice_error
 from ..newton_schulz import NSConfig, as_matrix, orthogonalize, orthogonalize_many
-from ..optim import NONFINITE, Muon, adamw_step_, lr_scale, muon_apply_, muon_momentum_, nonfinite_names
+from ..optim import (
+    NONFINITE,
+    Muon,
+    adamw_step_,
+    lr_scale,
+    muon_apply_,
+    muon_momentum_,
+    nonfinite_names,
+    suspect_indices,
+)
 from ..params import route
 from ..plan.types import MatrixSpec, Plan
 from .comm import CommStats, CommWorker
@@ -341,13 +350,17 @@ class DistributedMuonBase(torch.optim.Optimizer):
 
     def _local_flags(self) -> None:
         """Flags of the FSDP2-managed parameters (their gradients are already averaged, sharded)."""
+        idx, grads = [], []
         for i, p in enumerate(self.params):
             if self.local[i] and p.grad is not None:
                 self._has_grad[i] = True
-                if self.nonfinite != "ignore":  # one pass; the exact check only if the sum is not finite
-                    g = local_tensor(p.grad)
-                    if g.numel() and not torch.isfinite(g.sum()):
-                        self._nonfinite[i] = not bool(torch.isfinite(g).all())
+                g = local_tensor(p.grad)
+                if self.nonfinite != "ignore" and g.numel():
+                    idx.append(i)
+                    grads.append(g)
+        suspects = suspect_indices(grads)  # one pass, one sync; exact check where a sum is not finite
+        for i in nonfinite_names([idx[k] for k in suspects], [grads[k] for k in suspects]):
+            self._nonfinite[i] = True
 
     # The exchange of each unit is "absorbed" once per step, as soon as it has arrived: sums scaled to
     # means, local has-grad flags recorded, and a one-pass non-finite check of the part this rank holds
