@@ -133,11 +133,8 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
                             bucket_numel=cfg.bucket_numel, time_limit_s=cfg.milp_time_limit_s,
                             max_split=cfg.max_split, links=links, ep=cfg.ep,
                             owner_momentum=cfg.layout != "sharded")  # sharded: momentum on shards
-        ns_loads = [0.0] * plan.world_size  # the plan's batch times less their momentum (Batch.ns_s)
-        for b in plan.batches:
-            for r in b.ranks:
-                ns_loads[r] += b.ns_s
-        info.update(ns_makespan_s=max(ns_loads) * ns_stretch, balancer=plan.balancer, method=plan.method)
+        info.update(ns_makespan_s=max(plan.ns_loads_s) * ns_stretch, balancer=plan.balancer,
+                    method=plan.method)  # the plan's NS part (its batch times less their momentum)
         info["notes"] += list(plan.notes)
     elif cfg.strategy == "naive":
         info.update(ns_makespan_s=sum(ns_naive if ep is None else ns_naive_local),

@@ -283,7 +283,6 @@ def build_work_model(
     return model
 
 
-
 def _price_pieces(classes, cost, method, dtype, max_split, world_size, links) -> tuple[PieceType, ...]:
     """Every useful piece type (see the module docstring), per class, group size and batch size."""
     out = []

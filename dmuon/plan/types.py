@@ -133,11 +133,20 @@ class Plan:
     # ---- derived views -------------------------------------------------------------------
     @property
     def loads_s(self) -> tuple[float, ...]:
-        """Orthogonalization seconds per rank (its batches' times; a split batch counts on every member)."""
+        """Owner seconds per rank: its batches' times (NS + owner momentum; a split batch counts on every
+        member)."""
+        return self._loads(lambda b: b.time_s)
+
+    @property
+    def ns_loads_s(self) -> tuple[float, ...]:
+        """Orthogonalization seconds per rank: `loads_s` less the batches' momentum (`Batch.ns_s`)."""
+        return self._loads(lambda b: b.ns_s)
+
+    def _loads(self, seconds) -> tuple[float, ...]:
         loads = [0.0] * self.world_size
         for b in self.batches:
             for r in b.ranks:
-                loads[r] += b.time_s
+                loads[r] += seconds(b)
         return tuple(loads)
 
     @property
