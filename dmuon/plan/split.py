@@ -84,14 +84,17 @@ class LinkModel:
         return t
 
 
+# NCCL's own latency model (tuner constants, Simple protocol; NVIDIA/nccl src/graph/tuning.cc
+# ncclTopoTuneModel, quoted in collectives.md): per launch, per NVLink ring step, per network ring step
+NCCL_BASE_S, NCCL_NVLINK_STEP_S, NCCL_NET_STEP_S = 8.4e-6, 3.4e-6, 14.0e-6
 _NCCL = "NCCL tuner constants of collectives.md: base 8.4 us, 3.4 us per NVLink step, 14 us per network step"
 LINKS = {
     "a800": LinkModel(
-        "a800", 8, 8.4e-6, 3.4e-6, 14e-6, 64e9, 12.5e9,
+        "a800", 8, NCCL_BASE_S, NCCL_NVLINK_STEP_S, NCCL_NET_STEP_S, 64e9, 12.5e9,
         f"collectives.md: 8 x A800 all_gather_into_tensor measured at 64-71 GB/s busbw by the public DMuon "
         f"code (64 taken); 4 x 200 Gb/s HDR per 8-GPU node = 12.5 GB/s per GPU (the low end); {_NCCL}"),
     "h100": LinkModel(
-        "h100", 8, 8.4e-6, 3.4e-6, 14e-6, 460e9, 50e9,
+        "h100", 8, NCCL_BASE_S, NCCL_NVLINK_STEP_S, NCCL_NET_STEP_S, 460e9, 50e9,
         f"collectives.md: 8 x H100 SXM NVLink all-reduce busbw 460-480 GB/s (460 taken); 8 x 400 Gb/s NDR = "
         f"50 GB/s per GPU; {_NCCL}"),
     "cpu": LinkModel(

@@ -11,7 +11,8 @@ rank owns one contiguous chunk: either the tensors it owns (Muon matrices, one o
                     (N C - sum chunk) elements of padding.
   "auto" (units.auto_mode) takes, per bucket, the mode `choose_mode` prices lower: padding's extra bytes
   over the bandwidth against one latency per owner (`exchange_costs_s`, NCCL's latency constants and a
-  per-GPU bandwidth estimate, `LINKS`); the simulator chooses with the same function.
+  per-GPU bandwidth estimate, `LINKS`: the plan's fabric table); the simulator chooses with the same
+  function.
 
 Two-level (`CommGroups.two_level`, g ranks per node): "reduce" runs an intra-node reduce to the rank
 with the owner's local index, then an inter-node reduce among the ranks with that local index (mirror
@@ -27,21 +28,18 @@ They depend only on flat buffers and owners, not on how parameters are stored (r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..errors import InputError
+from ..plan.split import LINKS as PLAN_LINKS
+from ..plan.split import NCCL_BASE_S, NCCL_NET_STEP_S, NCCL_NVLINK_STEP_S
 from .groups import CommGroups
 
 EXCHANGE_MODES = ("reduce", "reduce_scatter")
 EXCHANGE_CHOICES = ("auto", *EXCHANGE_MODES)  # "auto": chosen per bucket by `choose_mode` (see units.py)
-
-# NCCL's own latency model (tuner constants, Simple protocol; NVIDIA/nccl src/graph/tuning.cc
-# ncclTopoTuneModel, quoted in the shared reference collectives.md): per launch, per NVLink ring step,
-# per network ring step. The same constants price every collective in the simulator's profiles.
-NCCL_BASE_S, NCCL_NVLINK_STEP_S, NCCL_NET_STEP_S = 8.4e-6, 3.4e-6, 14.0e-6
 
 
 @dataclass(frozen=True)
@@ -63,20 +61,16 @@ class LinkEstimate:
             raise InputError("link latencies must be >= 0 s")
 
 
-# The runtime's estimate per GPU (keys: dmuon/plan/profiles/hardware.csv devices), the numbers the
-# simulator's profiles of the same GPUs use. NIC x 0.9: the profiles' inter-node efficiency assumption.
-LINKS = {
-    "a800": LinkEstimate(70.9e9, 0.9 * 100e9, source=(
-        "intra: reported.csv a800_8gpu_comm, 466 MB all_gather_into_tensor 5.75 ms on 8 x A800 = 70.9 GB/s "
-        "busbw; NIC: 4 x 200 Gb/s HDR per node (collectives.md, typical A800 node) x 0.9")),
-    "a100": LinkEstimate(230e9, 0.9 * 200e9, source=(
-        "intra: collectives.md, 8 x A100 SXM4 NVLink all-reduce busbw 230-250 GB/s (low end); NIC: "
-        "8 x 200 Gb/s HDR per node (DGX A100) x 0.9")),
-    "h100": LinkEstimate(460e9, 0.9 * 400e9, source=(
-        "intra: collectives.md, 8 x H100 SXM all-reduce busbw 460-480 GB/s (low end); NIC: 8 x 400 Gb/s "
-        "NDR per node (collectives.md) x 0.9")),
-}
-LINKS["h200"] = replace(LINKS["h100"], source=LINKS["h100"].source + " (H200: the same NVLink4 and NICs)")
+def links_from_model(model) -> LinkEstimate:
+    """A `dmuon.plan.split.LinkModel` (the plan's fabric table, also what prices split groups) in the
+    exchange's terms: a node's NICs = the per-rank share x ranks per node."""
+    return LinkEstimate(model.intra_busbw_Bps, model.inter_Bps_per_rank * model.gpus_per_node,
+                        model.base_latency_s, model.intra_alpha_s, model.inter_alpha_s, source=model.source)
+
+
+# The runtime's estimate per GPU: the plan's fabric table (one table for the planner's split groups and
+# the exchange choice); gloo (cpu) always takes "reduce" and needs none.
+LINKS = {k: links_from_model(v) for k, v in PLAN_LINKS.items() if k != "cpu"}
 DEFAULT_LINKS = "h100"  # a GPU not in the table (as dmuon.runtime.planning.default_profile)
 
 
