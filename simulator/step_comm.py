@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from dmuon.runtime.exchange import LinkEstimate, choose_mode
+from dmuon.plan.exchange_cost import LinkEstimate, choose_mode
 
 from .collectives import Group, bytes_per_rank, collective_time_s
 from .engine import Op
