@@ -298,9 +298,11 @@ def register(app, bench) -> None:
                 pd.DataFrame(bench).to_csv(tmp, index=False)
             source = "measured now"
         else:
-            bench, src = v.read_bench_rows(
-                [bench_csv, *sorted(Path(DEFAULT_RESULTS / "bench").glob("*.csv"))]
-            )
+            # the committed validation rows come before any other bench table, whatever --out says
+            # (other tables under results/bench hold other bench set-ups than the closed loop's)
+            stored = DEFAULT_RESULTS / VALIDATION / "bench_rows.csv"
+            bench, src = v.read_bench_rows(list(dict.fromkeys(
+                [bench_csv, stored, *sorted(Path(DEFAULT_RESULTS / "bench").glob("*.csv"))])))
             source = f"stored rows {src}"
         rows += v.closed_loop_checks(bench, source)
         df = pd.DataFrame(rows)

@@ -153,3 +153,11 @@ def test_validate_exits_1_when_a_bound_breaks(paper_run, tmp_path, capsys):
     )  # shown-only rows say why
     assert not pub[pub["label"].str.contains("DDP")]["bounded"].any()
     assert "outside" in capsys.readouterr().out
+
+
+def test_validate_out_elsewhere_reads_the_committed_closed_loop_rows(tmp_path):
+    # --out outside results/validation, no bench rows there: the committed validation rows are read, not
+    # the first table under results/bench (another bench set-up, outside the closed loop's bounds)
+    main(["validate", "--no-measure", "--no-figure", "--out", str(tmp_path / "v")])
+    cl = pd.read_csv(tmp_path / "v" / "validation.csv").query("check == 'closed_loop'")
+    assert len(cl) and cl["note"].str.contains("stored rows results/validation/bench_rows.csv").all()
