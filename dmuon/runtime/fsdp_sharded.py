@@ -31,6 +31,7 @@ from .bytecount import label
 from .fsdp import chunk_rows, fsdp_owner_module, local_tensor, mesh_of
 from .guards import submit_flags
 from .planning import batch_method
+from .sharded_layout import OwnerLayout
 from .split_exec import row_split_batches
 
 
@@ -134,6 +135,8 @@ class ShardedDMuonSteps(_ShardedMixin):
         # split batches whose local rows are already the blocks: no all-to-all (split_exec.py)
         self._row_splits = row_split_batches(self) if getattr(self, "_split", None) is not None else []
         self._row_split_of = {i: b for b in self._row_splits for i in b.members}
+        self._layouts: dict[tuple, OwnerLayout] = {}  # (plan, active set) -> where every row goes
+        self._pending = None  # the step's buffers while its batches run (`_orthogonalize`)
 
     def _install_waits(self, model) -> None:
         bucket_of = {i: b.index for b in self.plan.buckets for i in b.members}
@@ -176,16 +179,15 @@ class ShardedDMuonSteps(_ShardedMixin):
         return self._pack([i for i in range(self.n_muon) if self.params[i].grad is not None])
 
     def _pack(self, active: list[int]) -> dict:
-        """Per bucket: its active members, those of my replica, those I own, the wire dtype, and (where
-        my replica has members) the send buffer with every NS input written straight into its place (no
-        packing copy) and the splits; the new momentum buffers of my local shards."""
-        group, geo, plan = self.param_groups[0], self.geo, self.plan
+        """The step's buffers for the active set's `OwnerLayout`: per bucket the send buffer (every NS input
+        written straight into its place) and its splits, this rank's NS stacks with its own rows already
+        in them, and the new momentum buffers of my local shards."""
+        group, geo = self.param_groups[0], self.geo
+        key = (id(self.plan), tuple(active))
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = self._layouts[key] = OwnerLayout(self, active)
         on = set(active)
-        buckets = [[i for i in b.members if i in on] for b in plan.buckets]
-        rows = self._row_split_of  # row-split matrices: outside the all-to-alls (their rows stay here)
-        mine = [[i for i in ms if geo.owner_coord(plan, i)[0] == geo.r and i not in rows] for ms in buckets]
-        owned = [[i for i in ms if plan.owners[i] == self.rank and i not in rows] for ms in buckets]
-        dtypes = [self._dtype(ms) for ms in buckets]
         bufs, sends, row_stacks = {}, [], []
         for b in self._row_splits:
             if self.rank not in b.group or not any(i in on for i in b.members):
@@ -199,22 +201,28 @@ class ShardedDMuonSteps(_ShardedMixin):
             for j, i in enumerate(members):
                 bufs[i] = self._momentum_input(i, group, stack[j].view(-1))
             row_stacks.append((b, members, stack))
-        for k in range(len(buckets)):
-            if not mine[k]:
+        stacks = {}
+        for key, f in lay.fills.items():  # my own rows: written into my stacks, they never travel
+            stack = stacks[key] = torch.empty(f["shape"], dtype=f["dtype"], device=self.device)
+            for slot, sl in zip(stack.unbind(0), f["slots"], strict=True):
+                i, n = sl["index"], geo.numel(sl["index"], geo.s)
+                rows = (slot.mT if sl["flip"] else slot).narrow(0, sl["lo"], sl["rows"])
+                if sl["direct"] or not n:
+                    bufs[i] = self._momentum_input(i, group, rows)
+                else:  # through a contiguous buffer of the wire's dtype: the bits of the round trip
+                    wire = torch.empty(n, dtype=lay.dtypes[sl["bucket"]], device=self.device)
+                    bufs[i] = self._momentum_input(i, group, wire)
+                    rows.copy_(wire.view(rows.shape))
+        for k, sp in enumerate(lay.sends):
+            if sp is None:
                 sends.append(None)
                 continue
-            dest = [[i for i in mine[k] if geo.owner_coord(plan, i)[1] == s] for s in range(geo.S)]
-            in_splits = [sum(geo.numel(i, geo.s) for i in ds) for ds in dest]
-            out_splits = [sum(geo.numel(i, s) for i in owned[k]) for s in range(geo.S)]
-            send = torch.empty(sum(in_splits), dtype=dtypes[k], device=self.device)
-            pos = 0
-            for i in (i for ds in dest for i in ds):
-                n = geo.numel(i, geo.s)
+            send = torch.empty(sum(sp["in_splits"]), dtype=lay.dtypes[k], device=self.device)
+            for i, pos, n in sp["writes"]:
                 bufs[i] = self._momentum_input(i, group, send.narrow(0, pos, n))
-                pos += n
-            sends.append((send, in_splits, out_splits))
-        return {"active": active, "buckets": buckets, "mine": mine, "owned": owned, "dtypes": dtypes,
-                "sends": sends, "bufs": bufs, "row_stacks": row_stacks}
+            sends.append((send, sp["in_splits"], sp["out_splits"]) if sp["moves"] else None)
+        return {"active": active, "layout": lay, "sends": sends, "bufs": bufs, "row_stacks": row_stacks,
+                "stacks": stacks}
 
     def _muon_update(self, has_any: torch.Tensor, pending) -> None:
         if self.plan is None:
@@ -222,14 +230,13 @@ class ShardedDMuonSteps(_ShardedMixin):
         for b in list(self._bcast):
             self._wait_bcast(b)
         group, geo, plan = self.param_groups[0], self.geo, self.plan
-        active = [i for i in range(self.n_muon) if has_any[i]]
+        flags = has_any.tolist()
+        active = [i for i in range(self.n_muon) if flags[i]]
         if pending is None or pending["active"] != active:
             pending = self._pack(active)
-        on = set(active)
-        buckets, mine, owned, dtypes = (pending[k] for k in ("buckets", "mine", "owned", "dtypes"))
+        on, lay = set(active), pending["layout"]
         for i, buf in pending["bufs"].items():  # commit the momentum
             self.state[self.params[i]]["momentum_buffer"] = buf
-        bucket_of = {i: k for k, ms in enumerate(buckets) for i in ms}
         # 1. every bucket's inputs to their owners, all queued now (FIFO on the communication thread);
         #    AdamW runs while the first ones travel
         sends = [None if sp is None else self._all_to_all(f"Muon inputs of bucket {k} to their owners", *sp)
@@ -243,42 +250,48 @@ class ShardedDMuonSteps(_ShardedMixin):
             for i, u in zip(members, out.unbind(0), strict=True):
                 self._apply_local(i, u, group)
         # 2. the owner's batches, bucket by bucket; each bucket's rows go back as soon as it is complete,
-        #    copied from the update straight into the return buffer
+        #    copied from the update straight into the return buffer; my own rows are applied at once
         updates: dict[int, torch.Tensor] = {}
-        batches = [bt for bt in plan.batches_of(self.rank) if any(i in on for i in bt.members)
-                   and not any(bt is b for b in self._row_splits)]
         returns = []
-        for k in range(len(buckets)):
-            for bt in [bt for bt in batches if any(bucket_of.get(i) == k for i in bt.members)]:
-                batches.remove(bt)
-                self._orthogonalize(bt, on, sends, bucket_of, owned, updates)
-            if not mine[k]:
-                returns.append(None)
-                continue
-            in_splits, out_splits = sends[k].splits
-            back = torch.empty(sum(out_splits), dtype=dtypes[k], device=self.device)
-            pos = 0
-            for s in range(geo.S):
-                for i in owned[k]:
-                    rows, cols = geo.rows[i][s], geo.cols[i]
-                    if rows:
-                        lo = sum(geo.rows[i][:s])
-                        dst = back.narrow(0, pos, rows * cols).view(rows, cols)
-                        dst.copy_(updates[i].narrow(0, lo, rows))
-                    pos += rows * cols
-            for i in owned[k]:
-                del updates[i]
-            returns.append(self._all_to_all(f"Muon updates of bucket {k} to the shards", back, out_splits,
-                                            in_splits))
+        self._pending = pending
+        try:
+            for k, batches in lay.order:
+                for bt in batches:
+                    self._orthogonalize(bt, on, sends, lay.bucket_of, lay.owned, updates)
+                returns.append(self._return(k, lay, updates, group))
+        finally:
+            self._pending = None
         # 3. apply this replica's updates; HSDP: broadcast the new shards to the other replicas
-        for k, ms in enumerate(buckets):
+        for k, ms in enumerate(lay.buckets):
             if returns[k] is not None:
                 recv = returns[k].wait()
-                offsets = _offsets_by_source(mine[k], geo, plan, recv)
-                for i in mine[k]:
-                    self._apply_local(i, offsets[i], group)
+                for i, pos, n in lay.returns[k]["applies"]:
+                    self._apply_local(i, recv.narrow(0, pos, n), group)
             if geo.R > 1 and ms:
-                self._bcast[k] = self._broadcast_replicas(k, ms, dtypes[k])
+                self._bcast[k] = self._broadcast_replicas(k, ms, lay.dtypes[k])
+
+    def _return(self, k: int, lay, updates, group):
+        """Bucket k's rows of the update to their shards (the handle, or None where nothing travels);
+        apply my own rows (in the wire's dtype, contiguous: the bits of the round trip)."""
+        rt = lay.returns[k]
+        if rt is None:
+            return None
+        geo, dtype, handle = self.geo, lay.dtypes[k], None
+        sp = lay.sends[k]
+        if sp["moves"]:
+            back = torch.empty(sum(sp["out_splits"]), dtype=dtype, device=self.device)
+            for i, pos, lo, rows in rt["copies"]:
+                cols = geo.cols[i]
+                back.narrow(0, pos, rows * cols).view(rows, cols).copy_(updates[i].narrow(0, lo, rows))
+            handle = self._all_to_all(f"Muon updates of bucket {k} to the shards", back, sp["out_splits"],
+                                      sp["in_splits"])
+        for i, lo, rows in rt["own"]:
+            mine = updates.pop(i).narrow(0, lo, rows)
+            if rows:
+                if mine.dtype != dtype or not mine.is_contiguous():
+                    mine = torch.empty(mine.shape, dtype=dtype, device=self.device).copy_(mine)
+                self._apply_local(i, mine, group)
+        return handle
 
     def _momentum_input(self, i: int, group, out: torch.Tensor) -> torch.Tensor:
         """Momentum on the local shard of matrix i, out of place: returns the new buffer (committed by
@@ -320,35 +333,21 @@ class ShardedDMuonSteps(_ShardedMixin):
 
     def _orthogonalize(self, bt, on, sends, bucket_of, owned, updates) -> None:
         """Copy the received rows of the batch's matrices straight into their slots of the batch's stack
-        (tall members through a transposed view), one batched NS call; the updates are views of it."""
-        geo, plan = self.geo, self.plan
-        members = [i for i in bt.members if i in on]
-        dtype = self.params[members[0]].dtype
-        for i in members[1:]:
-            dtype = torch.promote_types(dtype, self.params[i].dtype)
-        stack = torch.empty((len(members), bt.rows, bt.cols), dtype=dtype, device=self.device)
-        flips = []
-        for slot, i in zip(stack.unbind(0), members, strict=True):
-            k = bucket_of[i]
-            recv = sends[k].wait()
-            rows_i, cols = self.params[i].shape[0], geo.cols[i]
-            flip = (rows_i, cols) != (bt.rows, bt.cols)
-            full = slot.mT if flip else slot
-            # recv = concat over sources s of (concat over owned[k] of rows_s(j) x cols(j))
-            pos, row = 0, 0
-            for s in range(geo.S):
-                for j in owned[k]:
-                    n = geo.numel(j, s)
-                    if j == i and n:
-                        r = geo.rows[i][s]
-                        full.narrow(0, row, r).copy_(recv.narrow(0, pos, n).view(r, cols))
-                        row += r
-                    pos += n
-            flips.append(flip)
-        out = self._ns(stack, batch_method(plan, bt))
-        self.ns_matrices += len(members)
-        for i, u, f in zip(members, out.unbind(0), flips, strict=True):
-            updates[i] = u.mT if f else u
+        (built by `_pack`, my own rows already there; tall members through a transposed view), one
+        batched NS call; the updates are views of it."""
+        geo, pending = self.geo, self._pending
+        fill = pending["layout"].fills[id(bt)]
+        stack = pending["stacks"].pop(id(bt))
+        for slot, sl in zip(stack.unbind(0), fill["slots"], strict=True):
+            if sl["pieces"]:
+                recv = sends[sl["bucket"]].wait()
+                full, cols = (slot.mT if sl["flip"] else slot), geo.cols[sl["index"]]
+                for pos, row, r in sl["pieces"]:
+                    full.narrow(0, row, r).copy_(recv.narrow(0, pos, r * cols).view(r, cols))
+        out = self._ns(stack, batch_method(self.plan, bt))
+        self.ns_matrices += len(fill["members"])
+        for sl, u in zip(fill["slots"], out.unbind(0), strict=True):
+            updates[sl["index"]] = u.mT if sl["flip"] else u
 
     def _broadcast_replicas(self, k: int, members, dtype):
         """New local shards of bucket k's matrices from the replica that owns them to the others."""
@@ -380,19 +379,6 @@ class ShardedDMuonSteps(_ShardedMixin):
         n = sum(b.numel() * b.element_size() for b in bufs)
         return self._worker.submit(f"replica broadcast of bucket {k}", job, kind="replica_broadcast",
                                    bytes_=int(n * (geo.R - 1) / geo.R))
-
-
-def _offsets_by_source(members, geo, plan, recv) -> dict[int, torch.Tensor]:
-    """Split the returned buffer (concat over owners' shard ranks s of their matrices' rows for me) into
-    each member's rows."""
-    out, pos = {}, 0
-    for s in range(geo.S):
-        for i in members:
-            if geo.owner_coord(plan, i)[1] == s:
-                n = geo.numel(i, geo.s)
-                out[i] = recv.narrow(0, pos, n)
-                pos += n
-    return out
 
 
 class ShardedNaiveSteps(_ShardedMixin):
