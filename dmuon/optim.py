@@ -135,29 +135,30 @@ _FUSED_ADAMW = getattr(torch, "_fused_adamw_", None)  # torch's kernel behind Ad
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-def _failing(grads, ok_of) -> list[int]:
-    """Indices i where ok_of(grads[i]) (a 0-d bool/float tensor) is false: one host sync per device."""
+def _failing(grads, reduce, ok) -> list[int]:
+    """Indices i where ok(reduce(grads[i])) is false: reduce gives a 0-d float tensor per tensor, ok tests
+    them stacked (one call per device, one host sync per device)."""
     by_device: dict[torch.device, list[int]] = {}
     for i, g in enumerate(grads):
         by_device.setdefault(g.device, []).append(i)
     bad = []
     for idx in by_device.values():
-        ok = torch.stack([ok_of(grads[i]) for i in idx]).cpu()
-        bad += [i for i, flag in zip(idx, ok.tolist(), strict=True) if not flag]
+        flags = ok(torch.stack([reduce(grads[i]) for i in idx])).cpu()
+        bad += [i for i, flag in zip(idx, flags.tolist(), strict=True) if not flag]
     return sorted(bad)
 
 
 def suspect_indices(grads) -> list[int]:
-    """Indices of the tensors whose sum is not finite: one reduction each and one host sync per device,
-    the cheap first pass before `nonfinite_names` checks those exactly (a finite tensor can overflow its
-    sum, never the other way round)."""
-    return _failing(list(grads), lambda g: torch.isfinite(g.sum().float()))
+    """Indices of the tensors whose sum is not finite: one reduction each, one finiteness test and one
+    host sync per device, the cheap first pass before `nonfinite_names` checks those exactly (a finite
+    tensor can overflow its sum, never the other way round)."""
+    return _failing(list(grads), lambda g: g.sum().float(), torch.isfinite)
 
 
 def nonfinite_names(names, grads) -> list[str]:
     """Names of the gradients that contain NaN or inf (one host sync per device)."""
     names = list(names)
-    return [names[i] for i in _failing(list(grads), lambda g: torch.isfinite(g).all())]
+    return [names[i] for i in _failing(list(grads), lambda g: torch.isfinite(g).all(), lambda ok: ok)]
 
 
 # ---- checks --------------------------------------------------------------------------------------
