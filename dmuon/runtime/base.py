@@ -350,14 +350,15 @@ class DistributedMuonBase(torch.optim.Optimizer):
 
     def _local_flags(self) -> None:
         """Flags of the FSDP2-managed parameters (their gradients are already averaged, sharded)."""
-        idx, grads = [], []
+        idx, grads, has = [], [], []
         for i, p in enumerate(self.params):
             if self.local[i] and p.grad is not None:
-                self._has_grad[i] = True
+                has.append(i)
                 g = local_tensor(p.grad)
                 if self.nonfinite != "ignore" and g.numel():
                     idx.append(i)
                     grads.append(g)
+        self._has_grad[has] = True  # one indexed write, not one per parameter
         suspects = suspect_indices(grads)  # one pass, one sync; exact check where a sum is not finite
         for i in nonfinite_names([idx[k] for k in suspects], [grads[k] for k in suspects]):
             self._nonfinite[i] = True
