@@ -274,14 +274,20 @@ def profile_of(cfg: SimConfig):
 
 
 def simulate(cfg: SimConfig) -> SimResult:
-    """Simulate `cfg` (2 steps, the second reported). Deterministic: same config -> same result."""
-    return run(cfg, all_ranks=False)[0]
+    """Simulate `cfg` (2 steps, the second reported). Deterministic: same config -> same result. The garbage
+    collector stays paused until the ops are freed (simulator.engine.paused_gc: a MoE run's ~10^6 ops would
+    otherwise be walked by a full collection once it resumes)."""
+    from .engine import paused_gc
+
+    with paused_gc():
+        return run(cfg, all_ranks=False)[0]
 
 
 def run(cfg: SimConfig, all_ranks: bool = True):
     """(SimResult, the finished simulator.step.Built) — the trace writer needs the second. all_ranks=False:
     ranks with identical programs are simulated once (the same result, faster; the trace then holds only
     those ranks)."""
+    from .engine import paused_gc
     from .metrics import measure
     from .setup import make_spec
     from .step import build
@@ -302,11 +308,12 @@ def run(cfg: SimConfig, all_ranks: bool = True):
     spec.sm_share = profile.sm_share  # SMs an NCCL collective holds (simulator.engine)
     if cfg.jitter > 0:  # stragglers: every rank draws its own times, so every rank is simulated
         spec.steps, all_ranks = 1 + cfg.jitter_steps, True
-    built = build(spec, overlap_slowdown=profile.overlap_slowdown,
-                  comm_overlap_slowdown=profile.comm_overlap_slowdown, all_ranks=all_ranks,
-                  jitter=(cfg.jitter, cfg.seed))
-    built.cluster.run()
-    samples = sorted((measure(built, step=s) for s in range(1, spec.steps)), key=lambda x: x["step_s"])
+    with paused_gc():  # one pause for building, running and reading the ops (simulator.engine.paused_gc)
+        built = build(spec, overlap_slowdown=profile.overlap_slowdown,
+                      comm_overlap_slowdown=profile.comm_overlap_slowdown, all_ranks=all_ranks,
+                      jitter=(cfg.jitter, cfg.seed))
+        built.cluster.run()
+        samples = sorted((measure(built, step=s) for s in range(1, spec.steps)), key=lambda x: x["step_s"])
     m = samples[(len(samples) - 1) // 2]  # the median step (the only one without jitter)
     p90 = samples[min(len(samples) - 1, round(0.9 * (len(samples) - 1)))]["step_s"]
     p_muon = sum(spec.muon_numel)

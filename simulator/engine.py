@@ -147,8 +147,9 @@ class Cluster:
             self._unknown(rank, stream)
         if type(deps) is not tuple:
             deps = tuple(deps)
-        op = Op(rank, stream, name, phase, step, dur, None,
-                tuple([d for d in deps if d is not None]) if None in deps else deps)
+        if None in deps:
+            deps = tuple([d for d in deps if d is not None])
+        op = Op(rank, stream, name, phase, step, dur, None, deps)
         q.append(op)
         return op
 
@@ -159,8 +160,9 @@ class Cluster:
             self._unknown(rank, stream)
         if type(deps) is not tuple:
             deps = tuple(deps)
-        op = Op(rank, stream, coll.name, phase, step, 0.0, coll,
-                tuple([d for d in deps if d is not None]) if None in deps else deps)
+        if None in deps:
+            deps = tuple([d for d in deps if d is not None])
+        op = Op(rank, stream, coll.name, phase, step, 0.0, coll, deps)
         q.append(op)
         return op
 

@@ -30,11 +30,12 @@ _END, _SLOW_END, _COLL_END, _COLL_SLOW = 0, 1, 2, 3
 
 
 class _Stream:
-    __slots__ = ("ops", "i", "rank", "compute", "arrived", "n")
+    __slots__ = ("ops", "i", "rank", "compute", "arrived", "n", "slow", "comm_slow")
 
-    def __init__(self, ops, rank: int, compute: bool):
+    def __init__(self, ops, rank: int, compute: bool, slow: bool, comm_slow: bool):
         self.ops, self.i, self.rank, self.compute = ops, 0, rank, compute
         self.arrived, self.n = False, len(ops)
+        self.slow, self.comm_slow = compute and slow, compute and comm_slow  # its compute is slowed
 
 
 def run_fast(cl) -> float:
@@ -58,26 +59,24 @@ def run_fast(cl) -> float:
     seq = 0
     now = 0.0
 
-    def rate(r: int) -> float:
-        if not busy[r]:
-            return 1.0
-        return (1.0 - min(MAX_SM_SHARE, sm_used[r])) / ovl
-
-    def retime(st) -> None:
-        """st = [remaining work, rate, since, version, stream] of a running slowed compute op."""
-        nonlocal seq
-        st[0] -= (now - st[2]) * st[1]
-        st[1], st[2], st[3] = rate(st[4].rank), now, st[3] + 1
-        seq += 1
-        push(heap, (now + max(0.0, st[0]) / st[1], seq, _SLOW_END, st, st[3]))
-
     def busy_changed(ranks, delta: int, sm: float) -> None:
+        """Collectives running on `ranks` changed by delta; a running slowed compute op's state is st =
+        [remaining work, rate, since, version, stream, op]: the work done at the old rate is accounted and
+        its end scheduled at the new one (older timers are ignored)."""
+        nonlocal seq
+        dsm = delta * sm
         for r in ranks:
-            busy[r] += delta
-            sm_used[r] = sm_used[r] + delta * sm if busy[r] else 0.0
+            b = busy[r] + delta
+            busy[r] = b
+            sm_used[r] = sm_used[r] + dsm if b else 0.0
             st = running[r]
-            if st is not None:
-                retime(st)
+            if st is not None:  # a slowed compute op of r is running: re-time it at the new rate
+                st[0] -= (now - st[2]) * st[1]
+                st[1] = (1.0 - min(MAX_SM_SHARE, sm_used[r])) / ovl if b else 1.0
+                st[2] = now
+                st[3] += 1
+                seq += 1
+                push(heap, (now + max(0.0, st[0]) / st[1], seq, _SLOW_END, st, st[3]))
 
     def coll_timer(cs) -> None:
         """cs = [collective, remaining, rate, since, version]: (re)schedule a comm-slowed collective's end."""
@@ -142,7 +141,7 @@ def run_fast(cl) -> float:
         return False
 
     def finish_op(s: _Stream, op) -> None:
-        if s.compute and comm_slow:
+        if s.comm_slow:
             set_computing(s.rank, False)
         op.end = now
         if op.done:
@@ -156,7 +155,7 @@ def run_fast(cl) -> float:
         if ops:
             for op in ops:
                 op.done = None
-            ready.append(_Stream(ops, rank, stream == cl.compute_stream))
+            ready.append(_Stream(ops, rank, stream == cl.compute_stream, slow, comm_slow))
     popleft = ready.popleft
     while True:
         while ready:  # advance stream s: issue its ops until one has to wait
@@ -191,13 +190,15 @@ def run_fast(cl) -> float:
                     op.start = now
                     dur = op.dur
                     if dur > 0:
-                        if s.compute and comm_slow:
+                        if s.comm_slow:
                             set_computing(s.rank, True)
                         seq += 1
-                        if s.compute and slow:
-                            st = [dur, rate(s.rank), now, 0, s, op]
-                            running[s.rank] = st
-                            push(heap, (now + dur / st[1], seq, _SLOW_END, st, 0))
+                        if s.slow:
+                            r = s.rank
+                            rt = (1.0 - min(MAX_SM_SHARE, sm_used[r])) / ovl if busy[r] else 1.0
+                            st = [dur, rt, now, 0, s, op]
+                            running[r] = st
+                            push(heap, (now + dur / rt, seq, _SLOW_END, st, 0))
                         else:
                             push(heap, (now + dur, seq, _END, s, op))
                         break
@@ -221,16 +222,23 @@ def run_fast(cl) -> float:
         if not heap:
             break
         now, _, kind, obj, ver = pop(heap)
-        if kind == _END:
-            finish_op(obj, ver)
-        elif kind == _SLOW_END:
+        if kind == _SLOW_END:
             if obj[3] != ver or obj[5] is None:
                 continue
             s, op = obj[4], obj[5]
             obj[5] = None
             running[s.rank] = None
             op.slowed_s = now - op.start - op.dur
-            finish_op(s, op)
+            if s.comm_slow:
+                set_computing(s.rank, False)
+            op.end = now
+            if op.done:
+                ready.extend(op.done)
+                op.done = None
+            s.i += 1
+            ready.append(s)
+        elif kind == _END:
+            finish_op(obj, ver)
         elif kind == _COLL_END:
             end_coll(obj)
         elif obj[4] == ver:  # _COLL_SLOW, not stale

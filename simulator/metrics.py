@@ -14,21 +14,24 @@ from __future__ import annotations
 def measure(built, step: int) -> dict:
     cl = built.cluster
     n = cl.n_ranks
-    fwd_end = {s: 0.0 for s in range(step + 1)}
-    bwd_end = dict(fwd_end)
-    opt_end = dict(fwd_end)
-    grad_end = dict(fwd_end)
+    fwd_end = [0.0] * (step + 1)  # per step (lists: ~10^6 ops per MoE run are read here)
+    bwd_end = list(fwd_end)
+    opt_end = list(fwd_end)
+    grad_end = list(fwd_end)
     for (_, stream), ops in cl.queues.items():
+        compute = stream == cl.compute_stream
         for op in ops:
-            s, ph, e = op.step, op.phase, op.end
+            s, e = op.step, op.end
             if s > step or e is None:
                 continue
+            ph = op.phase
             if ph == "opt":
                 if e > opt_end[s]:
                     opt_end[s] = e
-            elif stream == cl.compute_stream:
-                if ph == "fwd" and e > fwd_end[s]:
-                    fwd_end[s] = e
+            elif compute:
+                if ph == "fwd":
+                    if e > fwd_end[s]:
+                        fwd_end[s] = e
                 elif ph == "bwd" and e > bwd_end[s]:
                     bwd_end[s] = e
             elif ph == "bwd" and e > grad_end[s]:
@@ -47,12 +50,13 @@ def measure(built, step: int) -> dict:
         waited = 0.0
         busy = 0.0
         for op in cl.queues[(r, cl.compute_stream)]:
-            if op.start is None:
+            start = op.start
+            if start is None:
                 continue
-            if prev_end is not None and op.start > prev_end and t0 < op.start <= t1:
-                waited += op.start - max(prev_end, t0)
-            if op.step == step and (op.name.startswith("batch") or op.name.startswith("ns")):
-                busy += op.end - op.start
+            if prev_end is not None and start > prev_end and t0 < start <= t1:
+                waited += start - max(prev_end, t0)
+            if op.step == step and op.name.startswith(("batch", "ns")):
+                busy += op.end - start
             prev_end = op.end
         exposed.append(waited)
         ns_busy.append(busy)

@@ -134,6 +134,11 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms):
         self.naive_runs = self._naive_runs()
         self._prepare_plan()
         self._prepare_ep_plan()
+        self._gparts: dict = {}  # per layer: its gathers' parts (_gather_parts)
+        if self.dm:  # per layer: the buckets whose first / last layer it is (publication points)
+            lb, bl = self.layer_buckets, self.bucket_layers
+            self._first_b = {l: [b for b in bs if bl[b][0] == l] for l, bs in lb.items()}
+            self._last_b = {l: [b for b in bs if bl[b][-1] == l] for l, bs in lb.items()}
 
     def _naive_runs(self) -> list[tuple[int, int]]:
         """naive's per-matrix chain (gather, NS, gather, NS, ...) as (matrix, count) runs: one matrix each,
@@ -161,6 +166,8 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms):
     def program(self, r: int) -> None:
         """Issue rank r's ops for every step, in program order."""
         prev = {"opt_last": None, "adam": None, "pub_deps": {}, "pubs": {}}
+        q = self.c.queues
+        self._qs = {st: q[(r, st)] for st in self.c.stream_names}  # rank r's queues (_cop, _cmp)
         for step in range(self.s.steps):
             fwd = self._forward(r, step, prev)
             red = self._backward(r, step, fwd)
@@ -172,28 +179,55 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms):
             return self.s.layer_adamw_numel[l], 0
         return self._layer_numel(l), self._layer_muon(l)
 
+    def _cop(self, col, r: int, phase: str, step: int, deps: tuple, stream: str = "comm") -> Op:
+        """`Cluster.collective` for the rank `program` is issuing (deps: a tuple), without its lookups."""
+        if None in deps:
+            deps = tuple([d for d in deps if d is not None])
+        op = Op(r, stream, col.name, phase, step, 0.0, col, deps)
+        self._qs[stream].append(op)
+        return op
+
+    def _cmp(self, r: int, name: str, dur: float, phase: str, step: int, deps: tuple) -> Op:
+        """`Cluster.compute` on the compute stream of the rank `program` is issuing (deps: a tuple)."""
+        if dur < 0 or self.c._noise is not None:
+            return self.c.compute(r, name, dur, phase=phase, step=step, deps=deps)
+        if None in deps:
+            deps = tuple([d for d in deps if d is not None])
+        op = Op(r, "compute", name, phase, step, dur, None, deps)
+        self._qs["compute"].append(op)
+        return op
+
+    def _gather_parts(self, l: int) -> list[tuple]:
+        """[(group, elements, Muon fraction, key tag)] of layer l's gathers (the same on every rank)."""
+        parts = self._gparts.get(l)
+        if parts is None:
+            numel, mu = self._gathered_numel(l)
+            parts = self._gparts[l] = ([(g, k, m / k, tag) for g, k, m, tag in self._fsdp_parts(l, numel, mu)]
+                                       if numel else [])
+        return parts
+
     def _forward(self, r: int, step: int, prev: dict) -> list[Op]:
-        s, c = self.s, self.c
+        s = self.s
         L = s.n_layers
         publish_here = self.dm and not self.sharded and (s.overlap or step == 0)
         gathers: dict[int, list[Op]] = {}
         pubs: dict[int, Op] = {}
         fwd: list[Op] = []
 
+        opt_dep = prev["adam"] if (self.dm and not self.sharded) else prev["opt_last"]
+        cop, coll, pb = self._cop, self.coll, s.param_bytes
+
         def gather(l: int, dep: Op | None) -> None:
             ops = []
-            numel, mu = self._gathered_numel(l)
-            if self.shard is not None and numel:
-                opt_dep = prev["adam"] if (self.dm and not self.sharded) else prev["opt_last"]
-                for grp, k, m, tag in self._fsdp_parts(l, numel, mu):
-                    col = self.coll(r, ("ag", step, "fwd", l, *tag), grp, "all_gather", k * s.param_bytes,
-                                    muon_fraction=m / k, step=step)
-                    ops.append(c.collective(col, r, phase="fwd", step=step, deps=(dep, opt_dep)))
+            if self.shard is not None:
+                for grp, k, mf, tag in self._gather_parts(l):
+                    col = coll(r, ("ag", step, "fwd", l, *tag), grp, "all_gather", k * pb, muon_fraction=mf,
+                               step=step)
+                    ops.append(cop(col, r, "fwd", step, (dep, opt_dep)))
             if publish_here:
-                for b in self.layer_buckets.get(l, ()):
-                    if self.bucket_layers[b][0] == l:
-                        pubs[b] = self._publish(r, b, step, prev["pub_deps"].get(b, ()),
-                                                phase="pub" if step else "fwd", stream=self.pub_stream)
+                for b in self._first_b.get(l, ()):
+                    pubs[b] = self._publish(r, b, step, prev["pub_deps"].get(b, ()),
+                                            phase="pub" if step else "fwd", stream=self.pub_stream)
             gathers[l] = ops
 
         gather(0, None)
@@ -211,7 +245,7 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms):
         return fwd
 
     def _backward(self, r: int, step: int, fwd: list[Op]) -> dict:
-        s, c = self.s, self.c
+        s = self.s
         L = s.n_layers
         regather = self.free and self.shard is not None
         gathers: dict[int, list[Op]] = {}
@@ -221,17 +255,14 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms):
 
         def gather(l: int, dep: Op | None) -> None:
             ops = []
-            numel, mu = self._gathered_numel(l)
-            if numel:
-                for grp, k, m, tag in self._fsdp_parts(l, numel, mu):
-                    col = self.coll(r, ("ag", step, "bwd", l, *tag), grp, "all_gather", k * s.param_bytes,
-                                    muon_fraction=m / k, step=step)
-                    ops.append(c.collective(col, r, phase="bwd", step=step, deps=(dep,)))
+            for grp, k, mf, tag in self._gather_parts(l):
+                col = self.coll(r, ("ag", step, "bwd", l, *tag), grp, "all_gather", k * s.param_bytes,
+                                muon_fraction=mf, step=step)
+                ops.append(self._cop(col, r, "bwd", step, (dep,)))
             if self.dm and not self.sharded:
-                for b in self.layer_buckets.get(l, ()):
-                    if self.bucket_layers[b][-1] == l:
-                        pubs[b] = self._publish(r, b, step, (dep,), phase="bwd", tag="regather",
-                                                stream=self.pub_stream)
+                for b in self._last_b.get(l, ()):
+                    pubs[b] = self._publish(r, b, step, (dep,), phase="bwd", tag="regather",
+                                            stream=self.pub_stream)
             gathers[l] = ops
 
         if regather:
@@ -253,10 +284,9 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms):
                 if s.layer_adamw_numel[l]:
                     red["adamw_last"] = op
             if self.dm and not self.sharded:
-                for b in self.layer_buckets.get(l, ()):
-                    if self.bucket_layers[b][0] == l:
-                        op = red["bucket"][b] = self._reduce_bucket(r, b, step, bwd[l])
-                        red["last"] = op or red["last"]
+                for b in self._first_b.get(l, ()):
+                    op = red["bucket"][b] = self._reduce_bucket(r, b, step, bwd[l])
+                    red["last"] = op or red["last"]
         return red
 
     # ---- pieces ---------------------------------------------------------------------------------

@@ -58,7 +58,10 @@ class CommPrograms:
              owners_per_local: int = 1):
         """The collective `key` of rank's group instance (created once per instance); repeat: it stands for
         that many back-to-back collectives of `size_bytes` (their summed time and bytes)."""
-        g, inst = self._instance(group, rank)
+        if group == "world":
+            g, inst = self.world, 0
+        else:
+            g, inst = self._instance(group, rank)
         full = (key, group, inst)
         c = self.colls.get(full)
         if c is None:
@@ -85,6 +88,9 @@ class CommPrograms:
         mode and shape the runtime issues it (module docstring). part: (payload, largest owner's share,
         {owner: numel}) of a part of the bucket (expert parallelism, simulator.step_ep), else the bucket."""
         g, inst = self._instance(group, r)
+        c = self.colls.get((key, group, inst))  # created by an earlier rank of this instance (as in coll)
+        if c is not None:
+            return c
         ck = (b, kind, group) if part is None else (b, kind, group, inst)
         shape = self._owner_shapes.get(ck) if hasattr(self, "_owner_shapes") else None
         if shape is None:
@@ -128,9 +134,9 @@ class CommPrograms:
         size = numel * s.grad_bytes
         if grp is None:  # ddp
             col = self.coll(r, ("ar", step, *lk), "world", "all_reduce", size, muon_fraction=frac, step=step)
-            return c.collective(col, r, phase="bwd", step=step, deps=(dep,))
+            return self._cop(col, r, "bwd", step, (dep,))
         col = self.coll(r, ("rs", step, *lk), grp, "reduce_scatter", size, muon_fraction=frac, step=step)
-        op = c.collective(col, r, phase="bwd", step=step, deps=(dep,))
+        op = self._cop(col, r, "bwd", step, (dep,))
         if self.replicate == "inter":
             col = self.coll(r, ("ar", step, *lk), "inter", "all_reduce", size / s.per_node,
                             muon_fraction=frac,
@@ -140,13 +146,13 @@ class CommPrograms:
 
     def _reduce_bucket(self, r: int, b: int, step: int, dep: Op) -> Op:
         """Muon gradients of bucket b to their owners (dmuon, replicated or FSDP/HSDP layouts)."""
-        s, c = self.s, self.c
+        s = self.s
         # HSDP too: the runtime reduces each owner's chunk over every rank (two-level: in the node to the
         # owner's local index, then across nodes to the owner), so each NS runs once in the job
         op = None  # EP: the dense matrices over the world, this EP rank's experts over its replica group
         for group, tag, part in self._owner_parts(r, b):
             col = self.owner_coll(r, ("reduce", step, b, *tag), b, "reduce", s.grad_bytes, group, step, part)
-            op = c.collective(col, r, phase="bwd", step=step, deps=(dep,))
+            op = self._cop(col, r, "bwd", step, (dep,))
         return op
 
     # ---- which ranks to simulate -----------------------------------------------------------------

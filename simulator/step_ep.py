@@ -144,30 +144,29 @@ class EPPrograms:
             col = self._a2a_colls[key] = self.coll(r, ("a2a", step, what, l), "ep", "all_to_all",
                                                    self.s.ep_spec.layer_a2a_bytes[l], muon_fraction=0.0,
                                                    step=step)
-        return self.c.collective(col, r, phase=phase, step=step, deps=(dep,) if dep is not None else (),
-                                 stream="ep")
+        return self._cop(col, r, phase, step, (dep,) if dep is not None else (), "ep")
 
     def _layer_op(self, r: int, step: int, l: int, phase: str, dur: float, deps: list,
                   prev: Op | None = None) -> tuple[Op, list]:
         """Layer l's compute: (its last compute op, what the next layer's compute waits for). A MoE layer
         with EP runs as its non-expert part, dispatch, experts, combine (backward: mirrored); prev = the
         compute op before it (backward: the combine's gradient all-to-all waits for it)."""
-        cm = self.c.compute
+        cm = self._cmp  # simulator.step: Cluster.compute on this rank's compute stream
         a2a = self.s.ep_spec.layer_a2a_bytes[l] if self.ep > 1 else 0.0
         if not a2a:
-            return cm(r, f"{phase}{l}", dur, phase=phase, step=step, deps=deps), []
+            return cm(r, f"{phase}{l}", dur, phase, step, tuple(deps)), []
         e = self.s.ep_spec
         if phase == "fwd":
             ex = e.layer_expert_fwd_s[l]
-            pre = cm(r, f"fwd{l}", dur - ex, phase=phase, step=step, deps=deps)
+            pre = cm(r, f"fwd{l}", dur - ex, phase, step, tuple(deps))
             dispatch = self._a2a(r, step, l, "dispatch", phase, pre)
-            experts = cm(r, f"fwd{l}.experts", ex, phase=phase, step=step, deps=(dispatch,))
+            experts = cm(r, f"fwd{l}.experts", ex, phase, step, (dispatch,))
             return experts, [self._a2a(r, step, l, "combine", phase, experts)]
         ex = e.layer_expert_bwd_s[l]
         g_combine = self._a2a(r, step, l, "combine_grad", phase, prev)
-        experts = cm(r, f"bwd{l}.experts", ex, phase=phase, step=step, deps=[*deps, g_combine])
+        experts = cm(r, f"bwd{l}.experts", ex, phase, step, (*deps, g_combine))
         g_dispatch = self._a2a(r, step, l, "dispatch_grad", phase, experts)
-        return cm(r, f"bwd{l}", dur - ex, phase=phase, step=step, deps=(g_dispatch,)), []
+        return cm(r, f"bwd{l}", dur - ex, phase, step, (g_dispatch,)), []
 
     # ---- dmuon's owner exchange, split by where the matrices live --------------------------------
     def _prepare_ep_plan(self) -> None:

@@ -119,8 +119,10 @@ def build_ep_plan(matrices: Sequence[MatrixSpec], world_size: int, cost, *, ep: 
                          "accepted: ep=1 for a dense model")
     mkw = dict(method=kw.get("method", "gram_sym"), dtype=kw.get("dtype", "bf16"),
                batching=kw.get("batching", True), max_batch=kw.get("max_batch", 8))
-    local = [[i for i, w in enumerate(where) if w == k] for k in range(ep)]
-    dense = [i for i, w in enumerate(where) if w is None]
+    local: list[list[int]] = [[] for _ in range(ep)]  # per EP rank its experts, in matrix order (one pass)
+    dense: list[int] = []
+    for i, w in enumerate(where):
+        (dense if w is None else local[w]).append(i)
     dmodel = build_work_model(tuple(matrices[i] for i in dense), world_size, cost, **mkw) if dense else None
     first = _experts_first(matrices, local, dense, dmodel, layout, cost, balancer, kw, mkw)
     candidates = [first]
