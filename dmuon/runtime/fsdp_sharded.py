@@ -4,8 +4,11 @@ over the shard ranks), FSDP2 moves their weights and gradients, and the optimize
 ShardedDMuon (owner-centric): momentum on the local shards; per plan bucket, one packed
 `all_to_all_single` within the shard group sends every shard of the Nesterov input to the matrix's
 owner, the owner concatenates the rows, runs the plan's batched NS, and one packed `all_to_all_single`
-returns each rank its rows of the update. All buckets' first exchanges are queued at once, so the
-exchange of bucket k+1 runs while the owner orthogonalizes bucket k; returns go in bucket order.
+returns each rank its rows of the update. An owner's own rows never travel: its momentum writes them
+into its NS stack and it applies its rows of the update from the NS result (where every row goes:
+`sharded_layout.OwnerLayout`, built once per set of active matrices). All buckets' first exchanges are
+queued at once, so the exchange of bucket k+1 runs while the owner orthogonalizes bucket k; returns go
+in bucket order.
 HSDP (2-D mesh, replicate x shard): owners are spread over all R x S ranks and only the owner's replica
 exchanges a matrix, so each NS runs once in the whole job; after applying, each rank broadcasts the new
 shards of its replica's matrices over its replicate group (one async job per bucket) and the next
