@@ -58,12 +58,17 @@ def run_fast(cl) -> float:
     ready: deque = deque()
     seq = 0
     now = 0.0
+    late = 0.0  # latest deferred end never pushed (busy_changed)
 
     def busy_changed(ranks, delta: int, sm: float) -> None:
         """Collectives running on `ranks` changed by delta; a running slowed compute op's state is st =
-        [remaining work, rate, since, version, stream, op]: the work done at the old rate is accounted and
-        its end scheduled at the new one (older timers are ignored)."""
-        nonlocal seq
+        [remaining work, rate, since, version, stream, op, end, end's sequence number, live timer's time]:
+        the work done at the old rate is accounted and its end (end, seq) set at the new one. Deferred
+        timers: a later end than the live timer's is not pushed now; the live timer, when it pops, pushes
+        it with the sequence number it got here, so the heap pops every timer in the same (time, seq)
+        order as pushing each at once would (the live timer's key is the smaller). An earlier end is
+        pushed at once and the live timer becomes stale (older versions are ignored)."""
+        nonlocal seq, late
         dsm = delta * sm
         for r in ranks:
             b = busy[r] + delta
@@ -74,9 +79,15 @@ def run_fast(cl) -> float:
                 st[0] -= (now - st[2]) * st[1]
                 st[1] = (1.0 - min(MAX_SM_SHARE, sm_used[r])) / ovl if b else 1.0
                 st[2] = now
-                st[3] += 1
                 seq += 1
-                push(heap, (now + max(0.0, st[0]) / st[1], seq, _SLOW_END, st, st[3]))
+                t = now + max(0.0, st[0]) / st[1]
+                st[6], st[7] = t, seq
+                if t < st[8]:
+                    st[3] += 1
+                    st[8] = t
+                    push(heap, (t, seq, _SLOW_END, st, st[3]))
+                elif t > late:  # the reference's stale timers still advance its clock: the same end
+                    late = t
 
     def coll_timer(cs) -> None:
         """cs = [collective, remaining, rate, since, version]: (re)schedule a comm-slowed collective's end."""
@@ -196,9 +207,9 @@ def run_fast(cl) -> float:
                         if s.slow:
                             r = s.rank
                             rt = (1.0 - min(MAX_SM_SHARE, sm_used[r])) / ovl if busy[r] else 1.0
-                            st = [dur, rt, now, 0, s, op]
-                            running[r] = st
-                            push(heap, (now + dur / rt, seq, _SLOW_END, st, 0))
+                            t = now + dur / rt
+                            running[r] = st = [dur, rt, now, 0, s, op, t, seq, t]
+                            push(heap, (t, seq, _SLOW_END, st, 0))
                         else:
                             push(heap, (now + dur, seq, _END, s, op))
                         break
@@ -221,9 +232,14 @@ def run_fast(cl) -> float:
             s.i = i
         if not heap:
             break
-        now, _, kind, obj, ver = pop(heap)
+        now, sq, kind, obj, ver = pop(heap)
         if kind == _SLOW_END:
             if obj[3] != ver or obj[5] is None:
+                continue
+            if sq != obj[7]:  # the live timer of a deferred end: push that end (busy_changed)
+                obj[3] += 1
+                obj[8] = obj[6]
+                push(heap, (obj[6], obj[7], _SLOW_END, obj, obj[3]))
                 continue
             s, op = obj[4], obj[5]
             obj[5] = None
@@ -244,4 +260,4 @@ def run_fast(cl) -> float:
         elif obj[4] == ver:  # _COLL_SLOW, not stale
             finish_coll_slow(obj)
     cl._busy, cl._sm_used = busy, sm_used
-    return now
+    return max(now, late)
