@@ -446,12 +446,13 @@ class DistributedMuonBase(torch.optim.Optimizer):
         group = next((g for g in self.param_groups if not g["use_muon"]), None)
         if group is None:
             return
-        work = [(i, None, None, local_tensor(self.params[i].grad) if has_any[i] else None)
+        flags = has_any.tolist()  # one read, not one tensor index per parameter
+        work = [(i, None, None, local_tensor(self.params[i].grad) if flags[i] else None)
                 for i in range(self.n_muon, len(self.params)) if self.local[i]]
         work += [(u.members[k].index, lo, hi, g) for u in self.units for k, lo, hi, g in u.local_pieces()]
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
         for i, lo, hi, g in work:
-            if i < self.n_muon or not has_any[i]:
+            if i < self.n_muon or not flags[i]:
                 continue
             p = self.params[i]
             whole = lo is None or (lo, hi) == (0, p.numel())

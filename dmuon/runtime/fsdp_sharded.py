@@ -394,7 +394,8 @@ class ShardedNaiveSteps(_ShardedMixin):
         from torch.distributed.tensor import DTensor
 
         group = self.param_groups[0]
-        idx = [i for i in range(self.n_muon) if has_any[i]]
+        flags = has_any.tolist()
+        idx = [i for i in range(self.n_muon) if flags[i]]
         inputs = self._momentum_inputs(idx, group)
         fulls = []
         with label("optimizer"):
