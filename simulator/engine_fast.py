@@ -172,14 +172,15 @@ def run_fast(cl) -> float:
         while ready:  # advance stream s: issue its ops until one has to wait
             s = popleft()
             ops, i, n = s.ops, s.i, s.n
+            if s.arrived:  # woken by the end of the collective it joined
+                s.arrived = False
+                op = ops[i]
+                c = op.coll
+                op.start, op.end = c.start, c.end
+                i += 1
             while i < n:
                 op = ops[i]
                 c = op.coll
-                if s.arrived:  # woken by the end of the collective it joined
-                    s.arrived = False
-                    op.start, op.end = c.start, c.end
-                    i += 1
-                    continue
                 blocked = False
                 for d in op.deps:
                     dc = d.coll

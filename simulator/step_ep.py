@@ -108,6 +108,7 @@ class EPPrograms:
         s = self.s
         e = s.ep_spec
         self.ep = e.ep if e is not None else 1
+        self._layer_names: dict = {}  # (phase, layer) -> its compute ops' names (_layer_op)
         if self.ep == 1:
             return
         n, p, ep = s.n_ranks, s.per_node, self.ep
@@ -144,7 +145,9 @@ class EPPrograms:
             col = self._a2a_colls[key] = self.coll(r, ("a2a", step, what, l), "ep", "all_to_all",
                                                    self.s.ep_spec.layer_a2a_bytes[l], muon_fraction=0.0,
                                                    step=step)
-        return self._cop(col, r, phase, step, (dep,) if dep is not None else (), "ep")
+        op = Op(r, "ep", col.name, phase, step, 0.0, col, (dep,) if dep is not None else ())  # as _cop
+        self._qs["ep"].append(op)
+        return op
 
     def _layer_op(self, r: int, step: int, l: int, phase: str, dur: float, deps: list,
                   prev: Op | None = None) -> tuple[Op, list]:
@@ -152,21 +155,24 @@ class EPPrograms:
         with EP runs as its non-expert part, dispatch, experts, combine (backward: mirrored); prev = the
         compute op before it (backward: the combine's gradient all-to-all waits for it)."""
         cm = self._cmp  # simulator.step: Cluster.compute on this rank's compute stream
+        names = self._layer_names.get((phase, l))  # one string per layer for every rank's ops
+        if names is None:
+            names = self._layer_names[(phase, l)] = (f"{phase}{l}", f"{phase}{l}.experts")
         a2a = self.s.ep_spec.layer_a2a_bytes[l] if self.ep > 1 else 0.0
         if not a2a:
-            return cm(r, f"{phase}{l}", dur, phase, step, tuple(deps)), []
+            return cm(r, names[0], dur, phase, step, tuple(deps)), []
         e = self.s.ep_spec
         if phase == "fwd":
             ex = e.layer_expert_fwd_s[l]
-            pre = cm(r, f"fwd{l}", dur - ex, phase, step, tuple(deps))
+            pre = cm(r, names[0], dur - ex, phase, step, tuple(deps))
             dispatch = self._a2a(r, step, l, "dispatch", phase, pre)
-            experts = cm(r, f"fwd{l}.experts", ex, phase, step, (dispatch,))
+            experts = cm(r, names[1], ex, phase, step, (dispatch,))
             return experts, [self._a2a(r, step, l, "combine", phase, experts)]
         ex = e.layer_expert_bwd_s[l]
         g_combine = self._a2a(r, step, l, "combine_grad", phase, prev)
-        experts = cm(r, f"bwd{l}.experts", ex, phase, step, (*deps, g_combine))
+        experts = cm(r, names[1], ex, phase, step, (*deps, g_combine))
         g_dispatch = self._a2a(r, step, l, "dispatch_grad", phase, experts)
-        return cm(r, f"bwd{l}", dur - ex, phase, step, (g_dispatch,)), []
+        return cm(r, names[0], dur - ex, phase, step, (g_dispatch,)), []
 
     # ---- dmuon's owner exchange, split by where the matrices live --------------------------------
     def _prepare_ep_plan(self) -> None:
