@@ -1,0 +1,106 @@
+"""What DMuon's fsdp2-sharded owner step dispatches: ops per step() (torch.profiler events, load-independent
+evidence, unlike wall times on a shared machine), the step's time over its NS calls + communication
+waits on the slowest rank, and a hash of every rank's parameters after the run (equal hashes from two
+trees = bitwise the same training).
+
+Steps alternate: odd ones are profiled (op counts), even ones are timed without the profiler.
+Run from a tree's root (compare two trees by running each):
+      PYTHONPATH=. .venv/bin/python scripts/owner_step_ops.py --ranks 2 --ns-dtype bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import os
+import socket
+import statistics
+import time
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, args, port: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from dmuon import NSConfig
+    from simulator.benchmodel import bench_optimizer, build_bench_model, synthetic_batch
+    from simulator.workload import load_workload
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks)
+    cpu = torch.device("cpu")
+    workload = load_workload("qwen2.5-7b").scaled(1 / 16, blocks=4)
+    model = build_bench_model(workload, seed=0, device=cpu, dtype=torch.float32)
+    opt = bench_optimizer("dmuon", model, overlap=True, exchange="auto", layout="fsdp2-sharded",
+                          ns=NSConfig(method=args.ns_method, dtype=args.ns_dtype))
+    counts, profiled, timed = collections.Counter(), 0, []
+    for it in range(args.warmup + 2 * args.steps):
+        x, y = synthetic_batch(model.vocab, 128, 2, seed=0, step=it, rank=rank, device=cpu)
+        model(x, y).backward()
+        dist.barrier()
+        opt.comm_stats.reset()
+        prof = None
+        if it >= args.warmup and it % 2:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            prof.__enter__()
+        start = time.perf_counter()
+        opt.step()
+        elapsed = time.perf_counter() - start
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            profiled += 1
+            for e in prof.key_averages():  # aten ops, plus a few record_function ranges
+                counts[e.key] += e.count
+        elif it >= args.warmup:
+            timed.append((elapsed, opt.comm_stats.ns_s, opt.comm_stats.wait_s))
+        opt.zero_grad(set_to_none=True)
+    opt.synchronize()
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        t = p.detach().to_local() if hasattr(p, "to_local") else p.detach()
+        digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    queue.put((rank, {k: v / profiled for k, v in counts.items()}, timed, digest.hexdigest()[:16]))
+    opt.close()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    import torch.multiprocessing as mp
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--ns-dtype", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--ns-method", default="standard", choices=("standard", "gram", "auto"))
+    ap.add_argument("--steps", type=int, default=4, help="profiled steps (as many timed ones)")
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args()
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.SimpleQueue(), _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, args, port, queue)) for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    got = sorted(queue.get() for _ in procs)
+    for p in procs:
+        p.join()
+    counts = got[0][1]
+    ratios = []
+    for step in zip(*(g[2] for g in got), strict=True):
+        opt_s, ns_s, wait_s = max(step)
+        ratios.append(opt_s / (ns_s + wait_s))
+    print(f"ranks {args.ranks}, {args.ns_method} NS in {args.ns_dtype}, load {os.getloadavg()[0]:.2f}")
+    print(f"profiler events per step (rank 0): {sum(counts.values()):.0f}; top: "
+          + ", ".join(f"{k} {v:g}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:10]))
+    print(f"step / (NS + waits), slowest rank, median of {len(ratios)} steps: "
+          f"{statistics.median(ratios):.3f}")
+    print("parameter hashes:", " ".join(g[3] for g in got))
+
+
+if __name__ == "__main__":
+    main()
