@@ -36,6 +36,7 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from ..errors import InputError
 from .balance import build_work_model, lpt, round_robin
@@ -45,6 +46,7 @@ from .types import Batch, MatrixSpec, Plan
 EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 
 
+@lru_cache(maxsize=1 << 18)  # a MoE workload's names are read several times per plan and simulation
 def expert_index(name: str) -> int | None:
     """The expert number in a matrix name (`...experts.<e>....`), None for a dense matrix."""
     m = EXPERT_RE.search(name)
