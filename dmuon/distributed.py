@@ -135,8 +135,9 @@ class DMuon(DistributedMuonBase):
 
     def _muon_update(self, has_any: torch.Tensor, pending) -> None:
         group = self.param_groups[0]
+        flags = has_any.tolist()  # one read, not one tensor index per matrix
         for i, buf, update in pending:
-            if has_any[i]:
+            if flags[i]:
                 self.state[self.params[i]]["momentum_buffer"] = buf
                 self._apply([i], [update], group)
 
@@ -152,7 +153,8 @@ class NaiveMuon(DistributedMuonBase):
         if self.plan is None:
             return
         group = self.param_groups[0]
-        idx = [i for i in range(self.n_muon) if has_any[i]]
+        flags = has_any.tolist()
+        idx = [i for i in range(self.n_muon) if flags[i]]
         if not idx:
             return
         inputs = self._muon_inputs(idx, group)
