@@ -27,7 +27,11 @@ checks (column `check`):
                     factors and the error at the profile's own speed.
   multinode_public  public multi-node nccl-tests numbers (experiments/reference/multinode_public.csv, a source
                     URL per row: A100 / H100 clusters, 2-32 nodes) vs the simulator's collective model on
-                    each row's cluster (simulator.validate_multinode). Checked: 20% per row.
+                    each row's cluster (simulator.validate_multinode). Checked: 20% per row. Also
+                    public multi-node FSDP throughput (experiments/reference/multinode_steps_public.csv:
+                    llm-foundry's MPT 125M-13B on 16-128 A100s, torchtitan's Llama 3.1 8B on 8 and 128
+                    H100s): the scaling efficiency (tokens/s/GPU at N over the series' smallest GPU
+                    count) published vs simulated on each row's cluster file. Checked: 20% per row.
 Rows: check, label, workload, strategy, metric, unit, reference, reference_kind, simulated, error (relative),
 bound, bounded, within_bound, note, profile. Times in seconds.
 """
@@ -126,7 +130,7 @@ def published_checks() -> list[dict]:
 
 
 def multinode_checks() -> list[dict]:
-    from simulator.validate_multinode import BOUND, multinode_rows
+    from simulator.validate_multinode import BOUND, multinode_rows, step_scaling_rows
 
     out = []
     for r in multinode_rows():
@@ -135,6 +139,13 @@ def multinode_checks() -> list[dict]:
         out.append(_row("multinode_public", label, "", "", metric, r["unit"], r["published"],
                         f"public: {r['source']}", r["simulated"], BOUND, True, r["note"],
                         "a800"))
+    for r in step_scaling_rows():
+        note = (f"step time x{1 + r['published_growth']:.4f} published vs x{1 + r['simulated_growth']:.4f} "
+                f"simulated from {r['base_gpus']} to {r['gpus']} GPUs; {r['note']}")
+        out.append(_row("multinode_public", f"{r['series']} {r['gpus']} vs {r['base_gpus']} x {r['gpu']}",
+                        r["series"], "adamw", "tokens/s/GPU at N / at the series' baseline (FSDP scaling)",
+                        "ratio", r["published"], f"public: {r['source']}", r["simulated"], BOUND, True, note,
+                        r["cluster"]))
     return out
 
 
