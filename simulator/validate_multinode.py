@@ -60,7 +60,7 @@ def multinode_rows(profile: str = "a800") -> list[dict]:
     return out
 
 
-# --- public multi-node FSDP step throughput (experiments/reference/multinode_steps_public.csv) ---------------
+# --- public multi-node FSDP step throughput (experiments/reference/multinode_steps_public.csv) ---
 # Each series is one model and one set of settings at several GPU counts, as published (tokens/s/GPU). What
 # is compared is the scaling efficiency: tokens/s/GPU at N GPUs over the series' smallest GPU count, published
 # vs simulated on the row's cluster. The compute rates a profile cannot know for another GPU and software
@@ -85,11 +85,10 @@ def _workload(row: dict):
     from .hf_config import workload_from_config
 
     d, heads = int(row["d_model"]), int(row["n_heads"])
-    return workload_from_config({"model_type": "llama", "hidden_size": d, "num_hidden_layers": int(row["n_layers"]),
-                                 "num_attention_heads": heads, "num_key_value_heads": heads,
-                                 "intermediate_size": round(8 * d / 3), "vocab_size": int(row["vocab"]),
-                                 "tie_word_embeddings": True},
-                                name=row["series"], source=row["source"])
+    config = {"model_type": "llama", "hidden_size": d, "num_hidden_layers": int(row["n_layers"]),
+              "num_attention_heads": heads, "num_key_value_heads": heads, "intermediate_size": round(8 * d / 3),
+              "vocab_size": int(row["vocab"]), "tie_word_embeddings": True}
+    return workload_from_config(config, name=row["series"], source=row["source"])
 
 
 def simulate_step_row(row: dict, workload=None) -> dict:
@@ -97,7 +96,8 @@ def simulate_step_row(row: dict, workload=None) -> dict:
     gradient-reduction dtype, on the row's cluster file."""
     from .api import SimConfig, simulate
 
-    r = simulate(SimConfig(workload=workload if workload is not None else _workload(row), gpus=int(row["gpus"]),
+    w = workload if workload is not None else _workload(row)
+    r = simulate(SimConfig(workload=w, gpus=int(row["gpus"]),
                            cluster=str(_ROOT / row["cluster"]), strategy="adamw", layout=row["layout"],
                            seq_len=int(row["seq_len"]), micro_batch=int(row["micro_batch"]),
                            grad_comm_dtype=row["grad_comm_dtype"] or None))
@@ -120,8 +120,8 @@ def step_scaling_rows(path: Path = STEPS_PATH) -> list[dict]:
         for r, s in zip(rows[1:], sims[1:], strict=True):
             pub = float(r["value"]) / float(base["value"])
             sim = s["tokens_per_s_per_gpu"] / sbase["tokens_per_s_per_gpu"]
-            out.append({"series": name, "gpus": int(r["gpus"]), "base_gpus": int(base["gpus"]), "gpu": r["gpu"],
-                        "cluster": Path(r["cluster"]).stem,
+            out.append({"series": name, "gpus": int(r["gpus"]), "base_gpus": int(base["gpus"]),
+                        "gpu": r["gpu"], "cluster": Path(r["cluster"]).stem,
                         "published": pub, "simulated": sim, "error": sim / pub - 1,
                         "within_20pct": abs(sim / pub - 1) <= BOUND,
                         # step time at N over the baseline's, minus 1 (the same tokens per GPU per step)
