@@ -86,7 +86,8 @@ def _workload(row: dict):
 
     d, heads = int(row["d_model"]), int(row["n_heads"])
     config = {"model_type": "llama", "hidden_size": d, "num_hidden_layers": int(row["n_layers"]),
-              "num_attention_heads": heads, "num_key_value_heads": heads, "intermediate_size": round(8 * d / 3),
+              "num_attention_heads": heads, "num_key_value_heads": heads,
+              "intermediate_size": round(8 * d / 3),
               "vocab_size": int(row["vocab"]), "tie_word_embeddings": True}
     return workload_from_config(config, name=row["series"], source=row["source"])
 
