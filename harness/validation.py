@@ -29,9 +29,10 @@ checks (column `check`):
                     URL per row: A100 / H100 clusters, 2-32 nodes) vs the simulator's collective model on
                     each row's cluster (simulator.validate_multinode). Checked: 20% per row. Also
                     public multi-node FSDP throughput (experiments/reference/multinode_steps_public.csv:
-                    llm-foundry's MPT 125M-13B on 16-128 A100s, torchtitan's Llama 3.1 8B on 8 and 128
-                    H100s): the scaling efficiency (tokens/s/GPU at N over the series' smallest GPU
-                    count) published vs simulated on each row's cluster file. Checked: 20% per row.
+                    llm-foundry's MPT 125M-13B on 16-128 A100s and 8-64 H100s, torchtitan's Llama 3.1
+                    8B on 8 / 128 H100s): the scaling efficiency (tokens/s/GPU at N over the series'
+                    smallest GPU count) published vs simulated on each row's cluster file. Checked: 20%
+                    per row.
 Rows: check, label, workload, strategy, metric, unit, reference, reference_kind, simulated, error (relative),
 bound, bounded, within_bound, note, profile. Times in seconds.
 """
