@@ -193,3 +193,18 @@ def test_fsdp_scaling_row_follows_the_cluster_file(tmp_path):
     slow.write_text(text.replace('nic_gbps = { value = 200', 'nic_gbps = { value = 3.125'))
     fast = simulate_step_row(row)
     assert simulate_step_row({**row, "cluster": str(slow)})["step_s"] > 1.2 * fast["step_s"]
+
+
+def test_every_public_step_row_states_its_settings_and_cluster():
+    from simulator.cluster_file import read_cluster
+    from simulator.validate_multinode import _ROOT, step_rows_public
+
+    rows = step_rows_public()
+    needed = ("series", "gpus", "value", "checked", "workload", "gpu", "cluster", "seq_len", "micro_batch",
+              "grad_accum", "global_batch", "precision", "sharding", "layout", "activation_checkpointing",
+              "metric", "unit", "source", "note")
+    for r in rows:
+        assert all(r[k].strip() for k in needed), (r["series"], r["gpus"])
+        assert r["checked"] in ("yes", "no") and r["grad_accum"] == "1"
+        assert int(r["global_batch"]) == int(r["micro_batch"]) * int(r["gpus"])
+        assert read_cluster(_ROOT / r["cluster"])["gpus_per_node"] == 8
