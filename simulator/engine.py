@@ -88,7 +88,7 @@ class Op:
     """One unit of work on one rank's stream: a compute kernel (duration) or a collective."""
 
     __slots__ = ("rank", "stream", "name", "phase", "step", "dur", "coll", "deps", "start", "end",
-                 "done", "needed", "slowed_s")
+                 "done", "slowed_s")
 
     def __init__(self, rank: int, stream: str, name: str, phase: str, step: int, dur: float = 0.0,
                  coll: Collective | None = None, deps: tuple = ()):
@@ -97,7 +97,6 @@ class Op:
         self.start: float | None = None
         self.end: float | None = None
         self.done = None
-        self.needed = False  # another stream waits on this op: give it an event (SimPy run only)
         self.slowed_s = 0.0
 
 
@@ -204,15 +203,9 @@ class Cluster:
                                  else [])
         for c in self.collectives:
             c.done = env.event()
-        for ops in self.queues.values():  # ops another stream waits on get an event
-            for op in ops:
-                for d in op.deps:
-                    if d.coll is None:
-                        d.needed = True
-        for ops in self.queues.values():
-            for op in ops:
-                if op.needed:
-                    op.done = env.event()
+        needed = {id(d): d for ops in self.queues.values() for op in ops for d in op.deps if d.coll is None}
+        for op in needed.values():  # ops another stream waits on get an event
+            op.done = env.event()
         # communication streams first: at equal times their ops start before compute ops look for overlap
         order = sorted(self.queues.items(), key=lambda kv: kv[0][1] == self.compute_stream)
         for (rank, stream), ops in order:

@@ -118,6 +118,7 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms):
         self.intra = Group(1, p)
         self.inter = Group(self.nodes, 1, share=p)
         self.colls: dict = {}
+        self._col_lists: dict = {}  # (call site's key, instances) -> its collectives (_cols)
         lay = spec.layout
         self.shard = {"ddp": None}.get(lay, "intra" if lay.startswith("hsdp") else "world")
         self.replicate = "world" if lay == "ddp" else ("inter" if lay.startswith("hsdp") else None)
@@ -168,6 +169,13 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms):
         prev = {"opt_last": None, "adam": None, "pub_deps": {}, "pubs": {}}
         q = self.c.queues
         self._qs = {st: q[(r, st)] for st in self.c.stream_names}  # rank r's queues (_cop, _cmp)
+        # the group instances rank r's collectives are looked up by (_cols): ranks with the same ones share
+        # each call site's list of collectives
+        p, e = self.s.per_node, self.ep
+        shard = r // p if self.shard == "intra" else 0
+        self._gk = (shard, r % e)  # FSDP gathers: shard group, replica group (EP)
+        self._rk = (shard, r % e, r % p if self.replicate == "inter" else 0)  # reductions (+ HSDP's inter)
+        self._ok = r % e  # dmuon's owner exchange: the world, the replica group (EP)
         for step in range(self.s.steps):
             fwd = self._forward(r, step, prev)
             red = self._backward(r, step, fwd)
@@ -197,6 +205,15 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms):
         self._qs["compute"].append(op)
         return op
 
+    def _cols(self, key: tuple, make) -> list:
+        """The collectives of one call site for the rank `program` is issuing: `make()` (a list, in issue
+        order) for the first rank with these group instances (the last item of `key`), then that list (the
+        same objects `coll` would look up for every later rank)."""
+        cols = self._col_lists.get(key)
+        if cols is None:
+            cols = self._col_lists[key] = make()
+        return cols
+
     def _gather_parts(self, l: int) -> list[tuple]:
         """[(group, elements, Muon fraction, key tag)] of layer l's gathers (the same on every rank)."""
         parts = self._gparts.get(l)
@@ -220,10 +237,10 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms):
         def gather(l: int, dep: Op | None) -> None:
             ops = []
             if self.shard is not None:
-                for grp, k, mf, tag in self._gather_parts(l):
-                    col = coll(r, ("ag", step, "fwd", l, *tag), grp, "all_gather", k * pb, muon_fraction=mf,
-                               step=step)
-                    ops.append(cop(col, r, "fwd", step, (dep, opt_dep)))
+                cols = self._cols(("ag", step, "fwd", l, self._gk), lambda: [
+                    coll(r, ("ag", step, "fwd", l, *tag), grp, "all_gather", k * pb, muon_fraction=mf,
+                         step=step) for grp, k, mf, tag in self._gather_parts(l)])
+                ops = [cop(col, r, "fwd", step, (dep, opt_dep)) for col in cols]
             if publish_here:
                 for b in self._first_b.get(l, ()):
                     pubs[b] = self._publish(r, b, step, prev["pub_deps"].get(b, ()),
@@ -254,11 +271,10 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms):
         red = {"last": None, "adamw_last": None, "bucket": {}, "layer": {}}
 
         def gather(l: int, dep: Op | None) -> None:
-            ops = []
-            for grp, k, mf, tag in self._gather_parts(l):
-                col = self.coll(r, ("ag", step, "bwd", l, *tag), grp, "all_gather", k * s.param_bytes,
-                                muon_fraction=mf, step=step)
-                ops.append(self._cop(col, r, "bwd", step, (dep,)))
+            cols = self._cols(("ag", step, "bwd", l, self._gk), lambda: [
+                self.coll(r, ("ag", step, "bwd", l, *tag), grp, "all_gather", k * s.param_bytes,
+                          muon_fraction=mf, step=step) for grp, k, mf, tag in self._gather_parts(l)])
+            ops = [self._cop(col, r, "bwd", step, (dep,)) for col in cols]
             if self.dm and not self.sharded:
                 for b in self._last_b.get(l, ()):
                     pubs[b] = self._publish(r, b, step, (dep,), phase="bwd", tag="regather",

@@ -124,25 +124,30 @@ class CommPrograms:
     # ---- backward's gradient reductions ----------------------------------------------------------
     def _reduce_layer(self, r: int, step: int, l: int, numel: int, mu: int, dep: Op) -> Op | None:
         op = None  # EP: the dense part over the shard group, the local experts over the replica group
-        for grp, k, m, tag in self._fsdp_parts(l, numel, mu):
-            op = self._reduce_part(r, step, (l, *tag), grp, k, m, dep)
+        pairs = self._cols(("red", step, l, self._rk), lambda: [  # simulator.step._cols
+            self._reduce_colls(r, step, (l, *tag), grp, k, m)
+            for grp, k, m, tag in self._fsdp_parts(l, numel, mu)])
+        for col, inter in pairs:
+            op = self._cop(col, r, "bwd", step, (dep,))
+            if inter is not None:
+                op = self._cop(inter, r, "bwd", step, (op,), stream="inter")
         return op
 
-    def _reduce_part(self, r: int, step: int, lk: tuple, grp, numel: int, mu: int, dep: Op) -> Op:
-        s, c = self.s, self.c
+    def _reduce_colls(self, r: int, step: int, lk: tuple, grp, numel: int, mu: int) -> tuple:
+        """(the reduction of one part of a layer's gradients on the comm stream, HSDP's all-reduce of the
+        shard across nodes on the inter stream, else None)."""
+        s = self.s
         frac = mu / numel
         size = numel * s.grad_bytes
         if grp is None:  # ddp
             col = self.coll(r, ("ar", step, *lk), "world", "all_reduce", size, muon_fraction=frac, step=step)
-            return self._cop(col, r, "bwd", step, (dep,))
+            return col, None
         col = self.coll(r, ("rs", step, *lk), grp, "reduce_scatter", size, muon_fraction=frac, step=step)
-        op = self._cop(col, r, "bwd", step, (dep,))
+        inter = None
         if self.replicate == "inter":
-            col = self.coll(r, ("ar", step, *lk), "inter", "all_reduce", size / s.per_node,
-                            muon_fraction=frac,
-                            step=step)
-            op = c.collective(col, r, phase="bwd", step=step, deps=(op,), stream="inter")
-        return op
+            inter = self.coll(r, ("ar", step, *lk), "inter", "all_reduce", size / s.per_node,
+                              muon_fraction=frac, step=step)
+        return col, inter
 
     def _reduce_bucket(self, r: int, b: int, step: int, dep: Op) -> Op:
         """Muon gradients of bucket b to their owners (dmuon, replicated or FSDP/HSDP layouts)."""
@@ -150,8 +155,9 @@ class CommPrograms:
         # HSDP too: the runtime reduces each owner's chunk over every rank (two-level: in the node to the
         # owner's local index, then across nodes to the owner), so each NS runs once in the job
         op = None  # EP: the dense matrices over the world, this EP rank's experts over its replica group
-        for group, tag, part in self._owner_parts(r, b):
-            col = self.owner_coll(r, ("reduce", step, b, *tag), b, "reduce", s.grad_bytes, group, step, part)
+        for col in self._cols(("reduce", step, b, self._ok), lambda: [  # simulator.step._cols
+                self.owner_coll(r, ("reduce", step, b, *tag), b, "reduce", s.grad_bytes, group, step, part)
+                for group, tag, part in self._owner_parts(r, b)]):
             op = self._cop(col, r, "bwd", step, (dep,))
         return op
 

@@ -122,15 +122,16 @@ class OptimizerPrograms(SplitPrograms):
 
     def _publish(self, r: int, b: int, step: int, deps, *, phase: str, tag: str = "pub",
                  op_step: int | None = None, stream: str = "comm") -> Op:
-        s, c = self.s, self.c
+        s = self.s
         # HSDP too: the runtime's two-level publication over every rank ("world"); EP: the experts over
         # their replica group (simulator.step_ep)
         op = None
-        for group, ptag, part in self._owner_parts(r, b):
-            col = self.owner_coll(r, (tag, step, b, *ptag), b, "broadcast", s.param_bytes, group,
-                                  step if op_step is None else op_step, part)  # simulator.step_comm
-            op = c.collective(col, r, phase=phase, step=step if op_step is None else op_step,
-                              deps=tuple(deps), stream=stream)
+        st = step if op_step is None else op_step
+        deps = tuple(deps)
+        for col in self._cols((tag, step, b, self._ok), lambda: [  # simulator.step._cols
+                self.owner_coll(r, (tag, step, b, *ptag), b, "broadcast", s.param_bytes, group, st, part)
+                for group, ptag, part in self._owner_parts(r, b)]):  # simulator.step_comm
+            op = self._cop(col, r, phase, st, deps, stream)
         return op
 
     def _sharded_optimizer(self, r: int, step: int, adam_numel: float, red: dict) -> Op:
