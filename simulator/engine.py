@@ -132,6 +132,7 @@ class Cluster:
         self._busy = [0] * n_ranks  # collectives running per rank (overlap slowdown only)
         self._sm_used = [0.0] * n_ranks  # SM share held by the collectives running on each rank
         self._changed: list = []  # per rank: event fired when its number of running collectives changes
+        self._ran = False
 
     # ---- building ------------------------------------------------------------------------------
     def compute(self, rank: int, name: str, dur: float, *, phase: str, step: int, deps=(),
@@ -176,7 +177,11 @@ class Cluster:
     # ---- running -------------------------------------------------------------------------------
     def run(self, reference: bool = False) -> RunStats:
         """Run every stream to completion. reference=True: by one SimPy process per stream (the original
-        implementation, kept to check `simulator.engine_fast`, which runs the same model faster)."""
+        implementation, kept to check `simulator.engine_fast`, which runs the same model faster). A cluster
+        runs once (its ops and collectives keep their times)."""
+        if self._ran:
+            raise InputError("this cluster has already run; build a new one to run the programs again")
+        self._ran = True
         with paused_gc():
             if reference:
                 end = self._run_simpy()

@@ -163,10 +163,8 @@ def run_fast(cl) -> float:
         ready.append(s)
 
     order = sorted(cl.queues.items(), key=lambda kv: kv[0][1] == cl.compute_stream)
-    for (rank, stream), ops in order:
+    for (rank, stream), ops in order:  # op.done is None from Op() (a cluster runs once)
         if ops:
-            for op in ops:
-                op.done = None
             ready.append(_Stream(ops, rank, stream == cl.compute_stream, slow, comm_slow))
     popleft = ready.popleft
     while True:

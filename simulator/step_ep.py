@@ -108,7 +108,7 @@ class EPPrograms:
         s = self.s
         e = s.ep_spec
         self.ep = e.ep if e is not None else 1
-        self._layer_names: dict = {}  # (phase, layer) -> its compute ops' names (_layer_op)
+        self._layer_names: dict = {}  # (phase, layer) -> its op names, all-to-all bytes, expert time
         if self.ep == 1:
             return
         n, p, ep = s.n_ranks, s.per_node, self.ep
@@ -138,16 +138,17 @@ class EPPrograms:
         return parts + [("rep", ex // self.ep, ex // self.ep, ("ep",))]
 
     # ---- token all-to-alls -------------------------------------------------------------------------
-    def _a2a(self, r: int, step: int, l: int, what: str, phase: str, dep: Op | None) -> Op:
-        key = (step, what, l, r // self.ep)  # this EP group's collective (coll's own key, looked up once)
-        col = self._a2a_colls.get(key)
-        if col is None:
-            col = self._a2a_colls[key] = self.coll(r, ("a2a", step, what, l), "ep", "all_to_all",
-                                                   self.s.ep_spec.layer_a2a_bytes[l], muon_fraction=0.0,
-                                                   step=step)
-        op = Op(r, "ep", col.name, phase, step, 0.0, col, (dep,) if dep is not None else ())  # as _cop
-        self._qs["ep"].append(op)
-        return op
+    def _a2a_pair(self, r: int, step: int, l: int, phase: str) -> tuple:
+        """Layer l's two all-to-alls of `phase` in rank r's EP group, in issue order (forward: dispatch,
+        combine; backward: the combine's gradient, the dispatch's), each created once per group instance."""
+        key = (step, phase, l, r // self.ep)
+        cols = self._a2a_colls.get(key)
+        if cols is None:
+            whats = ("dispatch", "combine") if phase == "fwd" else ("combine_grad", "dispatch_grad")
+            cols = self._a2a_colls[key] = tuple(
+                self.coll(r, ("a2a", step, what, l), "ep", "all_to_all", self.s.ep_spec.layer_a2a_bytes[l],
+                          muon_fraction=0.0, step=step) for what in whats)
+        return cols
 
     def _layer_op(self, r: int, step: int, l: int, phase: str, dur: float, deps: list,
                   prev: Op | None = None) -> tuple[Op, list]:
@@ -155,24 +156,28 @@ class EPPrograms:
         with EP runs as its non-expert part, dispatch, experts, combine (backward: mirrored); prev = the
         compute op before it (backward: the combine's gradient all-to-all waits for it)."""
         cm = self._cmp  # simulator.step: Cluster.compute on this rank's compute stream
-        names = self._layer_names.get((phase, l))  # one string per layer for every rank's ops
-        if names is None:
-            names = self._layer_names[(phase, l)] = (f"{phase}{l}", f"{phase}{l}.experts")
-        a2a = self.s.ep_spec.layer_a2a_bytes[l] if self.ep > 1 else 0.0
+        info = self._layer_names.get((phase, l))  # one string per layer for every rank's ops
+        if info is None:
+            e = self.s.ep_spec
+            a2a = e.layer_a2a_bytes[l] if self.ep > 1 else 0.0
+            ex = (e.layer_expert_fwd_s[l] if phase == "fwd" else e.layer_expert_bwd_s[l]) if a2a else 0.0
+            info = self._layer_names[(phase, l)] = (f"{phase}{l}", f"{phase}{l}.experts", a2a, ex)
+        name, ex_name, a2a, ex = info
         if not a2a:
-            return cm(r, names[0], dur, phase, step, tuple(deps)), []
-        e = self.s.ep_spec
+            return cm(r, name, dur, phase, step, tuple(deps)), []
+        first, second = self._a2a_pair(r, step, l, phase)
+        q = self._qs["ep"]  # the all-to-all ops appended as _cop does
         if phase == "fwd":
-            ex = e.layer_expert_fwd_s[l]
-            pre = cm(r, names[0], dur - ex, phase, step, tuple(deps))
-            dispatch = self._a2a(r, step, l, "dispatch", phase, pre)
-            experts = cm(r, names[1], ex, phase, step, (dispatch,))
-            return experts, [self._a2a(r, step, l, "combine", phase, experts)]
-        ex = e.layer_expert_bwd_s[l]
-        g_combine = self._a2a(r, step, l, "combine_grad", phase, prev)
-        experts = cm(r, names[1], ex, phase, step, (*deps, g_combine))
-        g_dispatch = self._a2a(r, step, l, "dispatch_grad", phase, experts)
-        return cm(r, names[0], dur - ex, phase, step, (g_dispatch,)), []
+            pre = cm(r, name, dur - ex, phase, step, tuple(deps))
+            q.append(dispatch := Op(r, "ep", first.name, phase, step, 0.0, first, (pre,)))
+            experts = cm(r, ex_name, ex, phase, step, (dispatch,))
+            q.append(combine := Op(r, "ep", second.name, phase, step, 0.0, second, (experts,)))
+            return experts, [combine]
+        g_combine = Op(r, "ep", first.name, phase, step, 0.0, first, (prev,) if prev is not None else ())
+        q.append(g_combine)
+        experts = cm(r, ex_name, ex, phase, step, (*deps, g_combine))
+        q.append(g_dispatch := Op(r, "ep", second.name, phase, step, 0.0, second, (experts,)))
+        return cm(r, name, dur - ex, phase, step, (g_dispatch,)), []
 
     # ---- dmuon's owner exchange, split by where the matrices live --------------------------------
     def _prepare_ep_plan(self) -> None:
