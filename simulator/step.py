@@ -57,6 +57,7 @@ from .engine import Cluster, Op, paused_gc
 from .step_comm import CommPrograms
 from .step_ep import EPPrograms
 from .step_optimizer import OptimizerPrograms
+from .step_template import TemplatePrograms
 
 LAYOUTS = ("fsdp-keep", "fsdp-free", "hsdp-keep", "hsdp-free", "ddp", "sharded")
 STRATEGIES = ("adamw", "naive", "dmuon")
@@ -108,7 +109,7 @@ class Built:
     notes: list[str] = field(default_factory=list)
 
 
-class _Programs(OptimizerPrograms, CommPrograms, EPPrograms):
+class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms):
     def __init__(self, spec: StepSpec, cluster: Cluster):
         self.s = spec
         self.c = cluster
@@ -119,6 +120,10 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms):
         self.inter = Group(self.nodes, 1, share=p)
         self.colls: dict = {}
         self._col_lists: dict = {}  # (call site's key, instances) -> its collectives (_cols)
+        self._templates: dict = {}  # a step's forward and backward per key (simulator.step_template)
+        self._col_ids: dict = {}  # (key, group) of every collective -> an integer id (coll)
+        self._col_of: dict = {}  # id(collective) -> (group, its key's id)
+        self._col_by_inst: dict = {}  # (group, instance) -> {key's id: collective}
         lay = spec.layout
         self.shard = {"ddp": None}.get(lay, "intra" if lay.startswith("hsdp") else "world")
         self.replicate = "world" if lay == "ddp" else ("inter" if lay.startswith("hsdp") else None)
@@ -169,6 +174,7 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms):
         prev = {"opt_last": None, "adam": None, "pub_deps": {}, "pubs": {}}
         q = self.c.queues
         self._qs = {st: q[(r, st)] for st in self.c.stream_names}  # rank r's queues (_cop, _cmp)
+        self._rank = r
         # the group instances rank r's collectives are looked up by (_cols): ranks with the same ones share
         # each call site's list of collectives
         p, e = self.s.per_node, self.ep
@@ -177,8 +183,7 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms):
         self._rk = (shard, r % e, r % p if self.replicate == "inter" else 0)  # reductions (+ HSDP's inter)
         self._ok = r % e  # dmuon's owner exchange: the world, the replica group (EP)
         for step in range(self.s.steps):
-            fwd = self._forward(r, step, prev)
-            red = self._backward(r, step, fwd)
+            fwd, red = self._fwd_bwd(r, step, prev)  # _forward, _backward (or their replay)
             self._optimizer(r, step, prev, red)
 
     def _gathered_numel(self, l: int) -> tuple[int, int]:

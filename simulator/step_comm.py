@@ -79,6 +79,9 @@ class CommPrograms:
             elif group in ("ep", "rep"):  # the instances its simulated members stand for
                 c.copies = self.present_weight.get((group, inst), n) / n
             self.colls[full] = c
+            kid = self._col_ids.setdefault((key, group), len(self._col_ids))  # simulator.step_template
+            self._col_of[id(c)] = (group, kid)
+            self._col_by_inst.setdefault((group, inst), {})[kid] = c
         return c
 
     # ---- dmuon's owner exchange ------------------------------------------------------------------
