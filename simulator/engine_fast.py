@@ -48,8 +48,7 @@ def run_fast(cl) -> float:
     comm_rate = 1.0 / (1.0 + cl.comm_overlap_slowdown)
     busy = [0] * n_ranks
     sm_used = [0.0] * n_ranks
-    running = [None] * n_ranks  # per rank: state of its running slowed compute op (else None)
-    states = [[0.0, 1.0, 0.0, 0, None, None, 0.0, 0, 0.0] for _ in range(n_ranks)] if slow else []
+    running = [None] * n_ranks  # per rank: state of its running slowed compute op
     computing = [False] * n_ranks
     coll_running: list[list] = [[] for _ in range(n_ranks)] if comm_slow else []
     for c in cl.collectives:
@@ -208,12 +207,8 @@ def run_fast(cl) -> float:
                             r = s.rank
                             rt = (1.0 - min(MAX_SM_SHARE, sm_used[r])) / ovl if busy[r] else 1.0
                             t = now + dur / rt
-                            # the rank's one state list, reused: its version only grows, so the timers
-                            # of its earlier ops stay stale
-                            running[r] = st = states[r]
-                            v = st[3] + 1
-                            st[:] = dur, rt, now, v, s, op, t, seq, t
-                            push(heap, (t, seq, _SLOW_END, st, v))
+                            running[r] = st = [dur, rt, now, 0, s, op, t, seq, t]
+                            push(heap, (t, seq, _SLOW_END, st, 0))
                         else:
                             push(heap, (now + dur, seq, _END, s, op))
                         break
