@@ -18,31 +18,24 @@ def measure(built, step: int) -> dict:
     bwd_end = list(fwd_end)
     opt_end = list(fwd_end)
     grad_end = list(fwd_end)
-    cs = cl.compute_stream
-    for (_, stream), ops in cl.queues.items():  # one loop per stream kind (~10^6 ops at MoE scale)
-        if stream == cs:
-            for op in ops:
-                s, e, ph = op.step, op.end, op.phase
-                if s > step or e is None:
-                    continue
-                if ph == "opt":
-                    if e > opt_end[s]:
-                        opt_end[s] = e
-                elif ph == "fwd":
+    for (_, stream), ops in cl.queues.items():
+        compute = stream == cl.compute_stream
+        for op in ops:
+            s, e = op.step, op.end
+            if s > step or e is None:
+                continue
+            ph = op.phase
+            if ph == "opt":
+                if e > opt_end[s]:
+                    opt_end[s] = e
+            elif compute:
+                if ph == "fwd":
                     if e > fwd_end[s]:
                         fwd_end[s] = e
                 elif ph == "bwd" and e > bwd_end[s]:
                     bwd_end[s] = e
-        else:
-            for op in ops:
-                s, e, ph = op.step, op.end, op.phase
-                if s > step or e is None:
-                    continue
-                if ph == "opt":
-                    if e > opt_end[s]:
-                        opt_end[s] = e
-                elif ph == "bwd" and e > grad_end[s]:
-                    grad_end[s] = e
+            elif ph == "bwd" and e > grad_end[s]:
+                grad_end[s] = e
     t0 = opt_end[step - 1] if step >= 1 else 0.0
     t1 = opt_end[step]
     exposed = []
