@@ -79,18 +79,20 @@ class TemplatePrograms:
         if (all(o.coll is None or id(o.coll) in self._col_of for o in flat)
                 and all(None not in refs for refs in deps)
                 and all(o is None or where.get(id(o), -1) >= 0 for o in outs)):
-            self._templates[key] = self._template(streams, deps, where, fwd, red)
+            self._templates[key] = self._template(streams, deps, where, fwd, red, flat)
         return fwd, red
 
-    def _template(self, streams: list, deps: list, where: dict, fwd: list, red: dict) -> tuple:
-        """What `_replay` reads: per stream (name, phase, step, duration, index of its collective in the
-        stream's collectives or -1) and the collectives' (index in `groups`, key's id); the dependencies as
-        (op, op) pairs, (op, refs) with only ops of the record, (op, refs) with placeholders; the places
-        placeholders are used; the outputs' references."""
-        out_streams, groups = [], []
-        for st, ops in streams:
-            entries, crefs = [], []
-            for o in ops:
+    def _template(self, streams: list, deps: list, where: dict, fwd: list, red: dict, flat: list) -> tuple:
+        """What `_replay` reads: per stream its name, op count and collectives ((index in `groups`, key's
+        id) each); the ops in the order the record's lie in memory (~ the order they were created: replayed
+        in it, each rank's ops of all its streams stay close together, as the event loop reads them), each
+        as (index in the record, stream index, position, name, phase, step, duration, index of its
+        collective or -1, dependency references); the placeholders used; the outputs' references."""
+        out_streams, groups, loc, cis = [], [], [], []
+        for si, (st, ops) in enumerate(streams):
+            crefs = []
+            for pos, o in enumerate(ops):
+                loc.append((si, pos))
                 ci = -1
                 if o.coll is not None:
                     ci = len(crefs)
@@ -98,26 +100,18 @@ class TemplatePrograms:
                     if g not in groups:
                         groups.append(g)
                     crefs.append((groups.index(g), kid))
-                entries.append((o.name, o.phase, o.step, o.dur, ci))
-            out_streams.append((st, entries, crefs))
-        single, multi, mixed = [], [], []
-        for j, refs in enumerate(deps):
-            if not refs:
-                continue
-            if min(refs) < 0:
-                mixed.append((j, refs))
-            elif len(refs) == 1:
-                single.append((j, refs[0]))
-            else:
-                multi.append((j, refs))
+                cis.append(ci)
+            out_streams.append((st, len(ops), crefs))
+        seq = [(fi, *loc[fi], o.name, o.phase, o.step, o.dur, cis[fi], deps[fi])
+               for fi, o in sorted(enumerate(flat), key=lambda x: id(x[1]))]
+        used = sorted({i for refs in deps for i in refs if i < 0})  # placeholders the record waits on
 
         def ref(o):
             return None if o is None else where[id(o)]
 
         out = ([ref(o) for o in fwd], {k: ref(red[k]) for k in ("last", "adamw_last")},
                {b: ref(o) for b, o in red["bucket"].items()}, {l: ref(o) for l, o in red["layer"].items()})
-        used = sorted({i for _, refs in mixed for i in refs if i < 0})  # placeholders the record waits on
-        return out_streams, groups, single, multi, mixed, used, out
+        return out_streams, groups, seq, used, out
 
     def _expansions(self, prev: dict, refs) -> dict:
         """Placeholder reference -> the ops of this rank's `prev` it stands for (None dropped, as
@@ -137,7 +131,7 @@ class TemplatePrograms:
         return ex
 
     def _replay(self, r: int, t: tuple, prev: dict):
-        streams, groups, single, multi, mixed, used, (fwd, last, bucket, layer) = t
+        streams, groups, seq, used, (fwd, last, bucket, layer) = t
         p, e = self.s.per_node, self.ep
         inst = {"world": 0, "intra": r // p, "inter": r % p, "ep": r // e, "rep": r % e}
         by_inst = [self._col_by_inst.get((g, inst[g]), {}) for g in groups]
@@ -148,20 +142,25 @@ class TemplatePrograms:
                 return None
             cs.append(None)  # index -1: a compute op
             mine.append(cs)
-        flat: list[Op] = []
-        for (st, entries, _), cs in zip(streams, mine, strict=True):
-            new = [Op(r, st, name, phase, step, dur, cs[ci], ()) for name, phase, step, dur, ci in entries]
+        flat: list = [None] * len(seq)
+        lists = [[None] * n for _, n, _ in streams]
+        names = [st for st, _, _ in streams]
+        ex = self._expansions(prev, used)
+        late = []
+        for fi, si, pos, name, phase, step, dur, ci, refs in seq:
+            if not refs:
+                deps = ()
+            elif len(refs) == 1 and refs[0] >= 0:
+                deps = (flat[refs[0]],)
+            else:
+                deps = tuple([x for i in refs for x in (ex[i] if i < 0 else (flat[i],))])
+            if None in deps:  # it lay before an op it waits on: set below
+                late.append((fi, refs))
+            flat[fi] = lists[si][pos] = Op(r, names[si], name, phase, step, dur, mine[si][ci], deps)
+        for fi, refs in late:
+            flat[fi].deps = tuple([x for i in refs for x in (ex[i] if i < 0 else (flat[i],))])
+        for st, new in zip(names, lists, strict=True):
             self._qs[st].extend(new)
-            flat += new
-        for j, i in single:
-            flat[j].deps = (flat[i],)
-        get = flat.__getitem__
-        for j, refs in multi:
-            flat[j].deps = tuple(map(get, refs))
-        if mixed:
-            ex = self._expansions(prev, used)
-            for j, refs in mixed:
-                flat[j].deps = tuple([x for i in refs for x in (ex[i] if i < 0 else (flat[i],))])
 
         def op(i):
             return None if i is None else flat[i]
