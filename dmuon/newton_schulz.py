@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InputError, choice_error
-from .kernels import KERNEL_CHOICES, get_ops
+from .kernels import KERNEL_CHOICES, get_ops, torch_ops
 from .plan.flops import ns_flops
 
 METHODS = ("auto", "standard", "gram")
@@ -210,6 +210,17 @@ def _standard_ns(x: torch.Tensor, triples, ops) -> torch.Tensor:
     return x
 
 
+def _standard_ns_tall(x: torch.Tensor, triples) -> torch.Tensor:
+    """`_standard_ns` on the transpose of x, iterated on tall x itself (torch ops: the products read
+    x^T through the BLAS transpose flag): A = X^T X, B = b A + c A^2, X = a X + X B. No transposed copy
+    of X is ever made."""
+    for a, b, c in triples:
+        gram = torch_ops.syrk(x.mT)  # A = X^T X
+        poly = torch_ops.sym_poly(gram, b, c)
+        x = torch.baddbmm(x, x, poly, beta=a) if x.dim() == 3 else torch.addmm(x, x, poly, beta=a)
+    return x
+
+
 def _gram_ns(x: torch.Tensor, triples, ops, restarts: set[int]) -> torch.Tensor:
     steps = len(triples)
     r = ops.syrk(x)
@@ -256,18 +267,22 @@ def orthogonalize(G: torch.Tensor, *, method: str = "auto", coefficients="jordan
     lead = G.shape[:-2]
     x = G.reshape(-1, rows, cols) if G.dim() > 3 else G
     norm_dtype = torch.promote_types(torch.promote_types(G.dtype, torch.float32), it_dtype)
-    tall = rows > cols
-    x = normalize(x.to(norm_dtype), dtype=it_dtype, transpose=tall)
-
-    ops = get_ops(x, kernels)
+    ops = get_ops(torch.empty((), dtype=it_dtype, device=G.device).expand(min(rows, cols), max(rows, cols)),
+                  kernels)
+    # tall matrices: standard NS with torch ops iterates on X itself; else on X^T, transposed once when
+    # normalized and once back at the end
+    flip = rows > cols and (method == "gram" or ops is not torch_ops)
+    x = normalize(x.to(norm_dtype), dtype=it_dtype, transpose=flip)
     if method == "gram":
         x = _gram_ns(x, triples, ops, restarts)
+    elif rows > cols and not flip:
+        x = _standard_ns_tall(x, triples)
     else:
         x = _standard_ns(x, triples, ops)
 
-    if tall or x.dtype != G.dtype:  # one pass: converted and transposed back into a contiguous result
+    if flip or x.dtype != G.dtype:  # one pass: converted and transposed back into a contiguous result
         res = torch.empty((*x.shape[:-2], rows, cols), dtype=G.dtype, device=x.device)
-        x = res.copy_(x.mT if tall else x)
+        x = res.copy_(x.mT if flip else x)
     return x.reshape(*lead, rows, cols)
 
 
