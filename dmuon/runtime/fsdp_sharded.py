@@ -335,22 +335,25 @@ class ShardedDMuonSteps(_ShardedMixin):
         return h
 
     def _orthogonalize(self, bt, on, sends, bucket_of, owned, updates) -> None:
-        """Copy the received rows of the batch's matrices straight into their slots of the batch's stack
-        (built by `_pack`, my own rows already there; tall members through a transposed view), one
-        batched NS call; the updates are views of it."""
+        """Copy the received rows of the batch's matrices straight into their slots of the batch's stacks
+        (built by `_pack`, my own rows already there; members of the other orientation in a stack of
+        their own shape, see `OwnerLayout`), one batched NS call per stack; the updates are views of
+        them."""
         geo, pending = self.geo, self._pending
-        fill = pending["layout"].fills[id(bt)]
-        stack = pending["stacks"].pop(id(bt))
-        for slot, sl in zip(stack.unbind(0), fill["slots"], strict=True):
-            if sl["pieces"]:
-                recv = sends[sl["bucket"]].wait()
-                full, cols = (slot.mT if sl["flip"] else slot), geo.cols[sl["index"]]
-                for pos, row, r in sl["pieces"]:
-                    full.narrow(0, row, r).copy_(recv.narrow(0, pos, r * cols).view(r, cols))
-        out = self._ns(stack, batch_method(self.plan, bt))
-        self.ns_matrices += len(fill["members"])
-        for sl, u in zip(fill["slots"], out.unbind(0), strict=True):
-            updates[sl["index"]] = u.mT if sl["flip"] else u
+        lay = pending["layout"]
+        for key in lay.parts[id(bt)]:
+            fill = lay.fills[key]
+            stack = pending["stacks"].pop(key)
+            for slot, sl in zip(stack.unbind(0), fill["slots"], strict=True):
+                if sl["pieces"]:
+                    recv = sends[sl["bucket"]].wait()
+                    full, cols = (slot.mT if sl["flip"] else slot), geo.cols[sl["index"]]
+                    for pos, row, r in sl["pieces"]:
+                        full.narrow(0, row, r).copy_(recv.narrow(0, pos, r * cols).view(r, cols))
+            out = self._ns(stack, batch_method(self.plan, bt))
+            self.ns_matrices += len(fill["members"])
+            for sl, u in zip(fill["slots"], out.unbind(0), strict=True):
+                updates[sl["index"]] = u.mT if sl["flip"] else u
 
     def _broadcast_replicas(self, k: int, members, dtype):
         """New local shards of bucket k's matrices from the replica that owns them to the others."""

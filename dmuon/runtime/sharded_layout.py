@@ -59,7 +59,8 @@ class OwnerLayout:
             for bt in now:
                 batches.remove(bt)
             self.order.append((k, now))
-        self.fills = {}  # id(batch) -> its stack's members and where each piece comes from
+        self.fills = {}  # (id(batch), part) -> one NS stack: its members and where each piece comes from
+        self.parts = {}  # id(batch) -> its stacks' keys, in the order they run
         for bt in (bt for _, bts in self.order for bt in bts):
             if bt.owner != rank:
                 continue
@@ -67,21 +68,30 @@ class OwnerLayout:
             dtype = opt.params[members[0]].dtype
             for i in members[1:]:
                 dtype = torch.promote_types(dtype, opt.params[i].dtype)
-            slots = []
-            for i in members:
-                k = self.bucket_of[i]
-                flip = (opt.params[i].shape[0], geo.cols[i]) != (bt.rows, bt.cols)
-                pieces, pos = [], 0  # recv = concat over s != me of (concat over owned[k])
-                for s in range(S):
-                    for j in self.owned[k]:
-                        n = 0 if s == me else geo.numel(j, s)
-                        if j == i and n:
-                            pieces.append((pos, sum(geo.rows[i][:s]), geo.rows[i][s]))
-                        pos += n
-                slots.append(dict(index=i, bucket=k, flip=flip, pieces=pieces, lo=sum(geo.rows[i][:me]),
-                                  rows=geo.rows[i][me], direct=not flip and dtype == self.dtypes[k]))
-            self.fills[id(bt)] = dict(members=members, dtype=dtype, shape=(len(members), bt.rows, bt.cols),
-                                      slots=slots)
+            flips = {i: (opt.params[i].shape[0], geo.cols[i]) != (bt.rows, bt.cols) for i in members}
+            # tall members of a wide batch (or the other way round) get a stack of their own shape: their
+            # rows are copied straight, never through a transposed view; a split batch keeps one stack
+            # (its group splits that stack's columns), the flipped members through a transposed view
+            parts = [members] if len(bt.group) > 1 else [[i for i in members if flips[i] == f] for f in (0, 1)]
+            self.parts[id(bt)] = []
+            for part, ms in enumerate(p for p in parts if p):
+                slots = []
+                for i in ms:
+                    k = self.bucket_of[i]
+                    flip = flips[i] and len(parts) == 1
+                    pieces, pos = [], 0  # recv = concat over s != me of (concat over owned[k])
+                    for s in range(S):
+                        for j in self.owned[k]:
+                            n = 0 if s == me else geo.numel(j, s)
+                            if j == i and n:
+                                pieces.append((pos, sum(geo.rows[i][:s]), geo.rows[i][s]))
+                            pos += n
+                    slots.append(dict(index=i, bucket=k, flip=flip, pieces=pieces, lo=sum(geo.rows[i][:me]),
+                                      rows=geo.rows[i][me], direct=not flip and dtype == self.dtypes[k]))
+                shape = (bt.cols, bt.rows) if flips[ms[0]] and len(parts) > 1 else (bt.rows, bt.cols)
+                key = (id(bt), part)
+                self.fills[key] = dict(members=ms, dtype=dtype, shape=(len(ms), *shape), slots=slots)
+                self.parts[id(bt)].append(key)
         stacked = {sl["index"] for f in self.fills.values() for sl in f["slots"]}
         missing = [i for ms in self.owned for i in ms if i not in stacked]
         if missing:
