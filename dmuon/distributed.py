@@ -109,27 +109,36 @@ class DMuon(DistributedMuonBase):
                 self._absorb(self._where[i][0])
             members = [self.params[i] for i in batch.members]
             dtype = self._stack_dtype(batch.members)
-            # the NS input of each member is written straight into its slot of the batch's stack (tall
-            # members through a transposed view): no separate copy of the buffer or of the inputs
-            stack = torch.empty((len(members), batch.rows, batch.cols), dtype=dtype, device=members[0].device)
-            buffers, flips = [], []
-            for k, (i, p) in enumerate(zip(batch.members, members, strict=True)):
-                old = self.state[p].get("momentum_buffer")
-                if old is None:
-                    old = torch.zeros_like(p, memory_format=torch.preserve_format)
-                g = self._grad(i).to(p.dtype)
-                buf = momentum_update(g, old, group["momentum"])
-                flip = tuple(as_matrix(p).shape) != (batch.rows, batch.cols)
-                slot = stack[k].mT if flip else stack[k]
-                muon_ns_input(as_matrix(g), as_matrix(buf), group["momentum"], group["nesterov"], out=slot)
-                buffers.append(buf)
-                flips.append(flip)
-            if split:
-                out = self._split_run(batch, stack, batch.members)
-            else:
-                out = self._ns(stack, batch_method(self.plan, batch))
-            updates = [u.mT if f else u for u, f in zip(out.unbind(0), flips, strict=True)]
-            pending += list(zip(batch.members, buffers, updates, strict=True))
+            flips = [tuple(as_matrix(p).shape) != (batch.rows, batch.cols) for p in members]
+            # the NS input of each member is written straight into its slot of a stack: members of the
+            # other orientation (tall ones of a wide batch) in a stack of their own shape, so no slot is
+            # a transposed view; a split batch keeps one stack (its group splits the columns), the
+            # flipped members through a transposed view. No separate copy of the buffer or the inputs.
+            parts = [range(len(members))] if split else [[k for k in range(len(members)) if flips[k] == f]
+                                                         for f in (False, True)]
+            for ks in (ks for ks in parts if ks):
+                turned = not split and flips[ks[0]]  # this stack holds the members' own orientation
+                shape = (batch.cols, batch.rows) if turned else (batch.rows, batch.cols)
+                stack = torch.empty((len(ks), *shape), dtype=dtype, device=members[0].device)
+                buffers = []
+                for slot, k in zip(stack.unbind(0), ks, strict=True):
+                    i, p = batch.members[k], members[k]
+                    old = self.state[p].get("momentum_buffer")
+                    if old is None:
+                        old = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    g = self._grad(i).to(p.dtype)
+                    buf = momentum_update(g, old, group["momentum"])
+                    view = slot.mT if flips[k] and not turned else slot
+                    muon_ns_input(as_matrix(g), as_matrix(buf), group["momentum"], group["nesterov"],
+                                  out=view)
+                    buffers.append(buf)
+                if split:
+                    out = self._split_run(batch, stack, batch.members)
+                else:
+                    out = self._ns(stack, batch_method(self.plan, batch))
+                updates = [u.mT if flips[k] and not turned else u
+                           for u, k in zip(out.unbind(0), ks, strict=True)]
+                pending += list(zip([batch.members[k] for k in ks], buffers, updates, strict=True))
             self._absorb_ready()
         return pending
 

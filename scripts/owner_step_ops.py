@@ -1,7 +1,8 @@
 """What DMuon's fsdp2-sharded owner step dispatches: ops per step() (torch.profiler events, load-independent
 evidence, unlike wall times on a shared machine), the step's time over its NS calls + communication
-waits on the slowest rank, and a hash of every rank's parameters after the run (equal hashes from two
-trees = bitwise the same training).
+waits on the slowest rank, the compute thread's CPU time per part of the step (median over the timed
+steps; CPU time, not wall: less sensitive to other jobs than wall time, not immune to them), and a hash
+of every rank's parameters after the run (equal hashes from two trees = bitwise the same training).
 
 Steps alternate: odd ones are profiled (op counts), even ones are timed without the profiler.
 Run from a tree's root (compare two trees by running each):
@@ -25,6 +26,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+PARTS = ("_local_flags", "_speculate", "_adamw_update", "_orthogonalize", "_ns", "_return", "_apply_local")
+
+
+def _cpu_timers(cls, cpu: dict) -> None:
+    """Wrap the step's parts (methods of the optimizer's class) to add their thread CPU time into `cpu`."""
+    for name in PARTS:
+        f = getattr(cls, name)
+
+        def timed(*a, _f=f, _name=name, **kw):
+            start = time.thread_time()
+            try:
+                return _f(*a, **kw)
+            finally:
+                cpu[_name] += time.thread_time() - start
+        setattr(cls, name, timed)
+
+
 def _rank(rank: int, args, port: int, queue) -> None:
     import torch
     import torch.distributed as dist
@@ -40,19 +58,22 @@ def _rank(rank: int, args, port: int, queue) -> None:
     model = build_bench_model(workload, seed=0, device=cpu, dtype=torch.float32)
     opt = bench_optimizer("dmuon", model, overlap=True, exchange="auto", layout="fsdp2-sharded",
                           ns=NSConfig(method=args.ns_method, dtype=args.ns_dtype))
-    counts, profiled, timed = collections.Counter(), 0, []
+    cpu: dict = collections.defaultdict(float)
+    _cpu_timers(type(opt), cpu)
+    counts, profiled, timed, parts = collections.Counter(), 0, [], []
     for it in range(args.warmup + 2 * args.steps):
         x, y = synthetic_batch(model.vocab, 128, 2, seed=0, step=it, rank=rank, device=cpu)
         model(x, y).backward()
         dist.barrier()
         opt.comm_stats.reset()
+        cpu.clear()
         prof = None
         if it >= args.warmup and it % 2:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             prof.__enter__()
-        start = time.perf_counter()
+        start, cpu0 = time.perf_counter(), time.thread_time()
         opt.step()
-        elapsed = time.perf_counter() - start
+        elapsed, cpu["step"] = time.perf_counter() - start, time.thread_time() - cpu0
         if prof is not None:
             prof.__exit__(None, None, None)
             profiled += 1
@@ -60,13 +81,15 @@ def _rank(rank: int, args, port: int, queue) -> None:
                 counts[e.key] += e.count
         elif it >= args.warmup:
             timed.append((elapsed, opt.comm_stats.ns_s, opt.comm_stats.wait_s))
+            parts.append(dict(cpu))
         opt.zero_grad(set_to_none=True)
     opt.synchronize()
     digest = hashlib.sha256()
     for p in model.parameters():
         t = p.detach().to_local() if hasattr(p, "to_local") else p.detach()
         digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    queue.put((rank, {k: v / profiled for k, v in counts.items()}, timed, digest.hexdigest()[:16]))
+    parts = {k: statistics.median(p.get(k, 0.0) for p in parts) for k in ("step", *PARTS)}
+    queue.put((rank, {k: v / profiled for k, v in counts.items()}, timed, digest.hexdigest()[:16], parts))
     opt.close()
     dist.destroy_process_group()
 
@@ -99,6 +122,12 @@ def main() -> None:
           + ", ".join(f"{k} {v:g}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:10]))
     print(f"step / (NS + waits), slowest rank, median of {len(ratios)} steps: "
           f"{statistics.median(ratios):.3f}")
+    cpu = got[0][4]
+    ns = cpu.pop("_ns")
+    print(f"compute-thread CPU ms per step (rank 0): step {cpu.pop('step') * 1e3:.1f}, NS calls "
+          f"{ns * 1e3:.1f}, stack fills {(cpu.pop('_orthogonalize') - ns) * 1e3:.1f}, "
+          + ", ".join(f"{k.strip('_')} {v * 1e3:.1f}" for k, v in cpu.items())
+          + " (return includes the own rows' apply_local)")
     print("parameter hashes:", " ".join(g[3] for g in got))
 
 

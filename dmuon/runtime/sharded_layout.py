@@ -72,7 +72,8 @@ class OwnerLayout:
             # tall members of a wide batch (or the other way round) get a stack of their own shape: their
             # rows are copied straight, never through a transposed view; a split batch keeps one stack
             # (its group splits that stack's columns), the flipped members through a transposed view
-            parts = [members] if len(bt.group) > 1 else [[i for i in members if flips[i] == f] for f in (0, 1)]
+            parts = [members] if len(bt.group) > 1 else [[i for i in members if flips[i] == f]
+                                                         for f in (False, True)]
             self.parts[id(bt)] = []
             for part, ms in enumerate(p for p in parts if p):
                 slots = []
