@@ -58,22 +58,22 @@ def _rank(rank: int, args, port: int, queue) -> None:
     model = build_bench_model(workload, seed=0, device=cpu, dtype=torch.float32)
     opt = bench_optimizer("dmuon", model, overlap=True, exchange="auto", layout="fsdp2-sharded",
                           ns=NSConfig(method=args.ns_method, dtype=args.ns_dtype))
-    cpu: dict = collections.defaultdict(float)
-    _cpu_timers(type(opt), cpu)
+    part_cpu: dict = collections.defaultdict(float)
+    _cpu_timers(type(opt), part_cpu)
     counts, profiled, timed, parts = collections.Counter(), 0, [], []
     for it in range(args.warmup + 2 * args.steps):
         x, y = synthetic_batch(model.vocab, 128, 2, seed=0, step=it, rank=rank, device=cpu)
         model(x, y).backward()
         dist.barrier()
         opt.comm_stats.reset()
-        cpu.clear()
+        part_cpu.clear()
         prof = None
         if it >= args.warmup and it % 2:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             prof.__enter__()
         start, cpu0 = time.perf_counter(), time.thread_time()
         opt.step()
-        elapsed, cpu["step"] = time.perf_counter() - start, time.thread_time() - cpu0
+        elapsed, part_cpu["step"] = time.perf_counter() - start, time.thread_time() - cpu0
         if prof is not None:
             prof.__exit__(None, None, None)
             profiled += 1
@@ -81,7 +81,7 @@ def _rank(rank: int, args, port: int, queue) -> None:
                 counts[e.key] += e.count
         elif it >= args.warmup:
             timed.append((elapsed, opt.comm_stats.ns_s, opt.comm_stats.wait_s))
-            parts.append(dict(cpu))
+            parts.append(dict(part_cpu))
         opt.zero_grad(set_to_none=True)
     opt.synchronize()
     digest = hashlib.sha256()
