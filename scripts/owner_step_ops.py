@@ -109,7 +109,18 @@ def main() -> None:
     procs = [ctx.Process(target=_rank, args=(r, args, port, queue)) for r in range(args.ranks)]
     for p in procs:
         p.start()
-    got = sorted(queue.get() for _ in procs)
+    got = []
+    while len(got) < len(procs):  # a rank that fails leaves the others waiting in a collective: stop them
+        if not queue.empty():
+            got.append(queue.get())
+        elif any(p.exitcode not in (None, 0) for p in procs):
+            for p in procs:
+                p.kill()
+            codes = [p.exitcode for p in procs]
+            raise SystemExit(f"a rank failed (exit codes {codes}); see its traceback above")
+        else:
+            time.sleep(0.2)
+    got.sort()
     for p in procs:
         p.join()
     counts = got[0][1]
