@@ -14,6 +14,7 @@ import hashlib
 import json
 import time
 
+from dmuon.io import atomic_write_text
 from simulator.api import SimConfig, run
 from simulator.engine import paused_gc
 
@@ -86,7 +87,7 @@ def main() -> None:
         out[label] = digest(kw)
         print(f"{label}: {time.process_time() - t0:.2f} s cpu", flush=True)
     if a.out:
-        json.dump(out, open(a.out, "w"), indent=1)
+        atomic_write_text(a.out, json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
