@@ -17,10 +17,13 @@ Later helpers (FSDP2 layout, profiling) reuse this module.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import io
 import queue
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -147,3 +150,10 @@ def run_distributed(fn, world_size: int, args: tuple = (), *, timeout_s: float =
         raise RanksFailed(f"{len(failed)} of {world_size} ranks raised:\n{detail}")
     return [o.value for o in ordered]
 
+
+def scratch_dir(prefix: str) -> str:
+    """A fresh temporary folder for files the ranks share (checkpoints), removed when the test process
+    exits, so no run leaves one behind in the temp directory."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path

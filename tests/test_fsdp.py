@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import functools
 import json
-import tempfile
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from dist_utils import run_distributed, scratch_dir
 from test_fsdp_cases import reference, run_cases
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
 REL_TOL = 1e-5
-CKPT_DIR = tempfile.mkdtemp(prefix="dmuon-fsdp-ckpt-")
+CKPT_DIR = scratch_dir("dmuon-fsdp-ckpt-")
 
 
 def case(name, **kw):

@@ -8,10 +8,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import tempfile
 
 import pytest
-from dist_utils import run_distributed
+from dist_utils import run_distributed, scratch_dir
 from test_fsdp import assert_close, ref_for
 from test_split_runtime_cases import run_cases
 
@@ -22,7 +21,7 @@ from dmuon.runtime.split_exec import check_split_plan
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 REL_TOL = 1e-5  # fp32 / fp64 model, 5 steps: split NS is exact to rounding (measured ~2e-7)
-CKPT_DIR = tempfile.mkdtemp(prefix="dmuon-split-ckpt-")
+CKPT_DIR = scratch_dir("dmuon-split-ckpt-")
 
 REPL, OWNER, SHARDED = ({"layout": x} for x in ("replicated", "fsdp2-owner", "fsdp2-sharded"))
 
