@@ -23,7 +23,13 @@ from .newton_schulz import as_matrix
 from .optim import momentum_update, muon_ns_input
 from .runtime.base import BALANCERS, STATE_FORMAT, DistributedMuonBase
 from .runtime.fsdp_sharded import ShardedDMuonSteps, ShardedNaiveSteps
-from .runtime.planning import batch_method, build_model_plan, check_given_plan, check_max_split
+from .runtime.planning import (
+    batch_method,
+    build_model_plan,
+    check_given_plan,
+    check_max_split,
+    own_orientation_stacks,
+)
 from .runtime.split_exec import SplitExecutor
 
 __all__ = ["BALANCERS", "STATE_FORMAT", "DMuon", "NaiveMuon", "ShardedDMuon", "ShardedNaiveMuon"]
@@ -111,13 +117,15 @@ class DMuon(DistributedMuonBase):
             dtype = self._stack_dtype(batch.members)
             flips = [tuple(as_matrix(p).shape) != (batch.rows, batch.cols) for p in members]
             # the NS input of each member is written straight into its slot of a stack: members of the
-            # other orientation (tall ones of a wide batch) in a stack of their own shape, so no slot is
-            # a transposed view; a split batch keeps one stack (its group splits the columns), the
-            # flipped members through a transposed view. No separate copy of the buffer or the inputs.
-            parts = [range(len(members))] if split else [[k for k in range(len(members)) if flips[k] == f]
-                                                         for f in (False, True)]
+            # other orientation (tall ones of a wide batch) in a stack of their own shape where the NS
+            # iterates them as they are, so no slot is a transposed view; else (a split batch: its group
+            # splits the columns; Gram NS or Triton kernels) one stack, the flipped members through a
+            # transposed view. No separate copy of the buffer or the inputs.
+            one = not own_orientation_stacks(self.plan, batch, self.ns, members[0].device)
+            parts = [range(len(members))] if one else [[k for k in range(len(members)) if flips[k] == f]
+                                                       for f in (False, True)]
             for ks in (ks for ks in parts if ks):
-                turned = not split and flips[ks[0]]  # this stack holds the members' own orientation
+                turned = not one and flips[ks[0]]  # this stack holds the members' own orientation
                 shape = (batch.cols, batch.rows) if turned else (batch.rows, batch.cols)
                 stack = torch.empty((len(ks), *shape), dtype=dtype, device=members[0].device)
                 buffers = []

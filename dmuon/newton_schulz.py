@@ -242,6 +242,33 @@ def _gram_ns(x: torch.Tensor, triples, ops, restarts: set[int]) -> torch.Tensor:
     return q @ x
 
 
+def _ops_for(rows: int, cols: int, it_dtype: torch.dtype, device, kernels: str):
+    """The op set `orthogonalize` uses for a (rows, cols) matrix iterated in `it_dtype` on `device`."""
+    return get_ops(torch.empty((), dtype=it_dtype, device=device).expand(min(rows, cols), max(rows, cols)),
+                   kernels)
+
+
+def _tall_as_is(method: str, ops) -> bool:
+    """Whether a tall matrix is iterated as it is (standard NS with torch ops: A = X^T X, X = a X + X B)
+    rather than transposed into the wide orientation and back."""
+    return method == "standard" and ops is torch_ops
+
+
+def iterates_tall_as_is(rows: int, cols: int, device, *, method: str = "auto", dtype=None, steps: int = 5,
+                        restart=(2,), kernels: str = "auto", **_ignored) -> bool:
+    """True where `orthogonalize` (same arguments; `rows` x `cols` the wide orientation's shape, either
+    way round) runs the tall orientation of that shape without a transposed copy, so stacking tall
+    matrices in the wide orientation would only add copies: the runtime then gives them a stack of their
+    own (`dmuon.distributed`, `dmuon.runtime.sharded_layout`); elsewhere one stack of the plan batch's
+    shape is as cheap (the tall members are transposed either way) and makes one call, as the plan
+    prices it."""
+    n, m = min(rows, cols), max(rows, cols)
+    restarts = tuple(r for r in _check_restart(restart) if 0 < r < steps)
+    resolved = resolve_method(m, n, method, steps=steps, restart=restarts)
+    it_dtype = iteration_dtype(resolved, torch.device(device), dtype)
+    return _tall_as_is(resolved, _ops_for(m, n, it_dtype, torch.device(device), kernels))
+
+
 def orthogonalize(G: torch.Tensor, *, method: str = "auto", coefficients="jordan", steps: int = 5,
                   dtype=None, restart=(2,), kernels: str = "auto") -> torch.Tensor:
     """Approximate polar factor (U V^T of G = U S V^T) of each matrix in G by Newton-Schulz.
@@ -267,11 +294,10 @@ def orthogonalize(G: torch.Tensor, *, method: str = "auto", coefficients="jordan
     lead = G.shape[:-2]
     x = G.reshape(-1, rows, cols) if G.dim() > 3 else G
     norm_dtype = torch.promote_types(torch.promote_types(G.dtype, torch.float32), it_dtype)
-    ops = get_ops(torch.empty((), dtype=it_dtype, device=G.device).expand(min(rows, cols), max(rows, cols)),
-                  kernels)
+    ops = _ops_for(rows, cols, it_dtype, G.device, kernels)
     # tall matrices: standard NS with torch ops iterates on X itself; else on X^T, transposed once when
     # normalized and once back at the end
-    flip = rows > cols and (method == "gram" or ops is not torch_ops)
+    flip = rows > cols and not _tall_as_is(method, ops)
     x = normalize(x.to(norm_dtype), dtype=it_dtype, transpose=flip)
     if method == "gram":
         x = _gram_ns(x, triples, ops, restarts)

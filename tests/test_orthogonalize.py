@@ -277,3 +277,32 @@ def test_orthogonalize_many_bad_input():
         orthogonalize_many([torch.randn(3, 4)], max_batch=0)
     with pytest.raises(ValueError, match="at least 2 dims"):
         dmuon.as_matrix(torch.randn(4))
+
+
+# ---- which orientation the iteration runs in -------------------------------------------------------
+@pytest.mark.parametrize("method, kernels", [("standard", "torch"), ("gram", "torch"), ("auto", "torch"),
+                                             ("standard", "triton"), ("auto", "auto")])
+def test_iterates_tall_as_is_says_what_orthogonalize_does(monkeypatch, method, kernels):
+    """The runtime stacks a batch's tall members apart only where `iterates_tall_as_is` says the NS runs
+    them untransposed: it must agree with what `orthogonalize` does (the transpose at normalization)."""
+    import dmuon.newton_schulz as ns
+
+    seen = []
+    real = ns.normalize
+
+    def spy(x, **kw):
+        seen.append(kw.get("transpose", False))
+        return real(x, **kw)
+
+    monkeypatch.setattr(ns, "normalize", spy)
+    answers = set()
+    for rows, cols in [(80, 24), (30, 28)]:  # auto: Gram for the first, standard for the second
+        seen.clear()
+        ns.orthogonalize(randn(rows, cols, dtype=torch.float32), method=method, kernels=kernels)
+        as_is = ns.iterates_tall_as_is(cols, rows, "cpu", method=method, kernels=kernels)
+        other = ns.iterates_tall_as_is(rows, cols, "cpu", method=method, kernels=kernels)
+        assert as_is == (not seen[0]) == other
+        answers.add(as_is)
+    torch_here = kernels != "triton"  # 'auto' keeps torch on a CPU
+    assert answers == ({True, False} if method == "auto" and torch_here else
+                       {method == "standard" and torch_here})

@@ -45,6 +45,8 @@ W2 = [
     # gradients on the wire; references are fp32-exchange Muon with the same NS settings
     {**dm("dmuon_ns_bf16"), "hparams": {"ns": {"dtype": "bf16"}}, "rel_tol": 2e-3},
     {**naive("naive_ns_bf16"), "hparams": {"ns": {"dtype": "bf16"}}, "rel_tol": 2e-3},
+    # Gram NS transposes tall members either way: a batch mixing up (tall) and down (wide) is one stack
+    {**dm("dmuon_ns_gram"), "hparams": {"ns": {"method": "gram"}}},
     # (bf16 gradients: rounding the 16 x 16 matrices' gradients moves their polar factors by a few
     # percent over 5 steps; test_bf16_wire_is_the_same_rounding_for_every_strategy pins them together)
     {**dm("dmuon_comm_bf16", comm_dtype="bf16"), "rel_tol": 5e-2},

@@ -14,13 +14,14 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
 
 from ..errors import InputError
 from ..kernels import triton_available
-from ..newton_schulz import NSConfig, iteration_dtype
+from ..newton_schulz import NSConfig, iterates_tall_as_is, iteration_dtype
 from ..plan.flops import ns_flops
 from ..plan.types import Plan
 
@@ -196,3 +197,20 @@ def batch_method(plan: Plan, batch) -> str:
     """The orthogonalize() method of a batch: its own, else the plan's, without the kernel suffix."""
     m = batch.method or plan.method
     return m.removesuffix("_sym")
+
+
+def own_orientation_stacks(plan: Plan, batch, ns, device) -> bool:
+    """Whether a plan batch's members of the other orientation (tall ones of a wide batch) get an NS
+    stack of their own shape: where the NS settings `ns` iterate them as they are
+    (`dmuon.newton_schulz.iterates_tall_as_is`), so a shared stack would only add transposed copies.
+    Elsewhere (Gram NS, the Triton kernels) they are transposed either way, and one stack of the batch's
+    shape makes one call, as the plan prices it. Never for a split batch (its group splits one stack's
+    columns)."""
+    if len(batch.group) > 1:
+        return False
+    return _tall_as_is(batch.rows, batch.cols, batch_method(plan, batch), ns, torch.device(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _tall_as_is(rows: int, cols: int, method: str, ns, device) -> bool:
+    return iterates_tall_as_is(rows, cols, device, **{**ns.kwargs(), "method": method})

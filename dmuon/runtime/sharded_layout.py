@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from .planning import own_orientation_stacks
+
 
 class OwnerLayout:
     """Index tables of one active set (see the module docstring); no tensors."""
@@ -69,11 +71,12 @@ class OwnerLayout:
             for i in members[1:]:
                 dtype = torch.promote_types(dtype, opt.params[i].dtype)
             flips = {i: (opt.params[i].shape[0], geo.cols[i]) != (bt.rows, bt.cols) for i in members}
-            # tall members of a wide batch (or the other way round) get a stack of their own shape: their
-            # rows are copied straight, never through a transposed view; a split batch keeps one stack
-            # (its group splits that stack's columns), the flipped members through a transposed view
-            parts = [members] if len(bt.group) > 1 else [[i for i in members if flips[i] == f]
-                                                         for f in (False, True)]
+            # tall members of a wide batch (or the other way round) get a stack of their own shape where
+            # the NS iterates them as they are: their rows are copied straight, never through a transposed
+            # view; else (a split batch: its group splits that stack's columns; Gram NS or Triton kernels)
+            # one stack, the flipped members through a transposed view
+            parts = [[i for i in members if flips[i] == f] for f in (False, True)] \
+                if own_orientation_stacks(opt.plan, bt, opt.ns, opt.params[members[0]].device) else [members]
             self.parts[id(bt)] = []
             for part, ms in enumerate(p for p in parts if p):
                 slots = []
