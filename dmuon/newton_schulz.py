@@ -242,31 +242,31 @@ def _gram_ns(x: torch.Tensor, triples, ops, restarts: set[int]) -> torch.Tensor:
     return q @ x
 
 
-def _ops_for(rows: int, cols: int, it_dtype: torch.dtype, device, kernels: str):
-    """The op set `orthogonalize` uses for a (rows, cols) matrix iterated in `it_dtype` on `device`."""
-    return get_ops(torch.empty((), dtype=it_dtype, device=device).expand(min(rows, cols), max(rows, cols)),
-                   kernels)
+def _call_setup(rows: int, cols: int, device, method: str, steps: int, restart, dtype, kernels: str):
+    """What one `orthogonalize` call of a (rows, cols) matrix on `device` runs: (the resolved method, its
+    restart steps, the iteration dtype, the op set, whether a tall matrix is iterated as it is: standard
+    NS with torch ops, A = X^T X, X = a X + X B, instead of transposed into the wide orientation and
+    back)."""
+    restarts = {r for r in _check_restart(restart) if 0 < r < steps}
+    method = resolve_method(rows, cols, method, steps=steps, restart=tuple(restarts))
+    it_dtype = iteration_dtype(method, device, dtype)
+    ops = get_ops(torch.empty((), dtype=it_dtype, device=device).expand(min(rows, cols), max(rows, cols)),
+                  kernels)
+    return method, restarts, it_dtype, ops, method == "standard" and ops is torch_ops
 
 
-def _tall_as_is(method: str, ops) -> bool:
-    """Whether a tall matrix is iterated as it is (standard NS with torch ops: A = X^T X, X = a X + X B)
-    rather than transposed into the wide orientation and back."""
-    return method == "standard" and ops is torch_ops
-
-
-def iterates_tall_as_is(rows: int, cols: int, device, *, method: str = "auto", dtype=None, steps: int = 5,
-                        restart=(2,), kernels: str = "auto", **_ignored) -> bool:
-    """True where `orthogonalize` (same arguments; `rows` x `cols` the wide orientation's shape, either
-    way round) runs the tall orientation of that shape without a transposed copy, so stacking tall
-    matrices in the wide orientation would only add copies: the runtime then gives them a stack of their
-    own (`dmuon.distributed`, `dmuon.runtime.sharded_layout`); elsewhere one stack of the plan batch's
-    shape is as cheap (the tall members are transposed either way) and makes one call, as the plan
-    prices it."""
-    n, m = min(rows, cols), max(rows, cols)
-    restarts = tuple(r for r in _check_restart(restart) if 0 < r < steps)
-    resolved = resolve_method(m, n, method, steps=steps, restart=restarts)
-    it_dtype = iteration_dtype(resolved, torch.device(device), dtype)
-    return _tall_as_is(resolved, _ops_for(m, n, it_dtype, torch.device(device), kernels))
+def iterates_tall_as_is(rows: int, cols: int, device, *, method: str = "auto", coefficients="jordan",
+                        steps: int = 5, dtype=None, restart=(2,), kernels: str = "auto") -> bool:
+    """True where `orthogonalize` with these arguments (those of `NSConfig`; the coefficients do not
+    matter) runs the tall orientation of a `rows` x `cols` shape (either way round) without a transposed
+    copy, so stacking tall matrices in the wide orientation would only add copies: the runtime then
+    gives them a stack of their own (`dmuon.runtime.planning.own_orientation_stacks`); elsewhere one
+    stack of the plan batch's shape is as cheap (the tall members are transposed either way) and makes
+    one call, as the plan prices it."""
+    _check_method(method)
+    _check_kernels(kernels)
+    return _call_setup(max(rows, cols), min(rows, cols), torch.device(device), method, steps, restart, dtype,
+                       kernels)[-1]
 
 
 def orthogonalize(G: torch.Tensor, *, method: str = "auto", coefficients="jordan", steps: int = 5,
@@ -286,18 +286,15 @@ def orthogonalize(G: torch.Tensor, *, method: str = "auto", coefficients="jordan
     _check_method(method)
     _check_kernels(kernels)
     triples = coefficient_schedule(coefficients, steps)
-    restarts = {r for r in _check_restart(restart) if 0 < r < steps}
     rows, cols = G.shape[-2], G.shape[-1]
-    method = resolve_method(rows, cols, method, steps=steps, restart=tuple(restarts))
-    it_dtype = iteration_dtype(method, G.device, dtype)
-
+    method, restarts, it_dtype, ops, tall_as_is = _call_setup(rows, cols, G.device, method, steps, restart,
+                                                              dtype, kernels)
     lead = G.shape[:-2]
     x = G.reshape(-1, rows, cols) if G.dim() > 3 else G
     norm_dtype = torch.promote_types(torch.promote_types(G.dtype, torch.float32), it_dtype)
-    ops = _ops_for(rows, cols, it_dtype, G.device, kernels)
     # tall matrices: standard NS with torch ops iterates on X itself; else on X^T, transposed once when
     # normalized and once back at the end
-    flip = rows > cols and not _tall_as_is(method, ops)
+    flip = rows > cols and not tall_as_is
     x = normalize(x.to(norm_dtype), dtype=it_dtype, transpose=flip)
     if method == "gram":
         x = _gram_ns(x, triples, ops, restarts)

@@ -108,7 +108,7 @@ class EPPrograms:
         s = self.s
         e = s.ep_spec
         self.ep = e.ep if e is not None else 1
-        self._layer_names: dict = {}  # (phase, layer) -> its op names, all-to-all bytes, expert time
+        self._layer_info: dict = {}  # (phase, layer) -> its op names, all-to-all bytes, expert time
         if self.ep == 1:
             return
         n, p, ep = s.n_ranks, s.per_node, self.ep
@@ -156,27 +156,25 @@ class EPPrograms:
         with EP runs as its non-expert part, dispatch, experts, combine (backward: mirrored); prev = the
         compute op before it (backward: the combine's gradient all-to-all waits for it)."""
         cm = self._cmp  # simulator.step: Cluster.compute on this rank's compute stream
-        info = self._layer_names.get((phase, l))  # one string per layer for every rank's ops
+        info = self._layer_info.get((phase, l))  # one string per layer for every rank's ops
         if info is None:
             e = self.s.ep_spec
             a2a = e.layer_a2a_bytes[l] if self.ep > 1 else 0.0
             ex = (e.layer_expert_fwd_s[l] if phase == "fwd" else e.layer_expert_bwd_s[l]) if a2a else 0.0
-            info = self._layer_names[(phase, l)] = (f"{phase}{l}", f"{phase}{l}.experts", a2a, ex)
+            info = self._layer_info[(phase, l)] = (f"{phase}{l}", f"{phase}{l}.experts", a2a, ex)
         name, ex_name, a2a, ex = info
         if not a2a:
             return cm(r, name, dur, phase, step, tuple(deps)), []
         first, second = self._a2a_pair(r, step, l, phase)
-        q = self._qs["ep"]  # the all-to-all ops appended as _cop does
+        cop = self._cop  # simulator.step: Cluster.collective on this rank's ep stream
         if phase == "fwd":
             pre = cm(r, name, dur - ex, phase, step, tuple(deps))
-            q.append(dispatch := Op(r, "ep", first.name, phase, step, 0.0, first, (pre,)))
+            dispatch = cop(first, r, phase, step, (pre,), "ep")
             experts = cm(r, ex_name, ex, phase, step, (dispatch,))
-            q.append(combine := Op(r, "ep", second.name, phase, step, 0.0, second, (experts,)))
-            return experts, [combine]
-        g_combine = Op(r, "ep", first.name, phase, step, 0.0, first, (prev,) if prev is not None else ())
-        q.append(g_combine)
+            return experts, [cop(second, r, phase, step, (experts,), "ep")]
+        g_combine = cop(first, r, phase, step, (prev,), "ep")
         experts = cm(r, ex_name, ex, phase, step, (*deps, g_combine))
-        q.append(g_dispatch := Op(r, "ep", second.name, phase, step, 0.0, second, (experts,)))
+        g_dispatch = cop(second, r, phase, step, (experts,), "ep")
         return cm(r, name, dur - ex, phase, step, (g_dispatch,)), []
 
     # ---- dmuon's owner exchange, split by where the matrices live --------------------------------

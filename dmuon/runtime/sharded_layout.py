@@ -75,14 +75,14 @@ class OwnerLayout:
             # the NS iterates them as they are: their rows are copied straight, never through a transposed
             # view; else (a split batch: its group splits that stack's columns; Gram NS or Triton kernels)
             # one stack, the flipped members through a transposed view
-            parts = [[i for i in members if flips[i] == f] for f in (False, True)] \
-                if own_orientation_stacks(opt.plan, bt, opt.ns, opt.params[members[0]].device) else [members]
+            own = own_orientation_stacks(opt.plan, bt, opt.ns, opt.params[members[0]].device)
+            parts = [[i for i in members if flips[i] == f] for f in (False, True)] if own else [members]
             self.parts[id(bt)] = []
             for part, ms in enumerate(p for p in parts if p):
                 slots = []
                 for i in ms:
                     k = self.bucket_of[i]
-                    flip = flips[i] and len(parts) == 1
+                    flip = flips[i] and not own  # through a transposed view of a shared stack
                     pieces, pos = [], 0  # recv = concat over s != me of (concat over owned[k])
                     for s in range(S):
                         for j in self.owned[k]:
@@ -92,7 +92,7 @@ class OwnerLayout:
                             pos += n
                     slots.append(dict(index=i, bucket=k, flip=flip, pieces=pieces, lo=sum(geo.rows[i][:me]),
                                       rows=geo.rows[i][me], direct=not flip and dtype == self.dtypes[k]))
-                shape = (bt.cols, bt.rows) if flips[ms[0]] and len(parts) > 1 else (bt.rows, bt.cols)
+                shape = (bt.cols, bt.rows) if own and flips[ms[0]] else (bt.rows, bt.cols)
                 key = (id(bt), part)
                 self.fills[key] = dict(members=ms, dtype=dtype, shape=(len(ms), *shape), slots=slots)
                 self.parts[id(bt)].append(key)
