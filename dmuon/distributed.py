@@ -56,6 +56,10 @@ class DMuon(DistributedMuonBase):
     owner ranks that split its NS (`dmuon.orthogonalize_distributed`) where that pays; plan (a
     `dmuon.plan.types.Plan`, e.g. `Plan.from_json` of `harness plan --json`): execute this plan instead
     of building one (same matrices and world size). Split batches: dmuon/runtime/split_exec.py.
+    ep (default 1): expert parallelism of that degree: the 3-D expert parameters (E_local, out, in) named
+    '.experts.' are each rank's own experts, E_local Muon matrices each, owned inside their replica group
+    by `dmuon.plan.ep.build_ep_plan` and run by `dmuon.runtime.ep.ExpertMuon`; the dense matrices run as
+    in the layout (replicated, fsdp2-owner, fsdp2-sharded, HSDP) on the same plan (docs/moe.md).
     Use `no_sync()` for gradient accumulation and `synchronize()` before reading parameters outside
     forward. state_dict() is per rank (see docs/runtime.md).
     """
@@ -71,11 +75,11 @@ class DMuon(DistributedMuonBase):
 
     def _build_plan(self, specs, balancer: str, profile: str | None, bucket_numel: int):
         if self._given_plan is not None:
-            return check_given_plan(self._given_plan, specs, self.world_size)
+            return check_given_plan(self._given_plan, specs, self.world_size, self.ep)
         max_split = check_max_split(self._max_split, self.world_size)
         return build_model_plan(specs, self.world_size, self.ns, self.device, balancer=balancer,
                                 profile=profile, max_batch=self.max_batch, bucket_numel=bucket_numel,
-                                max_split=max_split,
+                                max_split=max_split, ep=self.ep,
                                 # fsdp2-sharded runs the momentum on every rank's shards: not owner work
                                 owner_momentum=self.layout != "fsdp2-sharded")
 

@@ -138,6 +138,16 @@ def route(params_or_module, predicate: Predicate | None = None) -> list[Route]:
     return routes
 
 
+EXPERT_MARK = ".experts."
+
+
+def is_expert_param(name: str, param: torch.Tensor) -> bool:
+    """An expert parameter of a MoE model (3-D (E_local, out, in), a name holding '.experts.'): under expert
+    parallelism (`DMuon(model, ep=E)`) E_local Muon matrices, held by one EP rank; else routed as any 3-D
+    parameter (AdamW)."""
+    return param.dim() == 3 and EXPERT_MARK in name
+
+
 def muon_params(model, predicate: Predicate | None = None) -> list[torch.Tensor]:
     """The parameters Muon optimizes (the hidden matrices), in `model.named_parameters()` order."""
     return [r.param for r in route(model, predicate) if r.use_muon]

@@ -1,98 +1,234 @@
-"""EPMuon (dmuon.runtime.ep) on gloo ranks: a tiny MoE whose experts are 3-D parameters (E_local, out, in)
-under expert parallelism gives single-process Muon's update over the dense matrices and every expert
-matrix (each expert its own matrix), with the averaged gradients, over several steps."""
+"""DMuon with expert parallelism (`DMuon(model, ep=E)`, dmuon/runtime/ep.py) on gloo ranks: a tiny MoE whose
+experts are 3-D parameters (E_local, out, in), trained by real forward and backward passes, with its dense
+parameters replicated, under FSDP2 (fsdp2-owner keep / free, fsdp2-sharded) and on an HSDP mesh, gives
+single-process Muon's weights (every expert its own matrix; dense gradients averaged over all ranks,
+expert gradients over their replica group) over several steps; the per-rank state dict resumes a run;
+bad set-ups fail with one-line errors naming what is accepted."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from dist_utils import run_distributed
+from torch import nn
 
-E, HID, INTER, LAYERS, STEPS = 8, 16, 24, 2, 3
+E, HID, INTER, LAYERS, VOCAB, SEQ, STEPS = 8, 16, 24, 2, 32, 6, 3
+TOL = 1e-5
 
 
-class Experts(torch.nn.Module):
-    def __init__(self, e_local: int):
+class Experts(nn.Module):
+    def __init__(self, count: int):
         super().__init__()
-        self.w_up = torch.nn.Parameter(torch.zeros(e_local, INTER, HID))
-        self.w_down = torch.nn.Parameter(torch.zeros(e_local, HID, INTER))
+        self.w_up = nn.Parameter(torch.randn(count, INTER, HID) * 0.3)
+        self.w_down = nn.Parameter(torch.randn(count, HID, INTER) * 0.3)
+
+    def forward(self, x, gate, lo: int, count: int):  # the experts lo .. lo + count - 1 of this parameter
+        h = torch.relu(torch.einsum("td,eid->tei", x, self.w_up[lo:lo + count]))
+        return (torch.einsum("tei,edi->ted", h, self.w_down[lo:lo + count]) * gate.unsqueeze(-1)).sum(1)
 
 
-class Layer(torch.nn.Module):
-    def __init__(self, e_local: int):
+class Layer(nn.Module):
+    def __init__(self, count: int):
         super().__init__()
-        self.q = torch.nn.Linear(HID, HID, bias=False)
-        self.norm = torch.nn.LayerNorm(HID)
-        self.mlp = torch.nn.Module()
-        self.mlp.experts = Experts(e_local)
+        self.norm = nn.LayerNorm(HID)
+        self.q = nn.Linear(HID, HID, bias=False)
+        self.router = nn.Linear(HID, E, bias=False)
+        self.mlp = nn.Module()
+        self.mlp.experts = Experts(count)
+
+    def forward(self, x, first: int, lo: int, count: int):
+        h = self.norm(x)
+        gate = torch.softmax(self.router(h), -1)[:, first:first + count]
+        return x + self.q(h) + self.mlp.experts(h, gate, lo, count)
 
 
-class TinyMoE(torch.nn.Module):
-    def __init__(self, e_local: int):
+class TinyMoE(nn.Module):
+    """`count` experts per layer; forward runs the global experts first .. first + count_used - 1, stored
+    at lo .. of its expert parameters (the EP rank's own: lo = 0; the full reference model: lo = first)."""
+
+    def __init__(self, count: int):
         super().__init__()
-        self.embed = torch.nn.Embedding(32, HID)
-        self.layers = torch.nn.ModuleList(Layer(e_local) for _ in range(LAYERS))
+        self.embed = nn.Embedding(VOCAB, HID)
+        self.layers = nn.ModuleList(Layer(count) for _ in range(LAYERS))
+
+    def forward(self, tokens, first: int, lo: int, count: int):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, first, lo, count)
+        return x.pow(2).mean()
 
 
-def _seed(*key) -> int:
-    return sum((k + 1) * 1000003 ** j for j, k in enumerate(key)) % (2**31)
+def full_model() -> TinyMoE:
+    torch.manual_seed(1234)
+    return TinyMoE(E)
 
 
-def run_ep(rank: int, world: int, ep: int):
-    from dmuon.optim import Muon
-    from dmuon.plan.cost import CostTable
-    from dmuon.runtime.ep import EPMuon
+def tokens(step: int, rank: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(1000 * step + rank))
 
-    e_local, k, replica = E // ep, rank % ep, rank // ep
-    model = TinyMoE(e_local)
-    full = {}  # the full model's values (every expert), identical on every rank
-    for idx, (name, p) in enumerate(model.named_parameters()):
-        shape = (E, *p.shape[1:]) if p.dim() == 3 else p.shape
-        full[name] = torch.randn(*shape, generator=torch.Generator().manual_seed(_seed(idx, 7)))
-        with torch.no_grad():
-            p.copy_(full[name][k * e_local:(k + 1) * e_local] if p.dim() == 3 else full[name])
-    opt = EPMuon(model, ep=ep, lr=0.05, weight_decay=0.01, cost=CostTable.load("a800"))
-    # the reference: every dense matrix and every expert as its own 2-D parameter, one process
-    ref_muon, ref_adamw, ref_of = [], [], {}
-    for name, p in model.named_parameters():
-        if p.dim() == 3:
-            ref_of[name] = [torch.nn.Parameter(full[name][e].clone()) for e in range(E)]
-            ref_muon += [(f"{name}.{e}", t) for e, t in enumerate(ref_of[name])]
-        else:
-            ref_of[name] = torch.nn.Parameter(full[name].clone())
-            (ref_muon if p.dim() == 2 and "embed" not in name else ref_adamw).append((name, ref_of[name]))
-    ref = Muon([{"params": ref_muon, "use_muon": True}, {"params": ref_adamw, "use_muon": False}], lr=0.05,
-               weight_decay=0.01)
+
+def local_model(k: int, e_local: int) -> TinyMoE:
+    """EP rank k's model: the full model's dense parameters and its experts k E_local .. (k + 1) E_local - 1."""
+    full, model = full_model(), TinyMoE(e_local)
+    with torch.no_grad():
+        for (name, p), q in zip(model.named_parameters(), full.parameters(), strict=True):
+            p.copy_(q[k * e_local:(k + 1) * e_local] if p.dim() == 3 else q)
+    return model
+
+
+def setup(rank: int, world: int, ep: int, case: dict):
+    import dmuon
+
+    e_local, k = E // ep, rank % ep
+    model = local_model(k, e_local)
+    layout = case.get("layout", "replicated")
+    if layout != "replicated":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+                if case.get("hsdp") else init_device_mesh("cpu", (world,)))
+        dmuon.shard_model(model, layout, mesh=mesh, ep=ep)
+    opt = dmuon.DMuon(model, ep=ep, lr=0.05, weight_decay=0.01, profile="a800", timeout_s=60.0,
+                      **case.get("opts", {}))
+    return model, opt
+
+
+def train_step(model, opt, step: int, rank: int, ep: int) -> None:
+    e_local = E // ep
+    model(tokens(step, rank), (rank % ep) * e_local, 0, e_local).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def weights(model, opt) -> dict[str, torch.Tensor]:
+    opt.synchronize()
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def run_case(rank: int, world: int, ep: int, case: dict) -> dict:
+    model, opt = setup(rank, world, ep, case)
+    out = {"layout": opt.layout, "plan_ep": opt.ep_plan.ep, "owned": sum(
+        1 for j, o in enumerate(opt.ep_plan.owners) if o == rank and j >= opt.experts.n_dense)}
+    for s in range(STEPS - 1):
+        train_step(model, opt, s, rank, ep)
+    if case.get("resume"):  # a fresh model and optimizer from the per-rank state dicts take the last step
+        msd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        osd = opt.state_dict()
+        model2, opt2 = setup(rank, world, ep, case)
+        model2.load_state_dict(msd)
+        opt2.load_state_dict(osd)
+        train_step(model2, opt2, STEPS - 1, rank, ep)
+        out["resumed"] = weights(model2, opt2)
+    train_step(model, opt, STEPS - 1, rank, ep)
+    out["weights"] = weights(model, opt)
+    return out
+
+
+def reference(world: int, ep: int) -> dict[str, torch.Tensor]:
+    """Single-process Muon: every expert its own matrix; the dense gradient is the mean over the ranks'
+    losses, an expert's the mean over its replica group's (the ranks whose EP rank holds it)."""
+    import dmuon
+
+    model, e_local, replicas = full_model(), E // ep, world // ep
+    params = dict(model.named_parameters())
+    routes = {r.name: r.use_muon for r in dmuon.route(model)}
+    experts = {n: [nn.Parameter(p[e].detach().clone()) for e in range(E)] for n, p in params.items()
+               if p.dim() == 3}
+    muon = [(n, p) for n, p in params.items() if p.dim() != 3 and routes[n]]
+    muon += [(f"{n}.{e}", t) for n, ts in experts.items() for e, t in enumerate(ts)]
+    adamw = [(n, p) for n, p in params.items() if p.dim() != 3 and not routes[n]]
+    opt = dmuon.Muon([{"params": muon, "use_muon": True}, {"params": adamw, "use_muon": False}], lr=0.05,
+                     weight_decay=0.01)
     for step in range(STEPS):
-        for idx, (name, p) in enumerate(model.named_parameters()):
-            if p.dim() == 3:  # this replica's gradient of every expert; the true one is the replica mean
-                per = [torch.randn(*p.shape[1:],
-                                   generator=torch.Generator().manual_seed(_seed(step, idx, j, e)))
-                       for j in range(world // ep) for e in range(E)]
-                per = torch.stack(per).reshape(world // ep, E, *p.shape[1:])
-                p.grad = per[replica, k * e_local:(k + 1) * e_local].clone()
-                for e in range(E):
-                    ref_of[name][e].grad = per[:, e].mean(0)
-            else:  # this rank's gradient; the true one is the mean over ranks
-                per = torch.stack([torch.randn(*p.shape, generator=torch.Generator().manual_seed(
-                    _seed(step, idx, r, 99))) for r in range(world)])
-                p.grad = per[rank].clone()
-                ref_of[name].grad = per.mean(0)
+        grads = {n: torch.zeros_like(p) for n, p in params.items()}
+        for r in range(world):
+            first = (r % ep) * e_local
+            gs = torch.autograd.grad(model(tokens(step, r), first, first, e_local), list(params.values()))
+            for (n, p), g in zip(params.items(), gs, strict=True):
+                grads[n] += g / (replicas if p.dim() == 3 else world)
+        for n, p in params.items():
+            if p.dim() == 3:
+                for e, t in enumerate(experts[n]):
+                    t.grad = grads[n][e].clone()
+            else:
+                p.grad = grads[n]
         opt.step()
-        ref.step()
-    worst = 0.0
-    for name, p in model.named_parameters():
-        want = (torch.stack(ref_of[name])[k * e_local:(k + 1) * e_local] if p.dim() == 3 else ref_of[name])
-        worst = max(worst, ((p.detach() - want.detach()).norm() / want.detach().norm()).item())
-    owned_experts = sum(1 for i, o in enumerate(opt.plan.owners) if o == rank and opt._is_expert(i))
-    return worst, owned_experts, opt.plan.ep
+        with torch.no_grad():
+            for n, ts in experts.items():
+                params[n].copy_(torch.stack([t.detach() for t in ts]))
+    return {n: p.detach().clone() for n, p in params.items()}
 
 
-@pytest.mark.parametrize("world,ep", [(2, 2), (4, 2), (4, 4)])
-def test_ep_muon_equals_single_process_muon(world, ep):
-    results = run_distributed(run_ep, world, (ep,), timeout_s=240)
-    for worst, _, plan_ep in results:
-        assert plan_ep == ep
-        assert worst < 1e-5, results
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def worst_error(got: dict, want: dict, rank: int, ep: int) -> float:
+    e_local, k = E // ep, rank % ep
+    return max(rel(g, want[n][k * e_local:(k + 1) * e_local] if g.dim() == 3 else want[n])
+               for n, g in got.items())
+
+
+CASES = [  # (world, ep, case)
+    (2, 2, {"layout": "replicated", "resume": True}),
+    (2, 2, {"layout": "fsdp2-owner", "resume": True}),
+    (4, 2, {"layout": "fsdp2-owner", "opts": {"memory": "free"}}),
+    (4, 4, {"layout": "fsdp2-sharded"}),
+    (4, 2, {"layout": "fsdp2-sharded", "hsdp": True, "resume": True}),
+    (4, 2, {"layout": "fsdp2-owner", "hsdp": True}),
+]
+
+
+@pytest.mark.parametrize("world,ep,case", CASES, ids=[f"{w}r-ep{e}-{c['layout']}" + ("-hsdp" if c.get("hsdp")
+                                                                                       else "")
+                                                      for w, e, c in CASES])
+def test_dmuon_ep_equals_single_process_muon(world, ep, case):
+    results = run_distributed(run_case, world, (ep, case), timeout_s=300)
+    want = reference(world, ep)
+    for rank, res in enumerate(results):
+        assert res["layout"] == case["layout"] and res["plan_ep"] == ep
+        assert worst_error(res["weights"], want, rank, ep) < TOL, (rank, case)
+        if case.get("resume"):  # resuming from the state dicts is the uninterrupted run
+            assert max(rel(res["resumed"][n], w) for n, w in res["weights"].items()) < 1e-6
     # every expert matrix of every layer has exactly one owner
-    assert sum(r[1] for r in results) == LAYERS * 2 * E
+    assert sum(r["owned"] for r in results) == LAYERS * 2 * E
+
+
+def run_errors(rank: int, world: int) -> dict:
+    import dmuon
+    from dmuon.errors import InputError
+
+    errs = {}
+
+    def attempt(key, fn):
+        try:
+            fn()
+        except InputError as e:
+            errs[key] = str(e)
+
+    attempt("ep_not_divisor", lambda: dmuon.DMuon(local_model(0, E // 2), ep=3, profile="a800"))
+    attempt("ep_not_int", lambda: dmuon.DMuon(local_model(0, E // 2), ep=0, profile="a800"))
+    attempt("naive", lambda: dmuon.NaiveMuon(local_model(rank % 2, E // 2), ep=2))
+    attempt("dense", lambda: dmuon.DMuon(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), ep=2,
+                                         profile="a800"))
+    attempt("split", lambda: dmuon.DMuon(local_model(rank % 2, E // 2), ep=2, max_split=2, profile="a800"))
+    sharded = dmuon.shard_model(local_model(rank % 2, E // 2), "fsdp2-owner")  # experts sharded too
+    attempt("experts_sharded", lambda: dmuon.DMuon(sharded, ep=2, profile="a800"))
+    model = dmuon.shard_model(local_model(rank % 2, E // 2), "fsdp2-owner", ep=2)
+    opt = dmuon.DMuon(model, ep=2, profile="a800")
+    attempt("checkpoint", lambda: dmuon.save_checkpoint("/nonexistent/never-written", model, opt))
+    return errs
+
+
+def test_bad_setups_say_what_is_accepted():
+    errs = run_distributed(run_errors, 2, (), timeout_s=240)[0]
+    assert "does not divide the 2 ranks; accepted: a divisor of the rank count" in errs["ep_not_divisor"]
+    assert "ep must be an integer >= 1" in errs["ep_not_int"]
+    assert "accepted: ep=1 for NaiveMuon" in errs["naive"]
+    assert "no expert parameters" in errs["dense"] and "accepted: ep=1" in errs["dense"]
+    assert "max_split is not supported with expert parallelism" in errs["split"]
+    assert "ignored_params" in errs["experts_sharded"] and "shard_model(model, layout, ep=E)" in \
+        errs["experts_sharded"]
+    assert "do not support ep=2" in errs["checkpoint"] and "accepted: ep=1" in errs["checkpoint"]
+    assert all("\n" not in m for m in errs.values())

@@ -236,3 +236,18 @@ def _dense_first(matrices, local, dense, dmodel, layout, cost, mkw):
             owners[i] = o
     return owners, batches, ["dense matrices balanced first by LPT, each EP rank's experts by LPT around "
                              "them"]
+
+
+def dense_part(plan: Plan, n_dense: int, bucket_numel: int = 0) -> Plan | None:
+    """The part of an EP plan over its first `n_dense` matrices, the dense ones (the runtime lists them
+    first): their owners and batches (no batch mixes dense and expert matrices) and their own buckets;
+    None without dense matrices. The makespan and bounds stay the whole plan's."""
+    if n_dense == 0:
+        return None
+    batches = tuple(b for b in plan.batches if b.members[0] < n_dense)
+    if any(j >= n_dense for b in batches for j in b.members):
+        raise InputError("an EP plan batch mixes dense and expert matrices; accepted: a plan of "
+                         "dmuon.plan.ep.build_ep_plan with the dense matrices listed first")
+    matrices = plan.matrices[:n_dense]
+    return replace(plan, matrices=matrices, owners=plan.owners[:n_dense], batches=batches,
+                   buckets=make_buckets(matrices, bucket_numel))

@@ -28,12 +28,23 @@ from ..optim import (
     suspect_indices,
 )
 from ..params import route
+from ..plan.ep import dense_part
 from ..plan.types import MatrixSpec, Plan
 from .comm import CommStats, CommWorker
+from .ep import ExpertMuon, check_ep, expert_matrices, take_experts
 from .exchange import EXCHANGE_CHOICES
 from .fsdp import MEMORY, is_dtensor, local_tensor, mesh_node_size, resolve_layout
 from .groups import build_groups
-from .guards import NonFiniteGradientError, check_devices, check_replicas, read_flags, submit_flags
+from .guards import (  # noqa: F401 (COMM_DTYPES: re-export)
+    COMM_DTYPES,
+    NonFiniteGradientError,
+    check_devices,
+    check_int,
+    check_replicas,
+    parse_comm_dtype,
+    read_flags,
+    submit_flags,
+)
 from .hooks import BackwardTracker, ForwardWaits
 from .model import broadcast_module_state, forward_layers
 from .planning import build_model_plan
@@ -42,27 +53,6 @@ from .units import AllReduceUnit, Member, OwnerUnit
 
 BALANCERS = ("lpt", "round_robin", "milp")
 SMALL_ADAMW = 1 << 16  # AdamW parameters up to this many elements ride in their layer's Muon bucket
-
-
-COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def parse_comm_dtype(value) -> torch.dtype | None:
-    """None (gradients travel in the parameters' dtype), a name in COMM_DTYPES or one of its torch dtypes."""
-    if value is None:
-        return None
-    if isinstance(value, str) and value in COMM_DTYPES:
-        return COMM_DTYPES[value]
-    if isinstance(value, torch.dtype) and value in COMM_DTYPES.values():
-        return value
-    raise InputError(f"comm_dtype must be None (the parameters' dtype), 'bf16', 'fp16' or 'fp32' (or those "
-                     f"torch dtypes), got {value!r}")
-
-
-def _check_int(name: str, v, lo: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise InputError(f"{name} must be an integer >= {lo}, got {v!r}")
-    return v
 
 
 class DistributedMuonBase(torch.optim.Optimizer):
@@ -89,7 +79,7 @@ class DistributedMuonBase(torch.optim.Optimizer):
                  node_size: int | None = None, bucket_numel: int = 0, nonfinite: str = "raise",
                  check_consistency_every: int = 0, timeout_s: float = 600.0, exchange: str = "auto",
                  max_batch: int = 8, shard_adamw: bool | None = None, warn_no_muon: bool = True,
-                 layout: str = "auto", memory: str = "keep", comm_dtype=None):
+                 layout: str = "auto", memory: str = "keep", comm_dtype=None, ep: int = 1):
         if not isinstance(model, torch.nn.Module):
             raise InputError(f"{type(self).__name__} takes the model (an nn.Module) itself, got "
                              f"{type(model).__name__}; it installs hooks on it (do not wrap it in DDP)")
@@ -104,15 +94,17 @@ class DistributedMuonBase(torch.optim.Optimizer):
             raise choice_error("exchange", exchange, EXCHANGE_CHOICES)
         if not isinstance(overlap, bool):
             raise InputError(f"overlap must be True or False, got {overlap!r}")
-        _check_int("bucket_numel", bucket_numel, 0)
-        _check_int("check_consistency_every", check_consistency_every, 0)
-        _check_int("max_batch", max_batch, 1)
+        check_int("bucket_numel", bucket_numel, 0)
+        check_int("check_consistency_every", check_consistency_every, 0)
+        check_int("max_batch", max_batch, 1)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise InputError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.comm_dtype = parse_comm_dtype(comm_dtype)
         routes = route(model, muon_predicate)
         if not routes:
             raise InputError("the model has no trainable parameters (all frozen?)")
+        check_int("ep", ep, 1)
+        routes, expert_routes = take_experts(routes, ep)  # ep > 1: ExpertMuon's (runtime/ep.py)
         self.layout = resolve_layout(model, layout, muon_predicate)
         if memory not in MEMORY:
             raise choice_error("memory", memory, MEMORY)
@@ -132,11 +124,11 @@ class DistributedMuonBase(torch.optim.Optimizer):
                        adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay)
         muon_routes = [r for r in routes if r.use_muon]
         adamw_routes = [r for r in routes if not r.use_muon]
-        if not muon_routes and warn_no_muon:
+        if not muon_routes and not expert_routes and warn_no_muon:
             warnings.warn(f"{type(self).__name__}: the model has no matrices routed to Muon; every parameter "
                           "is trained with AdamW", stacklevel=2)
-        groups = [Muon._internal_group(rs, flag, hparams) for rs, flag in ((muon_routes, True),
-                                                                          (adamw_routes, False)) if rs]
+        groups = [Muon._internal_group(rs, flag, hparams)
+                  for rs, flag in ((muon_routes + expert_routes, True), (adamw_routes, False)) if rs]
         super().__init__(groups, {})
         self.ns, self.nonfinite, self.overlap = ns, nonfinite, overlap
         self.check_consistency_every = check_consistency_every
@@ -149,18 +141,28 @@ class DistributedMuonBase(torch.optim.Optimizer):
         self.shard_adamw = self.owner_centric if shard_adamw is None else bool(shard_adamw)
 
         self.groups = build_groups(process_group, node_size, timeout_s)
-        broadcast_module_state(model, self.groups)
+        self.ep = check_ep(ep, self.groups.world_size, owner_centric=self.owner_centric,
+                           process_group=process_group)
+        broadcast_module_state(model, self.groups, skip={id(r.param) for r in expert_routes})
         self.rank, self.world_size = self.groups.rank, self.groups.world_size
-        self.names = [r.name for r in muon_routes] + [r.name for r in adamw_routes]
-        self.params = [r.param for r in muon_routes] + [r.param for r in adamw_routes]
-        self.n_muon = len(muon_routes)
-        self.local = [is_dtensor(p) for p in self.params]  # FSDP2-managed: updated on the local shard
+        # params: the dense Muon matrices [0, n_muon), AdamW's [n_muon, expert_first), the experts (ep > 1)
+        self.names = [r.name for r in muon_routes + adamw_routes + expert_routes]
+        self.params = [r.param for r in muon_routes + adamw_routes + expert_routes]
+        self.n_muon, self.expert_first = len(muon_routes), len(muon_routes) + len(adamw_routes)
+        # FSDP2-managed (updated on the local shard) or an expert: never in this class's exchange units
+        self.local = [is_dtensor(p) or i >= self.expert_first for i, p in enumerate(self.params)]
         layer_of = dict(zip([n for n, _ in model.named_parameters()],
                             forward_layers([n for n, _ in model.named_parameters()]), strict=True))
         self.layers = [layer_of.get(n, 0) for n in self.names]
         specs = tuple(MatrixSpec(r.name, r.param.shape[0], math.prod(r.param.shape[1:]), self.layers[i])
                       for i, r in enumerate(muon_routes))
-        self.plan: Plan | None = self._build_plan(specs, balancer, profile, bucket_numel) if specs else None
+        experts = expert_matrices(self.names[self.expert_first:], self.params[self.expert_first:],
+                                  self.layers[self.expert_first:], self.ep) if expert_routes else []
+        plan = self._build_plan(specs + tuple(e[0] for e in experts), balancer, profile,
+                                bucket_numel) if specs or experts else None
+        # ep > 1: the EP plan (dense matrices, then experts); this class runs its dense part
+        self.ep_plan = plan if experts else None
+        self.plan: Plan | None = dense_part(plan, len(specs), bucket_numel) if experts else plan
 
         self.comm_stats = CommStats()
         self._worker = CommWorker(self.rank, self.timeout_s, self.device, self.comm_stats)
@@ -186,6 +188,8 @@ class DistributedMuonBase(torch.optim.Optimizer):
                                                 and not u.sharded], self.rank)
             owner_units = {k: u for k, u in owner_units.items() if u.sharded}
         self._forward_waits = ForwardWaits(model, owner_units, self._wait_publish) if owner_units else None
+        self.experts = (ExpertMuon(self, self.ep_plan, self.expert_first, len(specs), self.ep)
+                        if experts else None)
 
     # ---- construction ------------------------------------------------------------------------
     def _build_plan(self, specs, balancer: str, profile: str | None, bucket_numel: int) -> Plan:
@@ -338,6 +342,8 @@ class DistributedMuonBase(torch.optim.Optimizer):
         self._muon_update(has_any, pending)
         if not self._adamw_done:
             self._adamw_update(has_any)
+        if self.experts is not None:
+            self.experts.step(has_any.tolist())
         for u in reversed(self.units):  # forward order: the next forward needs the first layers first
             if isinstance(u, OwnerUnit) and (self._residency is None or u.sharded):
                 u.launch_publish(f"weight publication of bucket {u.position} ({len(u.members)} params)")
@@ -448,7 +454,7 @@ class DistributedMuonBase(torch.optim.Optimizer):
             return
         flags = has_any.tolist()  # one read, not one tensor index per parameter
         work = [(i, None, None, local_tensor(self.params[i].grad) if flags[i] else None)
-                for i in range(self.n_muon, len(self.params)) if self.local[i]]
+                for i in range(self.n_muon, self.expert_first) if self.local[i]]
         work += [(u.members[k].index, lo, hi, g) for u in self.units for k, lo, hi, g in u.local_pieces()]
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
         for i, lo, hi, g in work:

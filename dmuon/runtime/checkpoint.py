@@ -113,7 +113,17 @@ def optimizer_state_dict(opt) -> dict:
     return {"meta": meta, "state": state}
 
 
+def refuse_ep(opt) -> None:
+    """Sharded checkpoints do not hold expert parallelism yet: one-line error."""
+    if getattr(opt, "ep", 1) > 1:
+        raise InputError(f"sharded checkpoints (dmuon.save_checkpoint / load_checkpoint / state_dict) do not "
+                         f"support ep={opt.ep} yet: the expert parameters differ per EP rank under one name; "
+                         "accepted: ep=1, or opt.state_dict() / load_state_dict() per rank with the "
+                         "model's own state_dict()")
+
+
 def state_dict(model, opt) -> dict:
+    refuse_ep(opt)
     return {"model": model_state_dict(model, opt), "optim": optimizer_state_dict(opt)}
 
 
@@ -216,6 +226,7 @@ def load_checkpoint(path, model, opt, storage_reader=None, **dcp_kwargs) -> None
     parameter names match); every rank must call it. Owners' weights are then published."""
     import torch.distributed.checkpoint as dcp
 
+    refuse_ep(opt)
     saved = _saved_keys(path, storage_reader)
     if "optim.meta.format" not in saved:
         raise InputError(f"{path}: not a dmuon checkpoint (no optim.meta entry); accepted: a directory "

@@ -1,188 +1,175 @@
-"""`EPMuon`: Muon with expert parallelism on torch.distributed, executing a `dmuon.plan.ep` plan.
+"""Expert parallelism in `DMuon(model, ep=E)`: the expert half of the step (`ExpertMuon`), executing the
+expert part of a `dmuon.plan.ep` plan. The dense half is DMuon's own machinery, in any of its layouts
+(replicated, fsdp2-owner, fsdp2-sharded; docs/fsdp.md), on the dense part of the same plan.
 
-The model as MoE code holds it under expert parallelism of degree ep (`dmuon.plan.ep.EPLayout`): every
-rank has the dense parameters (replicated, DDP-like) and, per MoE layer, its EP rank's E / ep experts
-stored as 3-D parameters (E_local, out, in) whose name holds `.experts.` (e.g.
-`layers.0.mlp.experts.w_up`); rank r holds the experts k E_local .. (k + 1) E_local - 1 of each such
-parameter, k = r % ep. Each expert slice is one Muon matrix (the planner sees it as
-`layers.0.mlp.experts.<e>.w_up`), not the 3-D tensor as one matrix.
+The model as MoE code holds it under expert parallelism of degree ep (`dmuon.plan.ep.EPLayout`): per MoE
+layer, every rank holds its EP rank's E / ep experts stored as 3-D parameters (E_local, out, in) whose name
+holds `.experts.` (e.g. `layers.0.mlp.experts.w_up`); rank r holds the experts k E_local .. (k + 1) E_local
+- 1 of each such parameter, k = r % ep. Each expert slice is one Muon matrix (the planner sees it as
+`layers.0.mlp.experts.<e>.w_up`), not the 3-D tensor as one matrix. The expert parameters are plain
+tensors (with FSDP2: left out of `fully_shard` through `ignored_params`, as `dmuon.shard_model(model,
+layout, ep=E)` does); the dense ones are laid out as DMuon's layout expects.
 
-Gradients, as the training step leaves them in `.grad`: dense parameters hold this rank's gradient (the
-step averages them over all ranks); expert parameters hold this replica's gradient of its local experts
-(averaged over the EP rank's replica group, the ranks holding the same experts).
+Gradients, as the training step leaves them in `.grad`: dense parameters as in DMuon's layouts (the step
+averages them over all ranks); expert parameters hold this replica's gradient of its local experts (the
+step averages them over the EP rank's replica group, the ranks holding the same experts).
 
-One step, from the plan (the same `build_ep_plan` on every rank, so every rank knows every owner):
-  dense Muon matrix   reduce (mean) to its owner over all ranks; the owner: momentum, NS, update;
-                      broadcast of the new weight from the owner to all ranks
-  expert matrix       reduce (mean) of its slice to its owner inside the replica group (no other rank
-                      holds it); the owner: momentum, NS, update; broadcast inside the replica group
-  AdamW parameters    all-reduce (mean), AdamW on every rank (replicated)
+The expert half of one step, after DMuon has agreed the has-gradient / non-finite flags (the expert
+parameters' flags are among them, from each rank's local gradients):
+  expert matrix   reduce (mean) of its slice to its owner inside the replica group (no other rank holds
+                  it); the owner: momentum, NS, update; broadcast of the new slice inside the group
 The owner runs each plan batch as one batched NS call: a batch of consecutive experts of one 3-D
 parameter is the slice view grad[a:b] of its momentum-updated stack (no copy per expert); other batches
-are stacked. Momentum buffers live on the owners only. Same semantics as single-process Muon over the
-dense matrices and every expert matrix with the averaged gradients (the test: tests/test_runtime_ep.py).
+are stacked. The momentum of a 3-D parameter is one stack like it (state "momentum_buffer"), of which
+the owner uses its owned slices. Same semantics as single-process Muon over the dense matrices and
+every expert matrix with the averaged gradients (tests/test_runtime_ep.py).
 """
 
 from __future__ import annotations
+
+import datetime
 
 import torch
 import torch.distributed as dist
 
 from ..errors import InputError
-from ..newton_schulz import NSConfig, orthogonalize
-from ..optim import adamw_step_, lr_scale, muon_apply_, muon_momentum_
-from ..params import route
-from ..plan.ep import EPLayout, build_ep_plan
+from ..optim import lr_scale, muon_apply_, muon_momentum_
+from ..params import EXPERT_MARK, is_expert_param
+from ..plan.ep import EPLayout
 from ..plan.types import MatrixSpec
+from .fsdp import is_dtensor
+from .planning import batch_method
 
 
 def expert_spec_name(param_name: str, e: int) -> str:
     """'layers.0.mlp.experts.w_up', 3 -> 'layers.0.mlp.experts.3.w_up' (the planner's expert name)."""
-    head, sep, tail = param_name.partition(".experts.")
+    head, sep, tail = param_name.partition(EXPERT_MARK)
     if not sep:
         raise InputError(f"{param_name!r} is not an expert parameter (no '.experts.' in its name)")
     return f"{head}.experts.{e}.{tail}"
 
 
-class EPMuon:
-    """Muon + AdamW with expert parallelism of degree `ep` (module docstring); Muon's hyperparameters."""
+def check_ep(ep, world_size: int, *, owner_centric: bool, process_group) -> int:
+    """The `ep` argument of a distributed optimizer (1 = no expert parallelism)."""
+    EPLayout(world_size, ep)  # a positive integer dividing the ranks (one-line errors)
+    if ep > 1 and not owner_centric:
+        raise InputError(f"ep={ep}: expert parallelism is run by DMuon only; accepted: ep=1 for NaiveMuon")
+    if ep > 1 and process_group is not None:
+        raise InputError(f"ep={ep} builds its replica groups over the whole world; accepted: "
+                         "process_group=None with ep > 1")
+    return ep
 
-    def __init__(self, model: torch.nn.Module, *, ep: int, lr: float = 0.02, momentum: float = 0.95,
-                 nesterov: bool = True, weight_decay: float = 0.0, adjust_lr: str = "match_rms_adamw",
-                 ns: NSConfig | None = None, adamw_lr: float = 1e-3, adamw_betas=(0.9, 0.999),
-                 adamw_eps: float = 1e-8, adamw_weight_decay: float = 0.01, balancer: str = "lpt",
-                 cost=None):
-        if not dist.is_initialized():
-            raise InputError("EPMuon needs an initialized torch.distributed process group")
-        self.world, self.rank = dist.get_world_size(), dist.get_rank()
-        self.layout = EPLayout(self.world, ep)
-        self.k = self.layout.ep_rank(self.rank)
-        self.hp = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                       adjust_lr=adjust_lr)
-        self.adamw = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
-                          weight_decay=adamw_weight_decay)
-        self.ns = NSConfig() if ns is None else ns
+
+def take_experts(routes, ep: int):
+    """(the other routes, the expert routes) of a model under expert parallelism of degree ep (ep = 1:
+    no expert routes; 3-D parameters stay with AdamW as before). One-line errors for what EP cannot run."""
+    if ep == 1:
+        return list(routes), []
+    experts = [r for r in routes if is_expert_param(r.name, r.param)]
+    if not experts:
+        raise InputError(f"ep={ep}: the model has no expert parameters (3-D, a name holding '.experts.', "
+                         "shaped (E_local, out, in)); accepted: ep=1 for a dense model")
+    sharded = [r.name for r in experts if is_dtensor(r.param)]
+    if sharded:
+        raise InputError(f"{sharded[0]}: expert parameters are FSDP2-sharded; with ep > 1 each rank holds "
+                         "its own experts, accepted: leave them out of fully_shard (ignored_params, e.g. "
+                         "dmuon.shard_model(model, layout, ep=E))")
+    return [r for r in routes if not is_expert_param(r.name, r.param)], experts
+
+
+def expert_matrices(names, params, layers, ep: int) -> list[tuple[MatrixSpec, int, int]]:
+    """Every expert matrix of every EP rank, in parameter order: (its spec, the parameter's index in
+    `params`, the global expert number). One layer's expert parameters must hold as many experts."""
+    out = []
+    per_layer: dict[int, tuple[str, int]] = {}
+    for i, (name, p) in enumerate(zip(names, params, strict=True)):
+        e_local = p.shape[0]
+        seen = per_layer.setdefault(layers[i], (name, e_local))
+        if seen[1] != e_local:
+            raise InputError(f"{name} holds {e_local} experts but {seen[0]} of the same layer holds "
+                             f"{seen[1]}; accepted: the same number of local experts in every expert "
+                             "parameter of a layer")
+        for e in range(e_local * ep):
+            out.append((MatrixSpec(expert_spec_name(name, e), p.shape[1], p.shape[2], layers[i]), i, e))
+    return out
+
+
+class ExpertMuon:
+    """The expert half of `DMuon(model, ep=E)` (module docstring). `opt`: the DMuon whose parameters
+    `opt.params[first:]` are the expert parameters; `plan`: the EP plan over opt's dense Muon matrices
+    (the first `n_dense` matrices) and the expert matrices (the rest, in `expert_matrices` order)."""
+
+    def __init__(self, opt, plan, first: int, n_dense: int, ep: int):
+        self.opt, self.plan, self.n_dense = opt, plan, n_dense
+        self.layout = EPLayout(opt.world_size, ep)
+        self.k = self.layout.ep_rank(opt.rank)
+        timeout = datetime.timedelta(seconds=opt.timeout_s)
         # every rank creates every replica group, in the same order (torch.distributed's rule)
-        self.groups = [dist.new_group(list(self.layout.replica_group(k))) for k in range(ep)]
-        self.experts: list[tuple[str, torch.Tensor]] = []
-        self.dense: list[tuple[str, torch.Tensor]] = []
-        self.adamw_params: list[tuple[str, torch.Tensor]] = []
-        for r in route(model):
-            if r.param.dim() == 3 and ".experts." in r.name:
-                self.experts.append((r.name, r.param))
-            elif r.use_muon:
-                self.dense.append((r.name, r.param))
-            else:
-                self.adamw_params.append((r.name, r.param))
-        # the planner's view: every dense matrix and every expert of every EP rank, in parameter order
-        specs, self.where = [], []  # where[i]: (param, expert slot) or (param, None)
-        for layer, (name, p) in enumerate(self.dense + self.experts):
-            if p.dim() == 3:
-                e_local = p.shape[0]
-                for e in range(e_local * ep):
-                    specs.append(MatrixSpec(expert_spec_name(name, e), p.shape[1], p.shape[2], layer))
-                    self.where.append((p, e - self.k * e_local if e // e_local == self.k else None))
-            else:
-                specs.append(MatrixSpec(name, p.shape[0], p.shape[1], layer))
-                self.where.append((p, None))
-        if cost is None:
-            from .planning import load_cost
-
-            cost = load_cost(None, next(model.parameters()).device)
-        self.plan = build_ep_plan(specs, self.world, cost, ep=ep, balancer=balancer)
-        self.state: dict = {}  # momentum: matrix index (dense, owned) or ('stack', id) (3-D experts)
-        self.adam_state: dict[int, dict] = {}
-
-    # ---- pieces --------------------------------------------------------------------------------
-    def _is_expert(self, i: int) -> bool:
-        return self.where[i][0].dim() == 3
-
-    def _holds(self, i: int) -> bool:
-        """This rank holds matrix i (dense: everyone; expert: its EP rank's replicas)."""
-        return not self._is_expert(i) or self.where[i][1] is not None
-
-    def _tensor(self, i: int, grad: bool) -> torch.Tensor:
-        p, slot = self.where[i]
-        t = p.grad if grad else p.data
-        return t if slot is None else t[slot]
-
-    def _group(self, i: int):
-        """(process group, its size) over which matrix i is reduced and published."""
-        if self._is_expert(i):
-            return self.groups[self.k], self.layout.replicas
-        return None, self.world
+        groups = [dist.new_group(list(self.layout.replica_group(k)), timeout=timeout) for k in range(ep)]
+        self.group = groups[self.k]
+        idx = list(range(first, len(opt.params)))
+        found = expert_matrices([opt.names[i] for i in idx], [opt.params[i] for i in idx],
+                                [opt.layers[i] for i in idx], ep)
+        self.held: dict[int, tuple[int, int]] = {}  # plan index -> (param index, local slot): what I hold
+        for j, (_, i, e) in enumerate(found, start=n_dense):
+            e_local = opt.params[idx[i]].shape[0]
+            if e // e_local == self.k:
+                self.held[j] = (idx[i], e - self.k * e_local)
+        self.params = [opt.params[i] for i in idx]
+        with torch.no_grad():  # replicas start from the same experts (the group's first rank's), as DDP does
+            for p in self.params:
+                dist.broadcast(p.data, self.layout.replica_group(self.k)[0], group=self.group)
 
     @torch.no_grad()
-    def step(self) -> None:
-        plan = self.plan
-        mine = [i for i in range(len(plan.matrices)) if self._holds(i)]
-        for i in mine:  # gradients to owners (mean over the group that holds the matrix)
-            group, size = self._group(i)
-            g = self._tensor(i, grad=True)
+    def step(self, flags: list[bool]) -> None:
+        """Reduce, orthogonalize and publish the expert matrices whose parameter has a gradient on some
+        rank (`flags`, agreed on every rank)."""
+        opt, plan, size = self.opt, self.plan, self.layout.replicas
+        active = [j for j, (i, _) in self.held.items() if flags[i]]
+        for i in {self.held[j][0] for j in active}:
+            p = opt.params[i]
+            if p.grad is None:  # no gradient here, but on some rank: contributes zeros
+                p.grad = torch.zeros_like(p)
+        for j in active:  # gradients to owners (mean over the replica group)
+            i, slot = self.held[j]
+            g = opt.params[i].grad[slot]
             if size > 1:
-                dist.reduce(g, plan.owners[i], op=dist.ReduceOp.SUM, group=group)
-            if plan.owners[i] == self.rank:
+                dist.reduce(g, plan.owners[j], op=dist.ReduceOp.SUM, group=self.group)
+            if plan.owners[j] == opt.rank:
                 g.div_(size)
-        for b in plan.batches_of(self.rank):
-            self._run_batch(b)
-        for i in mine:  # publication from the owners
-            group, size = self._group(i)
+        for b in plan.batches_of(opt.rank):
+            members = [j for j in b.members if j >= self.n_dense and flags[self.held[j][0]]]
+            if members:
+                self._run_batch(b, members)
+        for j in active:  # publication from the owners
+            i, slot = self.held[j]
             if size > 1:
-                dist.broadcast(self._tensor(i, grad=False), plan.owners[i], group=group)
-        self._adamw_step()
+                dist.broadcast(opt.params[i].data[slot], plan.owners[j], group=self.group)
 
     def _buffer(self, i: int) -> torch.Tensor:
-        """Matrix i's momentum buffer: its own (dense), or its slice of the 3-D parameter's stack buffer."""
-        p, slot = self.where[i]
-        if slot is not None:
-            return self.state_stack(p)[slot]
-        if i not in self.state:
-            self.state[i] = torch.zeros_like(p)
-        return self.state[i]
+        """Parameter i's momentum stack (its owned slices are used; created on first use)."""
+        st = self.opt.state[self.opt.params[i]]
+        if "momentum_buffer" not in st:
+            st["momentum_buffer"] = torch.zeros_like(self.opt.params[i])
+        return st["momentum_buffer"]
 
-    def _run_batch(self, batch) -> None:
+    def _run_batch(self, batch, members: list[int]) -> None:
         """Momentum, one batched NS call and the update for the batch's matrices (all owned here)."""
-        hp = self.hp
-        first = self.where[batch.members[0]]
-        slots = [self.where[i][1] for i in batch.members]
-        if (first[1] is not None and all(self.where[i][0] is first[0] for i in batch.members)
-                and slots == list(range(slots[0], slots[0] + len(slots)))):
+        opt = self.opt
+        hp = opt.param_groups[0]
+        where = [self.held[j] for j in members]
+        i0, a = where[0]
+        if all(i == i0 for i, _ in where) and [s for _, s in where] == list(range(a, a + len(where))):
             # consecutive experts of one 3-D parameter: momentum and NS on the slice views, no copy per expert
-            p, a, z = first[0], slots[0], slots[0] + len(slots)
-            stack = muon_momentum_(p.grad[a:z], self.state_stack(p)[a:z], hp["momentum"], hp["nesterov"])
-        else:  # mixed members: tall ones transposed to the batch's (rows, cols) = (min, max) shape
-            ins = [muon_momentum_(self._tensor(i, grad=True), self._buffer(i), hp["momentum"], hp["nesterov"])
-                   for i in batch.members]
-            stack = torch.stack([self._oriented(batch, t) for t in ins])
-        updates = orthogonalize(stack, **self.ns.kwargs())
-        for i, u in zip(batch.members, updates, strict=True):
-            w = self._tensor(i, grad=False)
+            z = a + len(where)
+            stack = muon_momentum_(opt.params[i0].grad[a:z], self._buffer(i0)[a:z], hp["momentum"],
+                                   hp["nesterov"])
+        else:  # mixed members: tall ones transposed to the batch's (rows, cols) shape
+            ins = [muon_momentum_(opt.params[i].grad[s], self._buffer(i)[s], hp["momentum"], hp["nesterov"])
+                   for i, s in where]
+            stack = torch.stack([t if tuple(t.shape) == (batch.rows, batch.cols) else t.mT for t in ins])
+        updates = opt._ns(stack, batch_method(self.plan, batch))
+        for (i, s), u in zip(where, updates, strict=True):
+            w = opt.params[i].data[s]
             u = u if u.shape == w.shape else u.mT
             muon_apply_(w, u, hp["lr"], hp["weight_decay"], lr_scale(w.shape, hp["adjust_lr"]))
-
-    @staticmethod
-    def _oriented(batch, t: torch.Tensor) -> torch.Tensor:
-        return t if tuple(t.shape) == (batch.rows, batch.cols) else t.mT
-
-    def state_stack(self, p: torch.Tensor) -> torch.Tensor:
-        """The 3-D parameter p's momentum stack (its owned slices are used; created on first use)."""
-        key = ("stack", id(p))
-        if key not in self.state:
-            self.state[key] = torch.zeros_like(p)
-        return self.state[key]
-
-    def _adamw_step(self) -> None:
-        params = [p for _, p in self.adamw_params if p.grad is not None]
-        for p in params:
-            dist.all_reduce(p.grad)
-            p.grad.div_(self.world)
-        if not params:
-            return
-        states = []
-        for p in params:
-            st = self.adam_state.setdefault(id(p), {"step": 0, "exp_avg": torch.zeros_like(p),
-                                                    "exp_avg_sq": torch.zeros_like(p)})
-            st["step"] += 1
-            states.append(st)
-        adamw_step_(params, [p.grad for p in params], [s["exp_avg"] for s in states],
-                    [s["exp_avg_sq"] for s in states], [s["step"] for s in states], **self.adamw)

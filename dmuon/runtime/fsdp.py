@@ -126,21 +126,26 @@ def fsdp_owner_module(model: nn.Module, param: torch.Tensor) -> nn.Module | None
 
 # ---- applying FSDP2 ----------------------------------------------------------------------------
 def shard_model(model: nn.Module, layout: str = "fsdp2-owner", *, mesh=None, reshard_after_forward=True,
-                blocks=None, muon_predicate=None) -> nn.Module:
+                blocks=None, muon_predicate=None, ep: int = 1) -> nn.Module:
     """Apply `fully_shard` to each block and to the root, as `layout` expects (in place; returns model).
 
     layout 'fsdp2-owner': the Muon matrices (`dmuon.muon_params(model, muon_predicate)`) are passed as
     ignored_params, so they stay plain replicated tensors; 'fsdp2-sharded': everything is sharded. mesh:
     a 1-D DeviceMesh (FSDP) or a 2-D one (HSDP: replicate x shard); None: 1-D over the world.
     blocks: the modules to shard one by one (default: the children of every nn.ModuleList).
+    ep > 1 (expert parallelism, `DMuon(model, ep=E)`): the expert parameters (`dmuon.params.is_expert_param`)
+    are ignored too in both layouts: each rank holds its own experts.
     """
     from torch.distributed.fsdp import fully_shard
 
-    from ..params import muon_params
+    from ..params import is_expert_param, muon_params
 
     if layout not in ("fsdp2-owner", "fsdp2-sharded"):
         raise choice_error("layout", layout, ("fsdp2-owner", "fsdp2-sharded"))
-    ignored = set(muon_params(model, muon_predicate)) if layout == "fsdp2-owner" else None
+    ignored = set(muon_params(model, muon_predicate)) if layout == "fsdp2-owner" else set()
+    if ep > 1:
+        ignored |= {p for n, p in model.named_parameters() if is_expert_param(n, p)}
+    ignored = ignored or None
     if blocks is None:
         blocks = [b for m in model.modules() if isinstance(m, nn.ModuleList) for b in m]
     opts = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)

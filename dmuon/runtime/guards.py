@@ -4,6 +4,7 @@ somewhere, non-finite somewhere), replica checksums, and the checks on the model
 - `agree_flags`: one small all-reduce (MAX) of two flags per parameter, so every rank takes the same
   decision: skip parameters no rank has a gradient for (like single-device optimizers skip grad None),
   and raise / skip the step on a non-finite gradient, naming the parameters on every rank.
+- `parse_comm_dtype`, `check_int`: the optimizers' argument checks.
 - `check_replicas`: a 2 x int64 checksum of each parameter's bits, all-gathered; any difference raises
   `ReplicaDivergenceError` naming the parameters and the ranks that differ from rank 0.
 """
@@ -17,6 +18,26 @@ from ..errors import InputError
 from .comm import CommWorker
 from .exchange import _all_gather
 from .groups import CommGroups
+
+COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_comm_dtype(value) -> torch.dtype | None:
+    """None (gradients travel in the parameters' dtype), a name in COMM_DTYPES or one of its torch dtypes."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value in COMM_DTYPES:
+        return COMM_DTYPES[value]
+    if isinstance(value, torch.dtype) and value in COMM_DTYPES.values():
+        return value
+    raise InputError(f"comm_dtype must be None (the parameters' dtype), 'bf16', 'fp16' or 'fp32' (or those "
+                     f"torch dtypes), got {value!r}")
+
+
+def check_int(name: str, v, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise InputError(f"{name} must be an integer >= {lo}, got {v!r}")
+    return v
 
 
 class NonFiniteGradientError(FloatingPointError):

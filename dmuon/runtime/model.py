@@ -37,9 +37,10 @@ def forward_layers(names: Sequence[str]) -> list[int]:
 
 
 @torch.no_grad()
-def broadcast_module_state(model: torch.nn.Module, groups: CommGroups) -> None:
+def broadcast_module_state(model: torch.nn.Module, groups: CommGroups, skip=frozenset()) -> None:
     """Copy rank 0's parameters and buffers to every rank (one broadcast per dtype). DTensors (FSDP2
-    shards, which differ per rank by design) are left alone."""
+    shards, which differ per rank by design) and the tensors whose id is in `skip` (expert parameters,
+    which differ per EP rank) are left alone."""
     from torch.distributed.tensor import DTensor
 
     if groups.world_size == 1:
@@ -48,7 +49,7 @@ def broadcast_module_state(model: torch.nn.Module, groups: CommGroups) -> None:
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     seen = set()
     for t in tensors:
-        if id(t) in seen or t.numel() == 0:
+        if id(t) in seen or id(t) in skip or t.numel() == 0:
             continue
         seen.add(id(t))
         by_kind.setdefault((t.dtype, t.device), []).append(t)

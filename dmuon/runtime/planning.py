@@ -145,12 +145,16 @@ def matmul_speed_ratio(dtype: str, base: str, device: torch.device) -> float:
 
 def build_model_plan(specs, world_size: int, ns: NSConfig, device: torch.device, *, balancer: str,
                      profile: str | None, max_batch: int, bucket_numel: int, priced: bool = True,
-                     max_split: int = 1, owner_momentum: bool = True) -> Plan:
+                     max_split: int = 1, owner_momentum: bool = True, ep: int = 1) -> Plan:
     """The Plan for these matrices, priced for what this NS config runs on this device (priced=False:
     FLOP counts, for NaiveMuon, which uses only the plan's buckets). max_split > 1: owner groups of up
     to that many ranks where a split pays (`dmuon.plan.split`, the cost table device's link model).
-    owner_momentum: batches priced with the owner's momentum pass (build_plan; False for fsdp2-sharded)."""
+    owner_momentum: batches priced with the owner's momentum pass (build_plan; False for fsdp2-sharded).
+    ep > 1: `dmuon.plan.ep.build_ep_plan` (expert matrices owned in their replica group); every batch is
+    then priced with the owner's momentum pass (the experts' momentum runs on their owner in every
+    layout)."""
     from ..plan.build import build_plan
+    from ..plan.ep import build_ep_plan
 
     if not specs:
         raise InputError("no Muon matrices to plan")
@@ -160,6 +164,10 @@ def build_model_plan(specs, world_size: int, ns: NSConfig, device: torch.device,
     base = method.removesuffix("_sym") if method != "auto" else "standard"
     dtype = DTYPE_NAMES[iteration_dtype(base, device, ns.dtype)]
     cost = ConfigCost(load_cost(profile, device, dtype) if priced else FlopCost(), ns, device)
+    if ep > 1:
+        return build_ep_plan(specs, world_size, cost, ep=ep, balancer=balancer, method=method, dtype=dtype,
+                             batching=True, max_batch=max_batch, bucket_numel=bucket_numel,
+                             max_split=max_split)
     return build_plan(specs, world_size, cost, balancer=balancer, method=method, dtype=dtype, batching=True,
                       max_batch=max_batch, bucket_numel=bucket_numel, max_split=max_split,
                       owner_momentum=owner_momentum)
@@ -173,14 +181,18 @@ def check_max_split(max_split, world_size: int) -> int:
     return max_split
 
 
-def check_given_plan(plan, specs, world_size: int) -> Plan:
-    """A Plan passed to the optimizer (`plan=`) must be for these matrices on this many ranks."""
+def check_given_plan(plan, specs, world_size: int, ep: int = 1) -> Plan:
+    """A Plan passed to the optimizer (`plan=`) must be for these matrices on this many ranks, with this
+    expert-parallel degree (ep > 1: the dense matrices, then every expert matrix)."""
     if not isinstance(plan, Plan):
         raise InputError(f"plan must be a dmuon.plan.types.Plan (Plan.from_json of `harness plan --json`), "
                          f"got {type(plan).__name__}")
     if plan.world_size != world_size:
         raise InputError(f"the plan is for {plan.world_size} ranks but the optimizer runs on {world_size}; "
                          "accepted: a plan built for this world size")
+    if plan.ep != ep:
+        raise InputError(f"the plan places experts for ep={plan.ep} but the optimizer runs ep={ep}; "
+                         "accepted: a plan built with the optimizer's ep (dmuon.plan.ep.build_ep_plan)")
     want = [(s.name, s.rows, s.cols) for s in specs]
     got = [(m.name, m.rows, m.cols) for m in plan.matrices]
     if want != got:

@@ -16,14 +16,20 @@ def rank_state_dict(self) -> dict:
     """`self.state_dict()` once its exchanges are waited for: hyperparameters, the plan, and the state of
     the parameters this rank updates (DMuon: momentum of its owned matrices only; AdamW state
     everywhere), keyed by name."""
+    plan = whole_plan(self)
     return {
         "format": STATE_FORMAT, "optimizer": type(self).__name__, "rank": self.rank,
-        "world_size": self.world_size, "plan": self.plan.to_dict() if self.plan is not None else None,
+        "world_size": self.world_size, "plan": plan.to_dict() if plan is not None else None,
         "steps": self._steps, "skipped_steps": self.skipped_steps,
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
         "state": {self.names[i]: dict(self.state[p]) for i, p in enumerate(self.params)
                   if self.state.get(p)},
     }
+
+
+def whole_plan(self):
+    """The plan of every matrix the optimizer updates: with ep > 1 the EP plan (experts included)."""
+    return self.ep_plan if getattr(self, "ep_plan", None) is not None else self.plan
 
 
 def load_rank_state(self, state_dict: dict) -> None:
@@ -37,11 +43,11 @@ def load_rank_state(self, state_dict: dict) -> None:
         if sd.get(key) != mine:
             raise InputError(f"state dict was saved with {key}={sd.get(key)!r} but this optimizer has "
                              f"{key}={mine!r}; load each rank's own state into the same set-up")
-    saved_plan = sd.get("plan")
-    if (saved_plan is None) != (self.plan is None) or (
-            self.plan is not None and (tuple(saved_plan["owners"]) != self.plan.owners
-                                       or [m["name"] for m in saved_plan["matrices"]]
-                                       != [m.name for m in self.plan.matrices])):
+    saved_plan, plan = sd.get("plan"), whole_plan(self)
+    if (saved_plan is None) != (plan is None) or (
+            plan is not None and (tuple(saved_plan["owners"]) != plan.owners
+                                  or [m["name"] for m in saved_plan["matrices"]]
+                                  != [m.name for m in plan.matrices])):
         raise InputError("state dict was saved with a different plan (matrices or owners differ); "
                          "rebuild the optimizer with the same model, world size, balancer and profile")
     if len(sd["param_groups"]) != len(self.param_groups):
