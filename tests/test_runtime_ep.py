@@ -68,10 +68,10 @@ def tokens(step: int, rank: int) -> torch.Tensor:
 
 
 def local_model(k: int, e_local: int) -> TinyMoE:
-    """EP rank k's model: the full model's dense parameters and its experts k E_local .. (k + 1) E_local - 1."""
+    """EP rank k's model: the full model's dense parameters, its experts k E_local .. (k + 1) E_local - 1."""
     full, model = full_model(), TinyMoE(e_local)
     with torch.no_grad():
-        for (name, p), q in zip(model.named_parameters(), full.parameters(), strict=True):
+        for p, q in zip(model.parameters(), full.parameters(), strict=True):
             p.copy_(q[k * e_local:(k + 1) * e_local] if p.dim() == 3 else q)
     return model
 
