@@ -147,7 +147,7 @@ class CommPrograms:
             return col, None
         col = self.coll(r, ("rs", step, *lk), grp, "reduce_scatter", size, muon_fraction=frac, step=step)
         inter = None
-        if self.replicate == "inter":
+        if self.replicate == "inter" and grp != "rep":  # EP's replica group spans the nodes already
             inter = self.coll(r, ("ar", step, *lk), "inter", "all_reduce", size / s.per_node,
                               muon_fraction=frac, step=step)
         return col, inter

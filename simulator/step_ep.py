@@ -8,10 +8,14 @@ With `StepSpec.ep` = E > 1 (`SimConfig.ep`), N ranks, p per node (the layout of 
                  one per node, p groups share the NICs)
   experts        each rank holds E_l / E of layer l's experts (expert e on EP rank e // (E_l / E),
                  `dmuon.plan.ep.expert_placement`); shared experts and every other parameter are dense
-  FSDP           dense parameters are gathered / reduce-scattered over the world as without EP; the local
-                 experts over the replica group (adamw, naive; naive's optimizer gathers and runs NS on its
-                 local experts only, over the replica group); per-rank elements are unchanged (experts / E
-                 sharded over N / E ranks = experts / N)
+  FSDP           dense parameters are gathered / reduce-scattered over the world as without EP (HSDP: over
+                 the node, then all-reduced across nodes, as without EP); the local experts over the replica
+                 group (adamw, naive; naive's optimizer gathers and runs NS on its local experts only, over
+                 the replica group; HSDP too: the replica group already spans the nodes, so no all-reduce
+                 across nodes follows); per-rank elements are unchanged (experts / E sharded over N / E
+                 ranks = experts / N). No runtime runs adamw / naive with EP: a convention. DMuon's
+                 experts are never FSDP's (the runtime's `DMuon(model, ep=E)` keeps them out of fully_shard
+                 in every layout, HSDP included)
   dmuon          the plan is `dmuon.plan.ep.build_ep_plan`'s (expert owners inside their replica group):
                  per bucket the dense matrices' owner exchange and publication over the world, the EP
                  rank's experts' over its replica group only
@@ -39,7 +43,8 @@ from dataclasses import dataclass
 from .collectives import Group
 from .engine import Op
 
-EP_LAYOUTS = ("fsdp-keep", "fsdp-free")  # layouts the simulator runs with ep > 1
+# layouts the simulator runs with ep > 1 (the runtime runs DMuon with EP on each: dmuon.runtime.ep)
+EP_LAYOUTS = ("fsdp-keep", "fsdp-free", "hsdp-keep", "hsdp-free")
 
 
 @dataclass(frozen=True)

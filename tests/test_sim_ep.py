@@ -81,7 +81,8 @@ def test_representatives_match_all_ranks(model, strategy):
 
 
 @pytest.mark.parametrize("strategy", ["adamw", "naive", "dmuon"])
-@pytest.mark.parametrize("kw", [dict(ep=4), dict(ep=16, layout="fsdp-free"), dict(ep=8, gpu="cpu")])
+@pytest.mark.parametrize("kw", [dict(ep=4), dict(ep=16, layout="fsdp-free"), dict(ep=8, gpu="cpu"),
+                                dict(ep=4, layout="hsdp-free")])
 def test_fast_engine_matches_simpy(model, monkeypatch, strategy, kw):
     """The default event loop (simulator.engine_fast) gives every op the SimPy reference's times."""
     from simulator.engine import Cluster
@@ -116,11 +117,37 @@ def test_dmuon_experts_exchanged_in_replica_group(model):
     assert n4.ns_makespan_s < n1.ns_makespan_s
 
 
+@pytest.mark.parametrize("layout", ["hsdp-keep", "hsdp-free"])
+@pytest.mark.parametrize("strategy", ["adamw", "naive", "dmuon"])
+def test_hsdp_with_ep(model, layout, strategy):
+    """HSDP with EP (2 nodes of 8, ep 4): dense parameters sharded in the node and all-reduced across nodes
+    as without EP; the experts over their replica group only, which spans the nodes (no all-reduce across
+    nodes carries them; dmuon: the experts' owner exchange in that group, as DMuon(model, ep=E) runs it)."""
+    cfg = _cfg(model, strategy=strategy, layout=layout, ep=4)
+    full, built = run(cfg)
+    assert simulate(cfg) == full  # the representative ranks give every rank's result
+    cs = _colls(built)
+    rep = [c for c in cs if c.group.startswith("rep")]
+    assert rep and all(c.size == GPUS // 4 for c in rep)
+    if strategy == "dmuon":
+        assert [c for c in rep if c.name.startswith(("reduce/", "pub/"))]
+        assert [c for c in cs if c.name.startswith("reduce/") and c.group == "world0"]
+    _, base = run(_cfg(model, strategy=strategy, layout=layout))
+    base_inter = {(c.name, c.group): c.bytes_per_rank for c in _colls(base) if c.group.startswith("inter")}
+    inter = [c for c in cs if c.group.startswith("inter")]
+    assert inter and len(inter) == len(base_inter)
+    for c in inter:  # an all-reduce over 2 nodes moves its size per rank: the experts' share / 8 is gone
+        moe = c.name.split("/")[-1] in ("1", "2") and strategy != "dmuon"  # dmuon: AdamW parameters only
+        assert base_inter[(c.name, c.group)] - c.bytes_per_rank == pytest.approx(
+            EXPERT_NUMEL * 2 / 8 if moe else 0)
+
+
 @pytest.mark.parametrize("kw, msg", [
     (dict(ep=3), "divide gpus=16"),
     (dict(ep=32), "divide gpus=16"),  # ep > gpus: not a divisor
     (dict(ep=0), "ep must be an integer >= 1"),
-    (dict(ep=4, layout="hsdp-keep"), "layout fsdp-keep | fsdp-free"),
+    (dict(ep=4, layout="ddp"), "layout fsdp-keep | fsdp-free | hsdp-keep | hsdp-free"),
+    (dict(ep=4, layout="sharded"), "layout fsdp-keep | fsdp-free | hsdp-keep | hsdp-free"),
     (dict(ep=4, max_split=2), "max_split"),
     (dict(workload="qwen2.5-7b", model=None, ep=2), "no routed experts"),
 ])
