@@ -15,16 +15,10 @@ import argparse
 import collections
 import hashlib
 import os
-import socket
 import statistics
 import time
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from scripts.ranks import run_ranks
 
 PARTS = ("_local_flags", "_speculate", "_adamw_update", "_orthogonalize", "_ns", "_return", "_apply_local")
 
@@ -95,8 +89,6 @@ def _rank(rank: int, args, port: int, queue) -> None:
 
 
 def main() -> None:
-    import torch.multiprocessing as mp
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--ns-dtype", default="fp32", choices=("fp32", "bf16"))
@@ -104,25 +96,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="profiled steps (as many timed ones)")
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.SimpleQueue(), _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, args, port, queue)) for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    got = []
-    while len(got) < len(procs):  # a rank that fails leaves the others waiting in a collective: stop them
-        if not queue.empty():
-            got.append(queue.get())
-        elif any(p.exitcode not in (None, 0) for p in procs):
-            for p in procs:
-                p.kill()
-            codes = [p.exitcode for p in procs]
-            raise SystemExit(f"a rank failed (exit codes {codes}); see its traceback above")
-        else:
-            time.sleep(0.2)
-    got.sort()
-    for p in procs:
-        p.join()
+    got = run_ranks(_rank, args.ranks, args)
     counts = got[0][1]
     ratios = []
     for step in zip(*(g[2] for g in got), strict=True):

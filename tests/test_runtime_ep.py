@@ -93,10 +93,13 @@ def setup(rank: int, world: int, ep: int, case: dict):
     return model, opt
 
 
-def train_step(model, opt, step: int, rank: int, ep: int) -> None:
+def train_step(model, opt, step: int, rank: int, ep: int, counter=None) -> None:
+    import contextlib
+
     e_local = E // ep
     model(tokens(step, rank), (rank % ep) * e_local, 0, e_local).backward()
-    opt.step()
+    with counter.active() if counter is not None else contextlib.nullcontext():  # this thread's collectives
+        opt.step()
     opt.zero_grad()
 
 
@@ -120,8 +123,19 @@ def run_case(rank: int, world: int, ep: int, case: dict) -> dict:
         opt2.load_state_dict(osd)
         train_step(model2, opt2, STEPS - 1, rank, ep)
         out["resumed"] = weights(model2, opt2)
-    train_step(model, opt, STEPS - 1, rank, ep)
+    from dmuon.runtime.bytecount import CollectiveBytes
+
+    counter = CollectiveBytes()
+    train_step(model, opt, STEPS - 1, rank, ep, counter)
     out["weights"] = weights(model, opt)
+    # the expert exchange: reduces to / broadcasts from the owners of the replica group (world / ep ranks)
+    out["expert_colls"] = {kind: [r.payload_bytes for r in counter.records
+                                  if r.kind == kind and r.group_size == world // ep]
+                           for kind in ("reduce", "broadcast")}
+    experts = [p for p in model.parameters() if p.dim() == 3]
+    out["expert_bytes"] = sum(p.numel() * p.element_size() for p in experts)
+    out["momentum_rows"] = sum(opt.state[p]["momentum_buffer"].shape[0] for p in experts
+                               if "momentum_buffer" in opt.state[p])
     return out
 
 
@@ -191,8 +205,16 @@ def test_dmuon_ep_equals_single_process_muon(world, ep, case):
         assert worst_error(res["weights"], want, rank, ep) < TOL, (rank, case)
         if case.get("resume"):  # resuming from the state dicts is the uninterrupted run
             assert max(rel(res["resumed"][n], w) for n, w in res["weights"].items()) < 1e-6
-    # every expert matrix of every layer has exactly one owner
+    # every expert matrix of every layer has exactly one owner, which alone holds its momentum
     assert sum(r["owned"] for r in results) == LAYERS * 2 * E
+    assert [r["momentum_rows"] for r in results] == [r["owned"] for r in results]
+    for r in results:  # one reduce and one broadcast per owner of the group, together all the rank's experts
+        colls = r["expert_colls"]
+        if world // ep == 1:
+            assert colls == {"reduce": [], "broadcast": []}
+        else:
+            assert 1 <= len(colls["reduce"]) == len(colls["broadcast"]) <= world // ep
+            assert sum(colls["reduce"]) == sum(colls["broadcast"]) == r["expert_bytes"]
 
 
 def run_errors(rank: int, world: int) -> dict:

@@ -17,12 +17,15 @@ step averages them over the EP rank's replica group, the ranks holding the same 
 The expert half of one step, after DMuon has agreed the has-gradient / non-finite flags (the expert
 parameters' flags are among them, from each rank's local gradients):
   expert matrix   reduce (mean) of its slice to its owner inside the replica group (no other rank holds
-                  it); the owner: momentum, NS, update; broadcast of the new slice inside the group
+                  it); the owner: momentum, NS, update; broadcast of the new slice inside the group.
+                  Per owner (and dtype) of the group one reduce and one broadcast carry all its slices
+                  (packed), all issued before the first is waited for.
 The owner runs each plan batch as one batched NS call: a batch of consecutive experts of one 3-D
-parameter is the slice view grad[a:b] of its momentum-updated stack (no copy per expert); other batches
-are stacked. The momentum of a 3-D parameter is one stack like it (state "momentum_buffer"), of which
-the owner uses its owned slices. Same semantics as single-process Muon over the dense matrices and
-every expert matrix with the averaged gradients (tests/test_runtime_ep.py).
+parameter is the slice view grad[a:b] (no copy per expert); other batches are stacked. Momentum lives
+on the owner only: per 3-D parameter a stack of its owned slices in slot order (state "momentum_buffer",
+"momentum_slots" the slots), so a batch of consecutive experts is a slice view of it too. Same semantics
+as single-process Muon over the dense matrices and every expert matrix with the averaged gradients
+(tests/test_runtime_ep.py).
 """
 
 from __future__ import annotations
@@ -115,42 +118,80 @@ class ExpertMuon:
             e_local = opt.params[idx[i]].shape[0]
             if e // e_local == self.k:
                 self.held[j] = (idx[i], e - self.k * e_local)
-        self.params = [opt.params[i] for i in idx]
+        # momentum only for the owned slices: per parameter a stack of them, in slot order
+        self.owned: dict[int, list[int]] = {}
+        for j, (i, slot) in self.held.items():
+            if plan.owners[j] == opt.rank:
+                self.owned.setdefault(i, []).append(slot)
+        self.row = {(i, slot): r for i, slots in self.owned.items() for r, slot in enumerate(sorted(slots))}
         with torch.no_grad():  # replicas start from the same experts (the group's first rank's), as DDP does
-            for p in self.params:
-                dist.broadcast(p.data, self.layout.replica_group(self.k)[0], group=self.group)
+            for i in idx:
+                dist.broadcast(opt.params[i].data, self.layout.replica_group(self.k)[0], group=self.group)
 
     @torch.no_grad()
     def step(self, flags: list[bool]) -> None:
         """Reduce, orthogonalize and publish the expert matrices whose parameter has a gradient on some
-        rank (`flags`, agreed on every rank)."""
-        opt, plan, size = self.opt, self.plan, self.layout.replicas
+        rank (`flags`, agreed on every rank): one reduce and one broadcast per owner (and dtype) of the
+        replica group, each packing that owner's matrices."""
+        opt, plan = self.opt, self.plan
         active = [j for j, (i, _) in self.held.items() if flags[i]]
         for i in {self.held[j][0] for j in active}:
-            p = opt.params[i]
-            if p.grad is None:  # no gradient here, but on some rank: contributes zeros
-                p.grad = torch.zeros_like(p)
-        for j in active:  # gradients to owners (mean over the replica group)
-            i, slot = self.held[j]
-            g = opt.params[i].grad[slot]
-            if size > 1:
-                dist.reduce(g, plan.owners[j], op=dist.ReduceOp.SUM, group=self.group)
-            if plan.owners[j] == opt.rank:
-                g.div_(size)
+            if opt.params[i].grad is None:  # no gradient here, but on some rank: contributes zeros
+                opt.params[i].grad = torch.zeros_like(opt.params[i])
+        packs: dict[tuple, list[int]] = {}  # (owner, dtype) -> its matrices, the same on the whole group
+        for j in active:
+            packs.setdefault((plan.owners[j], str(opt.params[self.held[j][0]].dtype)), []).append(j)
+        packs = dict(sorted(packs.items()))
+        self._exchange(packs, grad=True)  # gradients to owners (mean over the replica group)
         for b in plan.batches_of(opt.rank):
             members = [j for j in b.members if j >= self.n_dense and flags[self.held[j][0]]]
             if members:
                 self._run_batch(b, members)
-        for j in active:  # publication from the owners
-            i, slot = self.held[j]
-            if size > 1:
-                dist.broadcast(opt.params[i].data[slot], plan.owners[j], group=self.group)
+        self._exchange(packs, grad=False)  # publication from the owners
+
+    def _slice(self, j: int, grad: bool) -> torch.Tensor:
+        i, slot = self.held[j]
+        p = self.opt.params[i]
+        return (p.grad if grad else p.data)[slot]
+
+    def _exchange(self, packs: dict, grad: bool) -> None:
+        """grad: reduce (sum) each pack to its owner, which keeps the mean; else broadcast each pack from its
+        owner. All packs are issued before the first is waited for."""
+        size, me = self.layout.replicas, self.opt.rank
+        if size == 1:  # every matrix is owned where it lives
+            return
+        issued = []
+        for (owner, _), js in packs.items():
+            if grad or owner == me:
+                flat = torch.cat([self._slice(j, grad).reshape(-1) for j in js])
+            else:
+                t = self._slice(js[0], grad)
+                flat = torch.empty(sum(self._slice(j, grad).numel() for j in js), dtype=t.dtype,
+                                   device=t.device)
+            if grad:
+                work = dist.reduce(flat, owner, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            else:
+                work = dist.broadcast(flat, owner, group=self.group, async_op=True)
+            issued.append((owner, js, flat, work))
+        for owner, js, flat, work in issued:
+            work.wait()
+            if (owner == me) != grad:  # the owner keeps the reduced sum, the others the published weights
+                continue
+            pos = 0
+            for j in js:
+                t = self._slice(j, grad)
+                t.copy_(flat[pos:pos + t.numel()].view(t.shape))
+                if grad:
+                    t.div_(size)
+                pos += t.numel()
 
     def _buffer(self, i: int) -> torch.Tensor:
-        """Parameter i's momentum stack (its owned slices are used; created on first use)."""
-        st = self.opt.state[self.opt.params[i]]
+        """Parameter i's momentum: a stack of its owned slices in slot order (created on first use)."""
+        p, st = self.opt.params[i], self.opt.state[self.opt.params[i]]
         if "momentum_buffer" not in st:
-            st["momentum_buffer"] = torch.zeros_like(self.opt.params[i])
+            st["momentum_buffer"] = torch.zeros((len(self.owned[i]), *p.shape[1:]), dtype=p.dtype,
+                                                device=p.device)
+            st["momentum_slots"] = tuple(sorted(self.owned[i]))
         return st["momentum_buffer"]
 
     def _run_batch(self, batch, members: list[int]) -> None:
@@ -160,13 +201,14 @@ class ExpertMuon:
         where = [self.held[j] for j in members]
         i0, a = where[0]
         if all(i == i0 for i, _ in where) and [s for _, s in where] == list(range(a, a + len(where))):
-            # consecutive experts of one 3-D parameter: momentum and NS on the slice views, no copy per expert
-            z = a + len(where)
-            stack = muon_momentum_(opt.params[i0].grad[a:z], self._buffer(i0)[a:z], hp["momentum"],
-                                   hp["nesterov"])
+            # consecutive experts of one 3-D parameter (consecutive rows of its owned stack too): momentum and
+            # NS on the slice views, no copy per expert
+            z, r = a + len(where), self.row[(i0, a)]
+            stack = muon_momentum_(opt.params[i0].grad[a:z], self._buffer(i0)[r:r + len(where)],
+                                   hp["momentum"], hp["nesterov"])
         else:  # mixed members: tall ones transposed to the batch's (rows, cols) shape
-            ins = [muon_momentum_(opt.params[i].grad[s], self._buffer(i)[s], hp["momentum"], hp["nesterov"])
-                   for i, s in where]
+            ins = [muon_momentum_(opt.params[i].grad[s], self._buffer(i)[self.row[(i, s)]], hp["momentum"],
+                                  hp["nesterov"]) for i, s in where]
             stack = torch.stack([t if tuple(t.shape) == (batch.rows, batch.cols) else t.mT for t in ins])
         updates = opt._ns(stack, batch_method(self.plan, batch))
         for (i, s), u in zip(where, updates, strict=True):
