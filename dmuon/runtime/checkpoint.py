@@ -13,6 +13,10 @@ What each rank contributes (DCP keys "model.<param>" and "optim.state.<param>.<k
                                                  state; on load each rank reads the saved pieces that
                                                  overlap its new range (found in the checkpoint metadata)
   step counts, hyperparameters, step counters    Python values (written once)
+  expert parameters and their momentum (ep > 1)  DTensors of every EP rank's experts (`ExpertMuon.as_global`:
+                                                 replicated over the replica group, Shard(0) over the EP
+                                                 ranks); the momentum of each local expert gathered from
+                                                 its owner first; on load each owner keeps its rows
 On load every rank requests what *its* plan makes it update: a matrix's momentum goes to the matrix's new
 owner, whoever saved it; the owners' weights are then published to every rank. Nothing is gathered.
 """
@@ -82,6 +86,8 @@ def model_state_dict(model, opt) -> dict:
         mine = _owned_muon(opt)
         skip = {opt.names[i] for i in range(opt.n_muon) if i not in mine}
         sd = {k: v for k, v in sd.items() if k not in skip}
+    for i in _experts(opt):  # every rank's own experts: one global tensor
+        sd[opt.names[i]] = opt.experts.as_global(opt.params[i].detach())
     return sd
 
 
@@ -89,9 +95,13 @@ def optimizer_state_dict(opt) -> dict:
     """The optimizer's state for DCP (see the module docstring)."""
     opt.synchronize_exchanges()
     state = {}
+    experts = set(_experts(opt))
+    for i in sorted(experts):  # collective: every rank, every expert parameter
+        full = opt.experts.full_momentum(i)
+        state[opt.names[i]] = {"momentum_buffer": opt.experts.as_global(full)}
     for i, p in enumerate(opt.params):
         st = opt.state.get(p)
-        if not st:
+        if not st or i in experts:
             continue
         entry = {}
         piece = st.get("shard")
@@ -113,17 +123,12 @@ def optimizer_state_dict(opt) -> dict:
     return {"meta": meta, "state": state}
 
 
-def refuse_ep(opt) -> None:
-    """Sharded checkpoints do not hold expert parallelism yet: one-line error."""
-    if getattr(opt, "ep", 1) > 1:
-        raise InputError(f"sharded checkpoints (dmuon.save_checkpoint / load_checkpoint / state_dict) do not "
-                         f"support ep={opt.ep} yet: the expert parameters differ per EP rank under one name; "
-                         "accepted: ep=1, or opt.state_dict() / load_state_dict() per rank with the "
-                         "model's own state_dict()")
+def _experts(opt) -> list[int]:
+    """Indices of the expert parameters (ep > 1; `dmuon.runtime.ep`)."""
+    return list(range(opt.expert_first, len(opt.params))) if getattr(opt, "experts", None) else []
 
 
 def state_dict(model, opt) -> dict:
-    refuse_ep(opt)
     return {"model": model_state_dict(model, opt), "optim": optimizer_state_dict(opt)}
 
 
@@ -151,8 +156,15 @@ def _request(opt, saved: dict) -> tuple[dict, list]:
     ranges = updated_ranges(opt)
     muon_owned = _owned_muon(opt)
     state, todo = {}, []
+    experts = set(_experts(opt))
+    for i in sorted(experts):
+        key = f"optim.state.{opt.names[i]}.momentum_buffer"
+        if key in saved:
+            t = opt.experts.as_global(torch.zeros_like(opt.params[i]))
+            state[opt.names[i]] = {"momentum_buffer": t}
+            todo.append((i, "momentum_buffer", "expert", t))
     for i, p in enumerate(opt.params):
-        if i not in ranges or (i < opt.n_muon and i not in muon_owned):
+        if i not in ranges or i in experts or (i < opt.n_muon and i not in muon_owned):
             continue
         name, rng = opt.names[i], ranges[i]
         prefix = f"optim.state.{name}."
@@ -192,6 +204,9 @@ def _install(opt, state: dict, todo: list) -> None:
     opt.state.clear()
     for i, key, how, value in todo:
         p = opt.params[i]
+        if how == "expert":
+            opt.experts.install_momentum(i, value.to_local())
+            continue
         if how == "local":
             t = value.to_local()
         else:
@@ -226,7 +241,6 @@ def load_checkpoint(path, model, opt, storage_reader=None, **dcp_kwargs) -> None
     parameter names match); every rank must call it. Owners' weights are then published."""
     import torch.distributed.checkpoint as dcp
 
-    refuse_ep(opt)
     saved = _saved_keys(path, storage_reader)
     if "optim.meta.format" not in saved:
         raise InputError(f"{path}: not a dmuon checkpoint (no optim.meta entry); accepted: a directory "
@@ -249,7 +263,7 @@ def load_checkpoint(path, model, opt, storage_reader=None, **dcp_kwargs) -> None
     params = dict(model.named_parameters())
     with torch.no_grad():
         for k, v in model_sd.items():  # DCP loads in place; copy where state_dict() returned copies
-            target = params.get(k)
+            target, v = params.get(k), local_tensor(v)  # experts: their DTensor's local stack
             if target is not None and not is_dtensor(target) and target.data_ptr() != v.data_ptr():
                 target.copy_(v)
     _install(opt, optim, todo)

@@ -110,6 +110,7 @@ class ExpertMuon:
         # every rank creates every replica group, in the same order (torch.distributed's rule)
         groups = [dist.new_group(list(self.layout.replica_group(k)), timeout=timeout) for k in range(ep)]
         self.group = groups[self.k]
+        self._mesh = None  # (replica, ep) DeviceMesh of the checkpoints' DTensors, created on first use
         idx = list(range(first, len(opt.params)))
         found = expert_matrices([opt.names[i] for i in idx], [opt.params[i] for i in idx],
                                 [opt.layers[i] for i in idx], ep)
@@ -215,3 +216,38 @@ class ExpertMuon:
             w = opt.params[i].data[s]
             u = u if u.shape == w.shape else u.mT
             muon_apply_(w, u, hp["lr"], hp["weight_decay"], lr_scale(w.shape, hp["adjust_lr"]))
+
+    # ---- sharded checkpoints (dmuon.runtime.checkpoint) -------------------------------------------
+    def as_global(self, t: torch.Tensor) -> torch.Tensor:
+        """A local expert stack (E_local, ...) as the DTensor of every EP rank's experts on a (replica, ep)
+        mesh, (Replicate(), Shard(0)): DCP writes each expert once and re-shards it on load for any ep
+        and world size. Shares t's storage (DCP loads into it). The first call is collective."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if self._mesh is None:
+            self._mesh = init_device_mesh(self.opt.device.type, (self.layout.replicas, self.layout.ep),
+                                          mesh_dim_names=("replica", "ep"))
+        shape = (t.shape[0] * self.layout.ep, *t.shape[1:])
+        return DTensor.from_local(t, self._mesh, (Replicate(), Shard(0)), run_check=False, shape=shape,
+                                  stride=torch.empty(shape, device="meta").stride())
+
+    def full_momentum(self, i: int) -> torch.Tensor:
+        """Parameter i's momentum for every local expert (zeros where none yet): each owner's rows, summed
+        over the replica group (every other replica holds zeros there). Collective over the group."""
+        p = self.opt.params[i]
+        full = torch.zeros_like(p)
+        st = self.opt.state.get(p, {})
+        if "momentum_buffer" in st:
+            full[list(st["momentum_slots"])] = st["momentum_buffer"]
+        if self.layout.replicas > 1:
+            dist.all_reduce(full, group=self.group)
+        return full
+
+    def install_momentum(self, i: int, full: torch.Tensor) -> None:
+        """Keep the owned rows of parameter i's loaded momentum (every local expert's)."""
+        slots = sorted(self.owned.get(i, ()))
+        if slots:
+            st = self.opt.state[self.opt.params[i]]
+            st["momentum_buffer"] = full[slots].clone()
+            st["momentum_slots"] = tuple(slots)
