@@ -19,7 +19,8 @@ parameters' flags are among them, from each rank's local gradients):
   expert matrix   reduce (mean) of its slice to its owner inside the replica group (no other rank holds
                   it); the owner: momentum, NS, update; broadcast of the new slice inside the group.
                   Per owner (and dtype) of the group one reduce and one broadcast carry all its slices
-                  (packed), all issued before the first is waited for.
+                  (packed), all issued before the first is waited for; gradients in DMuon's comm_dtype
+                  when set, weights in the parameters' dtype.
 The owner runs each plan batch as one batched NS call: a batch of consecutive experts of one 3-D
 parameter is the slice view grad[a:b] (no copy per expert); other batches are stacked. Momentum lives
 on the owner only: per 3-D parameter a stack of its owned slices in slot order (state "momentum_buffer",
@@ -156,15 +157,17 @@ class ExpertMuon:
         return (p.grad if grad else p.data)[slot]
 
     def _exchange(self, packs: dict, grad: bool) -> None:
-        """grad: reduce (sum) each pack to its owner, which keeps the mean; else broadcast each pack from its
-        owner. All packs are issued before the first is waited for."""
-        size, me = self.layout.replicas, self.opt.rank
+        """grad: reduce (sum) each pack to its owner, which keeps the mean (in DMuon's comm_dtype, if set);
+        else broadcast each pack from its owner (in the parameters' dtype, as DMuon publishes). All packs
+        are issued before the first is waited for."""
+        size, me, wire = self.layout.replicas, self.opt.rank, self.opt.comm_dtype if grad else None
         if size == 1:  # every matrix is owned where it lives
             return
         issued = []
         for (owner, _), js in packs.items():
             if grad or owner == me:
                 flat = torch.cat([self._slice(j, grad).reshape(-1) for j in js])
+                flat = flat if wire is None else flat.to(wire)
             else:
                 t = self._slice(js[0], grad)
                 flat = torch.empty(sum(self._slice(j, grad).numel() for j in js), dtype=t.dtype,
