@@ -157,10 +157,10 @@ class DMuon(DistributedMuonBase):
     def _muon_update(self, has_any: torch.Tensor, pending) -> None:
         group = self.param_groups[0]
         flags = has_any.tolist()  # one read, not one tensor index per matrix
-        for i, buf, update in pending:
-            if flags[i]:
-                self.state[self.params[i]]["momentum_buffer"] = buf
-                self._apply([i], [update], group)
+        done = [(i, buf, update) for i, buf, update in pending if flags[i]]
+        for i, buf, _ in done:
+            self.state[self.params[i]]["momentum_buffer"] = buf
+        self._apply([i for i, *_ in done], [u for *_, u in done], group)
 
 
 class NaiveMuon(DistributedMuonBase):

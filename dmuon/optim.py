@@ -4,6 +4,7 @@ Functional pieces (the distributed optimizers call these on the matrices a rank 
   lr_scale(shape, adjust_lr)                          per-matrix learning-rate multiplier
   muon_momentum_(grad, buf, momentum, nesterov)       buf = mu buf + g; returns the NS input
   muon_apply_(param, update, lr, weight_decay, scale) W *= 1 - lr wd; W -= lr scale U
+  muon_apply_many_(params, updates, lr, weight_decay, scales)   the same on lists (foreach calls)
   adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps, ...)   bias-corrected AdamW, decoupled wd
                                                       (torch's fused kernel where it has one)
   nonfinite_names(names, grads)                       which gradients hold NaN / inf
@@ -89,6 +90,23 @@ def muon_apply_(param: torch.Tensor, update: torch.Tensor, lr: float, weight_dec
     param.add_(update.to(param.dtype), alpha=-lr * scale)
 
 
+def muon_apply_many_(params, updates, lr: float, weight_decay: float, scales) -> None:
+    """`muon_apply_` on lists (params[k] with updates[k] and scales[k]): one foreach call per distinct
+    (scale, dtype, device) instead of one call per tensor; bitwise the per-tensor result (the same
+    in-place ops on each tensor)."""
+    groups: dict[tuple, tuple[list, list]] = {}
+    for p, u, s in zip(params, updates, scales, strict=True):
+        if u.shape != p.shape:
+            u = u.reshape(p.shape)
+        ps, us = groups.setdefault((s, p.dtype, p.device), ([], []))
+        ps.append(p)
+        us.append(u.to(p.dtype))
+    for (s, *_), (ps, us) in groups.items():
+        if weight_decay != 0:
+            torch._foreach_mul_(ps, 1 - lr * weight_decay)
+        torch._foreach_add_(ps, us, alpha=-lr * s)
+
+
 def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr: float, betas: tuple[float, float],
                 eps: float, weight_decay: float, fused: bool | None = None) -> None:
     """AdamW on lists of tensors, in place. `steps[i]` is the step number of params[i] counting this
@@ -148,11 +166,46 @@ def _failing(grads, reduce, ok) -> list[int]:
     return sorted(bad)
 
 
+def storage_runs(tensors) -> list[tuple[torch.Tensor, list[int]]]:
+    """The tensors as (flat tensor, indices) runs: tensors that lie back to back in one storage (dense,
+    same dtype and device, each starting where the previous one ends, e.g. FSDP2's gradient shards of one
+    module: views of its reduce-scatter output) become one flat view of the span they cover; any other
+    tensor is a run of its own. Runs come in the order of their first member."""
+    tensors = list(tensors)
+    spans: dict[tuple, list[tuple[int, int, int]]] = {}
+    alone = []
+    for i, t in enumerate(tensors):
+        if t.layout == torch.strided and t.is_contiguous() and t.numel():
+            key = (t.device, t.dtype, t.untyped_storage().data_ptr())
+            spans.setdefault(key, []).append((t.storage_offset(), t.numel(), i))
+        else:
+            alone.append(i)
+    runs = [(tensors[i], [i]) for i in alone]
+    for members in spans.values():
+        members.sort()
+        start = 0
+        for k in range(1, len(members) + 1):
+            if k < len(members) and members[k][0] == members[k - 1][0] + members[k - 1][1]:
+                continue
+            first, last = members[start], members[k - 1]
+            idx = [m[2] for m in members[start:k]]
+            flat = tensors[first[2]] if k - start == 1 else tensors[first[2]].as_strided(
+                (last[0] + last[1] - first[0],), (1,), first[0])
+            runs.append((flat, idx))
+            start = k
+    runs.sort(key=lambda r: min(r[1]))
+    return runs
+
+
 def suspect_indices(grads) -> list[int]:
-    """Indices of the tensors whose sum is not finite: one reduction each, one finiteness test and one
-    host sync per device, the cheap first pass before `nonfinite_names` checks those exactly (a finite
-    tensor can overflow its sum, never the other way round)."""
-    return _failing(list(grads), lambda g: g.sum().float(), torch.isfinite)
+    """Indices of the tensors whose sum is not finite, the cheap first pass before `nonfinite_names` checks
+    those exactly (a finite tensor can overflow its sum, never the other way round): one reduction per
+    run of tensors back to back in one storage (`storage_runs`: FSDP2's gradient shards of a module are
+    one run; every member of a run whose sum is not finite is a suspect), one finiteness test and one
+    host sync per device."""
+    runs = storage_runs(grads)
+    bad = _failing([flat for flat, _ in runs], lambda g: g.sum().float(), torch.isfinite)
+    return sorted(i for r in bad for i in runs[r][1])
 
 
 def nonfinite_names(names, grads) -> list[str]:

@@ -460,3 +460,40 @@ def test_suspect_indices_is_a_superset_of_the_exact_check():
     assert sus == [1, 2, 3]
     assert nonfinite_names(sus, [grads[k] for k in sus]) == [1, 3]
     assert suspect_indices([]) == []
+
+
+def test_suspect_indices_sums_a_storage_run_once_and_still_finds_each_bad_tensor():
+    from dmuon.optim import nonfinite_names, storage_runs, suspect_indices
+
+    flat = torch.arange(30.0)
+    grads = [flat[0:6], flat[6:18].view(3, 4), flat[20:30].view(2, 5), torch.ones(4), flat[6:18].view(3, 4).t()]
+    runs = storage_runs(grads)
+    # the first two lie back to back: one run over their span; the third starts after a gap; the
+    # transposed view is not contiguous: each of those is a run of its own
+    assert [(tuple(f.shape), idx) for f, idx in runs] == [((18,), [0, 1]), ((2, 5), [2]), ((4,), [3]),
+                                                         ((4, 3), [4])]
+    assert torch.equal(runs[0][0], flat[:18])
+    assert suspect_indices(grads) == []
+    flat[8] = float("nan")  # in grads 1 and 4 (the same elements); grads 0 shares the run of grads 1
+    flat[25] = float("inf")
+    sus = suspect_indices(grads)
+    assert sus == [0, 1, 2, 4]
+    assert nonfinite_names(sus, [grads[k] for k in sus]) == [1, 2, 4]
+
+
+def test_muon_apply_many_is_bitwise_muon_apply_per_tensor():
+    from dmuon.optim import muon_apply_many_
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(5, 7), (7, 5), (3, 2, 2), (5, 7)]
+    scales = [0.7, 1.3, 0.7, 2.0]
+    for wd in (0.0, 0.1):
+        ps = [torch.randn(s, generator=g) for s in shapes]
+        us = [torch.randn(s[0], math.prod(s[1:]), generator=g) for s in shapes]
+        us[1] = us[1].to(torch.bfloat16)  # another dtype than its parameter's
+        ref = [p.clone() for p in ps]
+        for p, u, s in zip(ref, us, scales, strict=True):
+            dmuon.muon_apply_(p, u, lr=0.05, weight_decay=wd, scale=s)
+        muon_apply_many_(ps, us, lr=0.05, weight_decay=wd, scales=scales)
+        for a, b in zip(ps, ref, strict=True):
+            assert torch.equal(a, b)

@@ -22,7 +22,7 @@ from ..optim import (
     Muon,
     adamw_step_,
     lr_scale,
-    muon_apply_,
+    muon_apply_many_,
     muon_momentum_,
     nonfinite_names,
     suspect_indices,
@@ -423,9 +423,10 @@ class DistributedMuonBase(torch.optim.Optimizer):
         return out
 
     def _apply(self, indices, updates, group) -> None:
-        for i, u in zip(indices, updates, strict=True):
-            p = self.params[i]
-            muon_apply_(p, u, group["lr"], group["weight_decay"], lr_scale(p.shape, group["adjust_lr"]))
+        """The updates of these Muon matrices, one foreach call per learning-rate scale."""
+        params = [self.params[i] for i in indices]
+        muon_apply_many_(params, list(updates), group["lr"], group["weight_decay"],
+                         [lr_scale(p.shape, group["adjust_lr"]) for p in params])
 
     def _muon_update(self, has_any: torch.Tensor, pending) -> None:
         raise NotImplementedError

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError
-from ..optim import lr_scale, momentum_update, muon_apply_, muon_momentum_, muon_ns_input
+from ..optim import lr_scale, momentum_update, muon_apply_many_, muon_momentum_, muon_ns_input
 from .bytecount import label
 from .fsdp import chunk_rows, fsdp_owner_module, local_tensor, mesh_of
 from .guards import submit_flags
@@ -117,12 +117,19 @@ class _ShardedMixin:
             out[i] = inp.reshape(mine.shape[0], self.geo.cols[i])
         return out
 
-    def _apply_local(self, i: int, rows_update: torch.Tensor, group) -> None:
-        p = self.params[i]
-        mine = local_tensor(p)
-        if mine.numel():
-            muon_apply_(mine, rows_update.reshape(mine.shape), group["lr"], group["weight_decay"],
-                        lr_scale(p.shape, group["adjust_lr"]))
+    def _apply_local(self, items, group) -> None:
+        """Apply rows of the update to the local shards, items = [(matrix, its rows of the update)]: one
+        foreach call per learning-rate scale (`muon_apply_many_`), not one call per matrix."""
+        params, updates, scales = [], [], []
+        for i, rows_update in items:
+            p = self.params[i]
+            mine = local_tensor(p)
+            if mine.numel():
+                params.append(mine)
+                updates.append(rows_update.reshape(mine.shape))
+                scales.append(lr_scale(p.shape, group["adjust_lr"]))
+        if params:
+            muon_apply_many_(params, updates, group["lr"], group["weight_decay"], scales)
 
 
 class ShardedDMuonSteps(_ShardedMixin):
@@ -250,8 +257,7 @@ class ShardedDMuonSteps(_ShardedMixin):
             kwargs = {**self.ns.kwargs(), "method": batch_method(plan, b)}
             out = self._split.run_rows(b, stack, kwargs)
             self.ns_matrices += len(members) if b.owner == self.rank else 0
-            for i, u in zip(members, out.unbind(0), strict=True):
-                self._apply_local(i, u, group)
+            self._apply_local(list(zip(members, out.unbind(0), strict=True)), group)
         # 2. the owner's batches, bucket by bucket; each bucket's rows go back as soon as it is complete,
         #    copied from the update straight into the return buffer; my own rows are applied at once
         updates: dict[int, torch.Tensor] = {}
@@ -268,8 +274,8 @@ class ShardedDMuonSteps(_ShardedMixin):
         for k, ms in enumerate(lay.buckets):
             if returns[k] is not None:
                 recv = returns[k].wait()
-                for i, pos, n in lay.returns[k]["applies"]:
-                    self._apply_local(i, recv.narrow(0, pos, n), group)
+                self._apply_local([(i, recv.narrow(0, pos, n)) for i, pos, n in lay.returns[k]["applies"]],
+                                  group)
             if geo.R > 1 and ms:
                 self._bcast[k] = self._broadcast_replicas(k, ms, lay.dtypes[k])
 
@@ -288,12 +294,14 @@ class ShardedDMuonSteps(_ShardedMixin):
                 back.narrow(0, pos, rows * cols).view(rows, cols).copy_(updates[i].narrow(0, lo, rows))
             handle = self._all_to_all(f"Muon updates of bucket {k} to the shards", back, sp["out_splits"],
                                       sp["in_splits"])
+        own = []
         for i, lo, rows in rt["own"]:
             mine = updates.pop(i).narrow(0, lo, rows)
             if rows:
                 if mine.dtype != dtype or not mine.is_contiguous():
                     mine = torch.empty(mine.shape, dtype=dtype, device=self.device).copy_(mine)
-                self._apply_local(i, mine, group)
+                own.append((i, mine))
+        self._apply_local(own, group)
         return handle
 
     def _momentum_input(self, i: int, group, out: torch.Tensor) -> torch.Tensor:
@@ -412,7 +420,6 @@ class ShardedNaiveSteps(_ShardedMixin):
         updates = self._ns_many(fulls)
         self.ns_matrices = getattr(self, "ns_matrices", 0) + len(fulls)
         s = self.geo.s
-        for i, u in zip(idx, updates, strict=True):
-            lo = sum(self.geo.rows[i][:s])
-            self._apply_local(i, u.narrow(0, lo, self.geo.rows[i][s]), group)
+        self._apply_local([(i, u.narrow(0, sum(self.geo.rows[i][:s]), self.geo.rows[i][s]))
+                           for i, u in zip(idx, updates, strict=True)], group)
 
