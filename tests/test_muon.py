@@ -466,7 +466,8 @@ def test_suspect_indices_sums_a_storage_run_once_and_still_finds_each_bad_tensor
     from dmuon.optim import nonfinite_names, storage_runs, suspect_indices
 
     flat = torch.arange(30.0)
-    grads = [flat[0:6], flat[6:18].view(3, 4), flat[20:30].view(2, 5), torch.ones(4), flat[6:18].view(3, 4).t()]
+    grads = [flat[0:6], flat[6:18].view(3, 4), flat[20:30].view(2, 5), torch.ones(4),
+             flat[6:18].view(3, 4).t()]
     runs = storage_runs(grads)
     # the first two lie back to back: one run over their span; the third starts after a gap; the
     # transposed view is not contiguous: each of those is a run of its own
