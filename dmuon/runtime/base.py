@@ -377,7 +377,8 @@ class DistributedMuonBase(torch.optim.Optimizer):
         if u.position in self._absorbed:
             return
         u.wait_reduce()
-        u.scale_(1.0 / self.world_size)
+        if self.world_size > 1:  # sums to means (at one rank the sum is the mean: no pass over the data)
+            u.scale_(1.0 / self.world_size)
         for k, m in enumerate(u.members):
             self._has_grad[m.index] = u.has_grad[k]
         if self.nonfinite != "ignore":
