@@ -262,6 +262,7 @@ def test_sharded_checkpoint_resumes_at_any_ep_and_world_size():
 def run_errors(rank: int, world: int) -> dict:
     import dmuon
     from dmuon.errors import InputError
+    from dmuon.runtime.guards import NonFiniteGradientError
 
     errs = {}
 
@@ -279,11 +280,24 @@ def run_errors(rank: int, world: int) -> dict:
     attempt("split", lambda: dmuon.DMuon(local_model(rank % 2, E // 2), ep=2, max_split=2, profile="a800"))
     sharded = dmuon.shard_model(local_model(rank % 2, E // 2), "fsdp2-owner")  # experts sharded too
     attempt("experts_sharded", lambda: dmuon.DMuon(sharded, ep=2, profile="a800"))
+    # a NaN in one rank's expert gradient stops the step on every rank, nothing updated
+    model, opt = setup(rank, world, 2, {"layout": "fsdp2-owner"})
+    before = weights(model, opt)
+    model(tokens(0, rank), (rank % 2) * (E // 2), 0, E // 2).backward()
+    if rank == 1:
+        model.layers[1].mlp.experts.w_down.grad[0, 0, 0] = float("nan")
+    try:
+        opt.step()
+    except NonFiniteGradientError as e:
+        errs["nonfinite"] = str(e)
+    after = weights(model, opt)
+    errs["unchanged"] = all(torch.equal(before[n], after[n]) for n in before)
     return errs
 
 
 def test_bad_setups_say_what_is_accepted():
-    errs = run_distributed(run_errors, 2, (), timeout_s=240)[0]
+    results = run_distributed(run_errors, 2, (), timeout_s=240)
+    errs = results[0]
     assert "does not divide the 2 ranks; accepted: a divisor of the rank count" in errs["ep_not_divisor"]
     assert "ep must be an integer >= 1" in errs["ep_not_int"]
     assert "accepted: ep=1 for NaiveMuon" in errs["naive"]
@@ -291,4 +305,6 @@ def test_bad_setups_say_what_is_accepted():
     assert "max_split is not supported with expert parallelism" in errs["split"]
     assert "ignored_params" in errs["experts_sharded"] and "shard_model(model, layout, ep=E)" in \
         errs["experts_sharded"]
-    assert all("\n" not in m for m in errs.values())
+    assert all("\n" not in m for k, m in errs.items() if k not in ("nonfinite", "unchanged"))
+    for errs in results:  # every rank names the expert parameter and updates nothing
+        assert "layers.1.mlp.experts.w_down" in errs["nonfinite"] and errs["unchanged"] is True
