@@ -72,6 +72,7 @@ def run_simulations(configs, trace: str | None):
             write_trace(built, path, ranks_per_node=built.spec.per_node,
                         metadata={"config": result.settings, "workload": result.workload,
                                   "profile": result.profile, "strategy": result.strategy})
+        del built  # the programs (~10^7 objects for a MoE at 4096 GPUs) go before the next are built
         results.append(result)
     return results
 

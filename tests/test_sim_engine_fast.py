@@ -4,6 +4,7 @@ mode (a800: SM share; cpu: compute and communication slowdowns), stragglers and 
 
 import gc
 import itertools
+import weakref
 
 import pytest
 
@@ -84,6 +85,51 @@ def test_paused_gc_restores_state():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+class _Node:
+    pass
+
+
+def test_paused_gc_ages_what_it_made_and_still_collects_cycles():
+    """What was made while paused starts no collection afterwards (the young generation would walk all of
+    it while the caller still holds it), and a reference cycle made meanwhile is still freed."""
+    young = gc.get_threshold()[0]
+    passes = []
+
+    def seen(phase, info):
+        if phase == "start":
+            passes.append(info["generation"])
+
+    gc.callbacks.append(seen)
+    try:
+        with paused_gc():
+            passes.clear()
+            kept = [_Node() for _ in range(3 * young)]  # past the threshold of a young collection
+            cycle = _Node()
+            cycle.me = cycle
+            gone = weakref.ref(cycle)
+            del cycle
+        more = [_Node() for _ in range(young // 2)]
+    finally:
+        gc.callbacks.remove(seen)
+    assert passes == []
+    assert len(kept) + len(more) > 3 * young
+    gc.collect()
+    assert gone() is None
+
+
+def test_paused_gc_keeps_the_process_frozen_objects_frozen():
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with paused_gc():
+            kept = [_Node()]
+        assert gc.get_freeze_count() == frozen
+        assert kept
+    finally:
+        gc.unfreeze()
 
 
 @pytest.mark.parametrize("seed", range(6))
