@@ -7,6 +7,9 @@ alternating with this one, and the ratio of the totals is printed (the machine's
     python -m scripts.sim_time "model=kimi-k2-like,gpus=1024,ep=64" [more configs] [--rounds 2] [--other DIR]
     python -m scripts.sim_time --grid          # the paper workloads x 256 / 1024 GPUs x fsdp-keep / hsdp-free
                                                # x adamw / naive / dmuon, against the 2 s / 10 s goals
+    python -m scripts.sim_time --cli CONFIG    # the path of `harness simulate` / `harness run` instead
+                                               # (simulator.api.run, which also returns the programs)
+"gc" is the CPU time of the garbage collector's passes, inside the total.
 """
 
 from __future__ import annotations
@@ -21,12 +24,23 @@ import time
 GOALS = {256: 2.0, 1024: 10.0}
 
 
-def _child(cfg: dict) -> None:
-    """Time one simulate() with its phases (run in the child process)."""
+def _child(cfg: dict, cli: bool = False) -> None:
+    """Time one simulate() with its phases (run in the child process); cli: the path of `harness simulate`
+    instead (`harness.cmd_simulate.run_simulations`: simulator.api.run, which returns the programs too).
+    "gc" is the CPU time of the cyclic garbage collector's passes inside the total."""
+    import gc
+
     from simulator import engine, metrics, setup, step
     from simulator.api import SimConfig, simulate
 
-    phases: dict = {}
+    phases: dict = {"gc": 0.0}
+    started = []
+
+    def collecting(phase, _info):
+        if phase == "start":
+            started.append(time.process_time())
+        elif started:
+            phases["gc"] += time.process_time() - started.pop()
 
     def timed(owner, name, label):
         f = getattr(owner, name)
@@ -43,9 +57,17 @@ def _child(cfg: dict) -> None:
     timed(step, "build", "build")
     timed(engine.Cluster, "run", "run")
     timed(metrics, "measure", "metrics")
+    target = simulate
+    if cli:
+        from harness.cmd_simulate import run_simulations
+
+        def target(c):
+            return run_simulations([c], None)[0]
+    gc.callbacks.append(collecting)
     t = time.process_time()
-    r = simulate(SimConfig(**cfg))
+    r = target(SimConfig(**cfg))
     phases["total"] = time.process_time() - t
+    gc.callbacks.remove(collecting)
     print(json.dumps({"phases": phases, "step_s": r.step_s}))
 
 
@@ -57,13 +79,14 @@ def _parse(text: str) -> dict:
     return out
 
 
-def time_config(tree: str, cfg: dict) -> dict:
+def time_config(tree: str, cfg: dict, cli: bool = False) -> dict:
     """Time `cfg` in a fresh process with `tree`'s simulator (this file's _child, that tree first on the
     path, so an older checkout without this script can be timed too)."""
     me = os.path.abspath(__file__)
     code = (f"import importlib.util, sys; sys.path.insert(0, {tree!r}); "
             f"spec = importlib.util.spec_from_file_location('sim_time', {me!r}); "
-            f"m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); m._child({cfg!r})")
+            f"m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+            f"m._child({cfg!r}, {cli!r})")
     p = subprocess.run([sys.executable, "-c", code], cwd=tree, env={**os.environ, "PYTHONPATH": tree},
                        capture_output=True, text=True, check=True)
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -75,6 +98,7 @@ def main() -> None:
     ap.add_argument("--other", help="another checkout, timed side by side with this one")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--grid", action="store_true")
+    ap.add_argument("--cli", action="store_true", help="time harness simulate's path (simulator.api.run)")
     a = ap.parse_args()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfgs = [_parse(c) for c in a.configs]
@@ -87,7 +111,7 @@ def main() -> None:
         for _ in range(a.rounds):
             totals = {}
             for name, tree in trees:
-                r = time_config(tree, cfg)
+                r = time_config(tree, cfg, a.cli)
                 ph = r["phases"]
                 totals[name] = ph["total"]
                 goal = GOALS.get(cfg.get("gpus")) if a.grid else None
