@@ -2,9 +2,12 @@
 
 Work model. Matrices are grouped into *shape classes* by their NS shape (n, m) = (min, max): a matrix
 and its transpose cost the same and may share a batch (the runtime transposes tall ones before
-stacking). For a class s, T(s, b) is the cost-table time of one batched call of b matrices. Batch sizes
-a class may use (`sizes`): 1, and every b <= max_batch with T(s, b) < b T(s, 1) (a batch never costs
-more than its members run singly) that is not dominated by a split b = b1 + b2 of usable sizes with
+stacking). With `orientation` a class also keeps one orientation (`ShapeClass.tall`, `orientation.py`:
+where the runtime's NS iterates tall matrices as they are, a mixed batch would run as two calls). Prices
+are the same; the classes are only finer, so the lower bound below and the balancers hold as they are.
+For a class s, T(s, b) is the cost-table time of one batched call of b matrices. Batch sizes a class may
+use (`sizes`): 1, and every b <= max_batch with T(s, b) < b T(s, 1) (a batch never costs more than its
+members run singly) that is not dominated by a split b = b1 + b2 of usable sizes with
 T(b1) + T(b2) <= T(b) (the split is never worse on the same rank, so the balancers need not see b).
 
 Lower bound (a theorem for every plan over these batch sizes, memory cap or not):
@@ -35,13 +38,14 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import InputError, choice_error
 from . import batchdp
 from .flops import METHODS
 from .momentum import momentum_time
+from .orientation import BOTH, shape_groups
 from .split import area_bound, check_max_split, links_for, split_levels, split_price
 from .types import MatrixSpec
 
@@ -57,7 +61,8 @@ MAX_RANKS = 1 << 20  # plans are lists over ranks; a larger count is a typo, not
 
 @dataclass(frozen=True)
 class ShapeClass:
-    """All matrices with one NS shape (n, m), with the batch sizes and times they may use."""
+    """All matrices with one NS shape (n, m), with the batch sizes and times they may use; with
+    orientation, only those of one orientation (tall: rows > cols; None: both, as without)."""
 
     n: int
     m: int
@@ -67,6 +72,12 @@ class ShapeClass:
     sizes: tuple[int, ...]  # usable, non-dominated batch sizes, ascending (see module docstring)
     state_bytes: int  # owned state of one matrix of this class
     momentum_s: dict[int, float] = field(default_factory=dict)  # batch size -> owner momentum in times_s
+    tall: bool | None = None  # orientation kept apart: True = rows > cols, False = rows <= cols; None = both
+
+    @property
+    def label(self) -> str:
+        """The members' own shape (rows x cols): the NS shape n x m unless the class holds tall ones."""
+        return f"{self.m}x{self.n}" if self.tall else f"{self.n}x{self.m}"
 
     @property
     def count(self) -> int:
@@ -143,7 +154,7 @@ class WorkModel:
                 c = self.classes[s]
                 q = -(-c.count // n_ranks)
                 if q > 1:
-                    terms[f"pigeonhole {c.n}x{c.m}"] = self.cover_s(s, q)
+                    terms[f"pigeonhole {c.label}"] = self.cover_s(s, q)
             order = sorted(whole, key=lambda s: (-self.classes[s].min_call_s, s))
             total = sum(self.classes[s].count for s in whole)
             for k in range(1, TOP_K_MAX + 1):
@@ -221,13 +232,17 @@ def build_work_model(
     max_split: int = 1,
     links=None,
     owner_momentum: bool = True,
+    orientation: bool | Collection[tuple[int, int]] = False,
 ) -> WorkModel:
     """Group matrices into shape classes and price every batch size with the cost table; with
     max_split > 1 also the split piece types (groups of 2, 4, ... <= max_split ranks, priced by
     `split.split_price` with `links`, default the cost table device's `split.LINKS` entry).
     owner_momentum: every T(s, b) includes the owner's momentum pass over the b matrices
     (`momentum_time`), as the replicated and fsdp2-owner layouts run it; False for fsdp2-sharded, where
-    every rank runs the momentum on its shards (not owner work)."""
+    every rank runs the momentum on its shards (not owner work).
+    orientation: True = tall and wide matrices never share a class (nor a batch); a collection of NS shapes
+    (n, m), n <= m = only those shapes' classes are kept apart; False (the default) = classes by (n, m)
+    alone, as before."""
     if not isinstance(owner_momentum, bool):
         raise InputError(f"owner_momentum must be True or False, got {owner_momentum!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_RANKS:
@@ -243,12 +258,8 @@ def build_work_model(
     if len(set(names)) != len(names):
         dup = sorted({x for x in names if names.count(x) > 1})
         raise InputError(f"matrix names must be unique; repeated: {dup[:5]}")
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i in sorted(range(len(matrices)), key=lambda i: (matrices[i].layer, i)):
-        mat = matrices[i]
-        groups.setdefault((min(mat.shape), max(mat.shape)), []).append(i)
     classes = []
-    for (n, m), members in sorted(groups.items()):
+    for (n, m, tall), members in sorted(shape_groups(matrices, orientation).items()):
         top = min(max_batch, len(members)) if batching else 1
         times, meths, moms = {}, {}, {}
         for b in range(1, top + 1):
@@ -267,7 +278,7 @@ def build_work_model(
             )
         )
         classes.append(ShapeClass(n, m, tuple(members), times, meths, sizes, n * m * STATE_BYTES_PER_ELEMENT,
-                                  moms))
+                                  moms, None if tall == BOTH else bool(tall)))
     check_max_split(max_split)
     pieces: tuple[PieceType, ...] = ()
     links_source = ""

@@ -57,6 +57,7 @@ def build_plan(
     max_split: int = 1,
     links=None,
     owner_momentum: bool = True,
+    orientation=False,
 ) -> Plan:
     """Owners, batches and buckets for `matrices` on `world_size` ranks, priced by `cost` (a CostTable).
 
@@ -75,6 +76,9 @@ def build_plan(
         (`balance.momentum_time`; Batch.momentum_s), as the replicated and fsdp2-owner layouts run it
         (the default, the simulator's default layout fsdp-keep); False for fsdp2-sharded, where every rank
         runs the momentum on its shards: the balancers then see NS seconds alone.
+    orientation: tall and wide matrices never share a batch: True = of every shape, or a collection of
+        NS shapes (n, m) = of those (`dmuon.plan.orientation`; the runtime asks for it where its NS iterates
+        tall matrices as they are); False (the default) = batches by NS shape alone.
     """
     if balancer not in BALANCERS:
         raise choice_error("balancer", balancer, BALANCERS)
@@ -102,6 +106,7 @@ def build_plan(
         max_split=max_split,
         links=links,
         owner_momentum=owner_momentum,
+        orientation=orientation,
     )
     notes: list[str] = []
     gap = 0.0
@@ -137,6 +142,10 @@ def build_plan(
         gap = (makespan - lb) / makespan if makespan > 0 else 0.0
     if not batching:
         notes.append("batching off: every matrix is its own NS call")
+    kept = [f"{c.label} apart from {c.n}x{c.m}" for c in model.classes
+            if c.tall and any(d.tall is False and (d.n, d.m) == (c.n, c.m) for d in model.classes)]
+    if kept:
+        notes.append(f"orientation: tall and wide matrices in batches of their own ({', '.join(kept)})")
     mom = sum(b.momentum_s for b in batches)
     if mom:
         notes.append(f"batch times include the owner's momentum pass ({mom * 1e3:.3f} ms over all batches; "
@@ -176,7 +185,7 @@ def map_slots(model: WorkModel, loads: Loads, *, anti_affinity: bool = False) ->
     slots = [[sum(loads[r].get(s, ())) for r in range(n_ranks)] for s in range(len(model.classes))]
     for s, cls in enumerate(model.classes):
         if sum(slots[s]) != cls.count:
-            raise AssertionError(f"class {cls.n}x{cls.m}: {sum(slots[s])} slots for {cls.count} matrices")
+            raise AssertionError(f"class {cls.label}: {sum(slots[s])} slots for {cls.count} matrices")
     assigned = [[0] * n_ranks for _ in model.classes]
     seen = [0] * len(model.classes)
     cls_of = {i: s for s, c in enumerate(model.classes) for i in c.members}
@@ -248,7 +257,7 @@ def make_batches(model: WorkModel, loads: Loads, owners: Sequence[int], jobs=())
             sizes = sorted(loads[r].get(s, ()), reverse=True)
             mine = sorted(by_holder.get(r, ()), key=lambda i: (-model.matrices[i].layer, -i))
             if len(mine) != sum(sizes):
-                raise AssertionError(f"rank {r} class {cls.n}x{cls.m}: {len(mine)} matrices, slots {sizes}")
+                raise AssertionError(f"rank {r} class {cls.label}: {len(mine)} matrices, slots {sizes}")
             pos = 0
             for b in sizes:
                 members = tuple(sorted(mine[pos : pos + b], key=lambda i: (model.matrices[i].layer, i)))

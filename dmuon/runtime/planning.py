@@ -10,6 +10,13 @@
   (`ConfigCost`) that prices only the method this NSConfig resolves for the shape, so each Batch.method
   is the one the owner executes. '_sym' (symmetric Triton kernels) where the config will use them on
   CUDA: kernels='triton', or 'auto' with n > 1024 (the dispatch's rule for unmeasured shapes).
+- Orientation: the plan keeps tall and wide matrices of a shape in batches of their own (build_plan's
+  `orientation`, `dmuon.plan.orientation`) exactly for the shapes whose NS the runtime runs on tall
+  matrices as they are (`tall_as_is_shapes`: standard NS with torch ops), where a mixed batch would run
+  as two calls (`own_orientation_stacks`); with method 'auto' the method asked about is the one the config
+  resolves for that shape (the only one the plan may price there). Elsewhere (Gram NS, Triton kernels) a
+  mixed batch is one call and may still form. Not with ep > 1 (build_ep_plan): the expert runtime stacks
+  every batch in one call, transposing its tall members.
 """
 
 from __future__ import annotations
@@ -164,13 +171,22 @@ def build_model_plan(specs, world_size: int, ns: NSConfig, device: torch.device,
     base = method.removesuffix("_sym") if method != "auto" else "standard"
     dtype = DTYPE_NAMES[iteration_dtype(base, device, ns.dtype)]
     cost = ConfigCost(load_cost(profile, device, dtype) if priced else FlopCost(), ns, device)
-    if ep > 1:
+    if ep > 1:  # the expert runtime stacks a batch's tall members transposed: one call either way
         return build_ep_plan(specs, world_size, cost, ep=ep, balancer=balancer, method=method, dtype=dtype,
                              batching=True, max_batch=max_batch, bucket_numel=bucket_numel,
                              max_split=max_split)
     return build_plan(specs, world_size, cost, balancer=balancer, method=method, dtype=dtype, batching=True,
                       max_batch=max_batch, bucket_numel=bucket_numel, max_split=max_split,
-                      owner_momentum=owner_momentum)
+                      owner_momentum=owner_momentum, orientation=tall_as_is_shapes(specs, view, ns, device))
+
+
+def tall_as_is_shapes(specs, view: ConfigCost, ns: NSConfig, device: torch.device) -> frozenset:
+    """The NS shapes (n, m) of `specs` whose tall matrices the config's NS iterates as they are, asked with
+    the method it runs on the shape (see the module docstring)."""
+    shapes = {(min(s.rows, s.cols), max(s.rows, s.cols)) for s in specs}
+    device = torch.device(device)
+    return frozenset((n, m) for n, m in shapes
+                     if _tall_as_is(n, m, view.method_for(n, m).removesuffix("_sym"), ns, device))
 
 
 def check_max_split(max_split, world_size: int) -> int:
