@@ -18,11 +18,13 @@ from test_fsdp_cases import full_params, nonfinite_round, setup, train
 from test_fsdp_cases import run_cases as fsdp_run_cases
 
 
-def force_splits(plan, k: int):
-    """`plan` with groups of k ranks on as many batches as the ranks allow (heaviest first)."""
+def force_splits(plan, k: int, first: str | None = None):
+    """`plan` with groups of k ranks on as many batches as the ranks allow (the batch of the matrix named
+    `first`, led by the group's lowest rank, then the heaviest first)."""
     used: set[int] = set()
-    batches = list(plan.batches)
-    for j in sorted(range(len(batches)), key=lambda j: (-batches[j].time_s, j)):
+    batches, owners = list(plan.batches), list(plan.owners)
+    named = {j for j, b in enumerate(batches) if any(plan.matrices[i].name == first for i in b.members)}
+    for j in sorted(range(len(batches)), key=lambda j: (j not in named, -batches[j].time_s, j)):
         b = batches[j]
         if b.owner in used or max(b.rows, b.cols) < k:
             continue
@@ -30,9 +32,12 @@ def force_splits(plan, k: int):
         if len(others) < k - 1:
             continue
         group = (b.owner, *others)
+        if j in named:  # its lead becomes the group's lowest rank: the runtime's groups are ascending
+            group = tuple(sorted(group))
+            owners = [group[0] if i in b.members else o for i, o in enumerate(owners)]
         used |= set(group)
-        batches[j] = dataclasses.replace(b, group=group, comm_s=0.0)
-    return dataclasses.replace(plan, batches=tuple(batches))
+        batches[j] = dataclasses.replace(b, owner=group[0], group=group, comm_s=0.0)
+    return dataclasses.replace(plan, batches=tuple(batches), owners=tuple(owners))
 
 
 def force_row_split(plan, shard_ranks: tuple[int, ...]):
@@ -56,7 +61,8 @@ def split_setup(case: dict, world: int, k: int | None = None):
         return setup(case, world)
     _, probe = setup({**case, "opts": {}}, world)
     rows = case.get("rows")
-    plan = force_row_split(probe.plan, tuple(rows)) if rows else force_splits(probe.plan, k)
+    plan = force_row_split(probe.plan, tuple(rows)) if rows else force_splits(probe.plan, k,
+                                                                              case.get("split_first"))
     probe.close()
     return setup({**case, "opts": {**case.get("opts", {}), "plan": plan}}, world)
 
