@@ -38,6 +38,7 @@ W2 = [
     case("replicated_k2", k=2, **REPL),
     case("replicated_k2_no_overlap", k=2, opts={"overlap": False}, **REPL),
     case("owner_k2", k=2, **OWNER),
+    case("replicated_k2_descending", k=2, descending=True, **REPL),  # group (1, 0): lead 1 is group rank 1
     case("owner_free_k2", k=2, opts={"memory": "free"}, **OWNER),
     case("sharded_k2", k=2, **SHARDED),
     case("sharded_rows", rows=[0, 1], **SHARDED),  # square matrices: their local rows are the blocks
@@ -55,6 +56,7 @@ W4 = [
     case("replicated_k2", k=2, **REPL),
     case("replicated_k4", k=4, **REPL),
     case("owner_k4", k=4, **OWNER),
+    case("sharded_k4_descending", k=4, descending=True, **SHARDED),  # group (3, 2, 1, 0)
     case("sharded_k2", k=2, **SHARDED),
     case("sharded_k4", k=4, **SHARDED),
     case("hsdp_sharded_k2", k=2, hsdp=True, **SHARDED),
@@ -100,6 +102,8 @@ def test_groups_run_and_only_the_lead_holds_momentum(world, c):
     per_rank = results(world, c["name"])
     groups = per_rank[0]["groups"]
     assert groups and all(len(g) == c["k"] for g in groups), groups  # the forced plan really splits
+    if c.get("descending"):  # led by its highest rank, members listed downwards
+        assert groups[0] == sorted(groups[0], reverse=True), groups
     for rank, res in enumerate(per_rank):
         assert res["groups"] == groups
         in_group = any(rank in g for g in groups)

@@ -18,9 +18,10 @@ from test_fsdp_cases import full_params, nonfinite_round, setup, train
 from test_fsdp_cases import run_cases as fsdp_run_cases
 
 
-def force_splits(plan, k: int, first: str | None = None):
+def force_splits(plan, k: int, first: str | None = None, descending: bool = False):
     """`plan` with groups of k ranks on as many batches as the ranks allow (the batch of the matrix named
-    `first`, led by the group's lowest rank, then the heaviest first)."""
+    `first`, led by the group's lowest rank, then the heaviest first); descending: the first group is
+    led by its highest rank and lists the others downwards (plan order unlike the process group's)."""
     used: set[int] = set()
     batches, owners = list(plan.batches), list(plan.owners)
     named = {j for j, b in enumerate(batches) if any(plan.matrices[i].name == first for i in b.members)}
@@ -32,8 +33,8 @@ def force_splits(plan, k: int, first: str | None = None):
         if len(others) < k - 1:
             continue
         group = (b.owner, *others)
-        if j in named:  # its lead becomes the group's lowest rank: the runtime's groups are ascending
-            group = tuple(sorted(group))
+        if j in named or (descending and not used):  # a chosen lead: the lowest / highest rank
+            group = tuple(sorted(group, reverse=descending and not used))
             owners = [group[0] if i in b.members else o for i, o in enumerate(owners)]
         used |= set(group)
         batches[j] = dataclasses.replace(b, owner=group[0], group=group, comm_s=0.0)
@@ -62,7 +63,8 @@ def split_setup(case: dict, world: int, k: int | None = None):
     _, probe = setup({**case, "opts": {}}, world)
     rows = case.get("rows")
     plan = force_row_split(probe.plan, tuple(rows)) if rows else force_splits(probe.plan, k,
-                                                                              case.get("split_first"))
+                                                                              case.get("split_first"),
+                                                                              case.get("descending", False))
     probe.close()
     return setup({**case, "opts": {**case.get("opts", {}), "plan": plan}}, world)
 

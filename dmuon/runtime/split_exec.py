@@ -74,6 +74,9 @@ class SplitExecutor:
         check_split_plan(plan, comm_groups.world_size)
         self.rank, self.timeout_s, self.stats = comm_groups.rank, float(timeout_s), stats
         self.pg: dict[tuple[int, ...], object] = {}
+        # plan position -> rank inside the group's process group (new_group orders its ranks, so a group
+        # whose lead is not its lowest rank has them in another order than the plan's)
+        self.pos: dict[tuple[int, ...], list[int]] = {}
         timeout = datetime.timedelta(seconds=self.timeout_s)
         local_sync = comm_groups.world_size != dist.get_world_size()
         for g in dict.fromkeys(tuple(b.group) for b in plan.batches if b.group):
@@ -83,6 +86,7 @@ class SplitExecutor:
                                 use_local_synchronization=local_sync)
             if self.rank in g:
                 self.pg[g] = pg
+                self.pos[g] = [dist.get_group_rank(pg, comm_groups.global_rank(r)) for r in g]
 
     @staticmethod
     def is_split(batch) -> bool:
@@ -123,7 +127,7 @@ class SplitExecutor:
         (count, n, m) and gets the polar factors (same shape); a member passes None and gets None.
         `count` / `dtype` must be what the lead's stack has (every rank derives them from the plan)."""
         group = tuple(batch.group)
-        pg = self.pg[group]
+        pg, pos = self.pg[group], self.pos[group]
         k, me = len(group), group.index(self.rank)
         lead = me == 0
         n, m = batch.rows, batch.cols
@@ -134,23 +138,23 @@ class SplitExecutor:
         if lead:
             if stack.shape != (count, n, m):
                 raise AssertionError(f"{name}: stack {tuple(stack.shape)}, expected {(count, n, m)}")
-            sends = [dist.isend(stack[:, :, starts[j]:starts[j] + sizes[j]].contiguous(), group_dst=j,
+            sends = [dist.isend(stack[:, :, starts[j]:starts[j] + sizes[j]].contiguous(), group_dst=pos[j],
                                 group=pg) for j in range(1, k)]
             block = stack[:, :, :sizes[0]]  # a view: orthogonalize_distributed copies what it needs
         else:
             block = torch.empty((count, n, sizes[me]), dtype=dtype, device=device)
-            self._wait(dist.irecv(block, group_src=0, group=pg), f"{name}: block from the lead")
+            self._wait(dist.irecv(block, group_src=pos[0], group=pg), f"{name}: block from the lead")
         out = orthogonalize_distributed(block, group=pg, tall=False, timeout_s=self.timeout_s, check=False,
                                         **ns_kwargs)
         if lead:
             parts = [torch.empty((count, n, w), dtype=dtype, device=device) for w in sizes[1:]]
-            recvs = [dist.irecv(t, group_src=j + 1, group=pg) for j, t in enumerate(parts)]
+            recvs = [dist.irecv(t, group_src=pos[j + 1], group=pg) for j, t in enumerate(parts)]
             for w in sends:
                 self._wait(w, f"{name}: blocks to the members")
             for w in recvs:
                 self._wait(w, f"{name}: blocks from the members")
         else:
-            self._wait(dist.isend(out, group_dst=0, group=pg), f"{name}: block to the lead")
+            self._wait(dist.isend(out, group_dst=pos[0], group=pg), f"{name}: block to the lead")
         if self.stats is not None:
             self.stats.ns_s += time.perf_counter() - start
             self.stats.ns_calls += 1
