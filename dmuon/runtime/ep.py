@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError
-from ..optim import lr_scale, muon_apply_, muon_momentum_
+from ..optim import lr_scale, muon_apply_many_, muon_momentum_
 from ..params import EXPERT_MARK, is_expert_param
 from ..plan.ep import EPLayout
 from ..plan.types import MatrixSpec
@@ -215,10 +215,9 @@ class ExpertMuon:
                                   hp["nesterov"]) for i, s in where]
             stack = torch.stack([t if tuple(t.shape) == (batch.rows, batch.cols) else t.mT for t in ins])
         updates = opt._ns(stack, batch_method(self.plan, batch))
-        for (i, s), u in zip(where, updates, strict=True):
-            w = opt.params[i].data[s]
-            u = u if u.shape == w.shape else u.mT
-            muon_apply_(w, u, hp["lr"], hp["weight_decay"], lr_scale(w.shape, hp["adjust_lr"]))
+        ws = [opt.params[i].data[s] for i, s in where]
+        muon_apply_many_(ws, [u if u.shape == w.shape else u.mT for w, u in zip(ws, updates, strict=True)],
+                         hp["lr"], hp["weight_decay"], [lr_scale(w.shape, hp["adjust_lr"]) for w in ws])
 
     # ---- sharded checkpoints (dmuon.runtime.checkpoint) -------------------------------------------
     def as_global(self, t: torch.Tensor) -> torch.Tensor:
