@@ -102,7 +102,7 @@ class SimConfig:
     ep: int = _f(1, "expert parallelism degree (simulator.step_ep): each rank holds experts / ep of every "
                     "MoE "
                     "layer, experts sharded / reduced over their gpus / ep replica group, token all-to-alls "
-                    "over ep consecutive ranks; 1 = none. Layouts fsdp-keep, fsdp-free")
+                    "over ep consecutive ranks; 1 = none. Every layout (simulator.step_ep)")
     max_split: int = _f(1, "dmuon: largest owner group of one batch (split NS over 2, 4, ... ranks up to "
                            "it, where the plan finds it pays; 1 = one owner per batch, the paper's design)")
     split_exchange: str = _f("lead", "dmuon, split batches: lead (as the runtime: the lead holds gradient, "

@@ -187,10 +187,12 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms):
             self._optimizer(r, step, prev, red)
 
     def _gathered_numel(self, l: int) -> tuple[int, int]:
-        """(elements, of which Muon) all-gathered for layer l: dmuon publishes its Muon matrices instead."""
+        """(elements, of which Muon) all-gathered for layer l: dmuon publishes its Muon matrices instead
+        (sharded: FSDP2 gathers the dense ones; the experts are never FSDP's, `_expert_step` runs them)."""
         if self.dm and not self.sharded:
             return self.s.layer_adamw_numel[l], 0
-        return self._layer_numel(l), self._layer_muon(l)
+        ex = self._layer_experts(l) if self.dm else 0
+        return self._layer_numel(l) - ex, self._layer_muon(l) - ex
 
     def _cop(self, col, r: int, phase: str, step: int, deps: tuple, stream: str = "comm") -> Op:
         """`Cluster.collective` for the rank `program` is issuing (deps: a tuple), without its lookups."""
@@ -262,6 +264,8 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms):
                 deps += [pubs[b] for b in self.layer_buckets.get(l, ())]
             elif l == 0:
                 deps += list(prev["pubs"].values())  # dmuon without overlap: everything published first
+            if l == 0 and self.ep_at_step:
+                deps.append(opt_dep)  # the experts' step (ExpertMuon.step returns once they are published)
             op, wait = self._layer_op(r, step, l, "fwd", s.layer_fwd_s[l], deps + wait)
             fwd.append(op)
         return fwd

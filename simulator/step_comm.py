@@ -55,9 +55,10 @@ class CommPrograms:
 
     def coll(self, rank: int, key: tuple, group: str, kind: str, size_bytes: float, *, muon_fraction: float,
              max_share: float = 0.0, step: int = 0, repeat: int = 1, nccl: bool = True, owners: int = 1,
-             owners_per_local: int = 1):
+             owners_per_local: int = 1, flat: bool = False):
         """The collective `key` of rank's group instance (created once per instance); repeat: it stands for
-        that many back-to-back collectives of `size_bytes` (their summed time and bytes)."""
+        that many back-to-back collectives of `size_bytes` (their summed time and bytes); flat: never
+        two-level (owner reduces / broadcasts issued as plain torch.distributed calls)."""
         if group == "world":
             g, inst = self.world, 0
         else:
@@ -66,7 +67,8 @@ class CommPrograms:
         c = self.colls.get(full)
         if c is None:
             n = g.size
-            cost = collective_time_s(kind, size_bytes, g, self.s.network, hierarchical=self.s.hierarchical,
+            cost = collective_time_s(kind, size_bytes, g, self.s.network,
+                                     hierarchical=self.s.hierarchical and not flat,
                                      max_share_bytes=max_share, nccl=nccl, owners=owners,
                                      owners_per_local=owners_per_local)
             present = self.present.get((group, inst), n)
@@ -142,8 +144,9 @@ class CommPrograms:
         s = self.s
         frac = mu / numel
         size = numel * s.grad_bytes
-        if grp is None:  # ddp
-            col = self.coll(r, ("ar", step, *lk), "world", "all_reduce", size, muon_fraction=frac, step=step)
+        if self.shard is None:  # ddp: all-reduced (EP: the experts over their replica group)
+            col = self.coll(r, ("ar", step, *lk), grp or "world", "all_reduce", size, muon_fraction=frac,
+                            step=step)
             return col, None
         col = self.coll(r, ("rs", step, *lk), grp, "reduce_scatter", size, muon_fraction=frac, step=step)
         inter = None

@@ -16,9 +16,19 @@ With `StepSpec.ep` = E > 1 (`SimConfig.ep`), N ranks, p per node (the layout of 
                  ranks = experts / N). No runtime runs adamw / naive with EP: a convention. DMuon's
                  experts are never FSDP's (the runtime's `DMuon(model, ep=E)` keeps them out of fully_shard
                  in every layout, HSDP included)
+  ddp            (replicated) the dense gradients all-reduced over the world, the rank's experts over its
+                 replica group (adamw, naive: no gathers; naive runs NS on every dense matrix and its own
+                 experts; optimizer state for the dense parameters and experts / ep, whole)
+  sharded        adamw, naive: as fsdp-keep (the layout changes only dmuon's optimizer)
   dmuon          the plan is `dmuon.plan.ep.build_ep_plan`'s (expert owners inside their replica group):
-                 per bucket the dense matrices' owner exchange and publication over the world, the EP
-                 rank's experts' over its replica group only
+                 fsdp / hsdp: per bucket the dense matrices' owner exchange and publication over the
+                 world, the EP rank's experts' over its replica group only (in backward, as the dense
+                 ones: a convention; the runtime exchanges experts at step()). ddp / sharded: the dense
+                 half as without EP (ddp: owner exchange per bucket, AdamW parameters all-reduced;
+                 sharded: FSDP2 gathers / reduce-scatters and per-bucket all-to-alls of the dense
+                 matrices only), then `ExpertMuon.step` as the runtime runs it after DMuon's Muon and
+                 AdamW updates (`_expert_step`): one packed reduce per owner of the replica group, the
+                 owners' expert batches, one packed broadcast per owner; the next forward waits for it
   tokens         per MoE layer (a layer holding routed experts) the forward pass is the layer's non-expert
                  compute, the dispatch all-to-all, the expert compute, the combine all-to-all; backward
                  mirrors it (the combine's gradient all-to-all, expert backward, the dispatch's gradient
@@ -44,7 +54,8 @@ from .collectives import Group
 from .engine import Op
 
 # layouts the simulator runs with ep > 1 (the runtime runs DMuon with EP on each: dmuon.runtime.ep)
-EP_LAYOUTS = ("fsdp-keep", "fsdp-free", "hsdp-keep", "hsdp-free")
+EP_LAYOUTS = ("fsdp-keep", "fsdp-free", "hsdp-keep", "hsdp-free", "ddp", "sharded")
+AT_STEP = ("ddp", "sharded")  # dmuon's expert exchange at the optimizer step, as ExpertMuon.step runs it
 
 
 @dataclass(frozen=True)
@@ -114,6 +125,7 @@ class EPPrograms:
         e = s.ep_spec
         self.ep = e.ep if e is not None else 1
         self._layer_info: dict = {}  # (phase, layer) -> its op names, all-to-all bytes, expert time
+        self.ep_at_step = False  # dmuon, ddp / sharded: the experts' exchange at the step (_prepare_ep_plan)
         if self.ep == 1:
             return
         n, p, ep = s.n_ranks, s.per_node, self.ep
@@ -128,6 +140,21 @@ class EPPrograms:
         """Whether Muon matrix i is held by (a rank of) EP rank `ep_rank`: dense or its expert."""
         return self.ep == 1 or self.ep_of[i] is None or self.ep_of[i] == ep_rank
 
+    def _layer_experts(self, l: int) -> int:
+        """Muon elements of all layer l's routed experts (every EP rank's; 0 without EP)."""
+        return self.s.ep_spec.layer_expert_numel[l] if self.ep > 1 else 0
+
+    def _local_muon(self) -> tuple[float, int]:
+        """(Muon elements, Muon tensors) a rank keeps optimizer state for with adamw / naive: its share of
+        every matrix (`_local_fraction`: FSDP's 1 / N, as the rank's experts / ep over N / ep replicas);
+        ddp with EP: every dense matrix and its own experts (experts / ep, whole)."""
+        s = self.s
+        if self.ep == 1 or self.shard is not None:
+            return self.muon_total * self._local_fraction(), len(s.muon_numel)
+        ex = sum(s.ep_spec.layer_expert_numel)
+        n_ex = sum(1 for w in self.ep_of if w is not None)
+        return self.muon_total - ex + ex / self.ep, len(s.muon_numel) - n_ex + n_ex // self.ep
+
     def _muon_group(self, i: int):
         """The group that shards Muon matrix i (naive's gradient gathers): the replica group for experts."""
         return self.shard if self.ep == 1 or self.ep_of[i] is None else "rep"
@@ -136,8 +163,8 @@ class EPPrograms:
         """[(group, elements, of which Muon, key tag)] of layer l's FSDP gather / reduction: one part over
         the shard group without EP; with EP the dense part over it and the rank's experts over the
         replica group (dmuon publishes its Muon matrices instead: its parts are dense AdamW only)."""
-        ex = self.s.ep_spec.layer_expert_numel[l] if self.ep > 1 else 0
-        if not ex or mu < ex:
+        ex = self._layer_experts(l)
+        if not ex or self.dm:  # dmuon's experts are never FSDP's (numel, mu: without them)
             return [(self.shard, numel, mu, ())]
         parts = [(self.shard, numel - ex, mu - ex, ())] if numel > ex else []
         return parts + [("rep", ex // self.ep, ex // self.ep, ("ep",))]
@@ -193,6 +220,15 @@ class EPPrograms:
         mats = self.s.plan.matrices
         owners = self.s.plan.owners
         where = expert_placement(mats, self.ep)  # in the plan's matrix order
+        # ddp / sharded: the experts' exchange at the optimizer step, per EP rank {owner: numel} of all its
+        # experts (ExpertMuon packs each owner's slices into one reduce and one broadcast)
+        self.ep_at_step = self.s.layout in AT_STEP
+        self.expert_owned: list[dict] = [{} for _ in range(self.ep)]
+        for i, w in enumerate(where):
+            if w is not None:
+                d = self.expert_owned[w]
+                d[owners[i]] = d.get(owners[i], 0) + mats[i].numel
+        self.expert_batch = [where[bt.members[0]] is not None for bt in self.s.plan.batches]
         self.ep_parts = []
         for b in self.s.plan.buckets:
             parts: dict = {}
@@ -207,5 +243,38 @@ class EPPrograms:
             return [("world", (), None)]
         parts = self.ep_parts[b]
         out = [("world", (), parts[None])] if None in parts else []
-        mine = parts.get(r % self.ep)
+        mine = None if self.ep_at_step else parts.get(r % self.ep)  # ddp / sharded: `_expert_step`
         return out + ([("rep", ("ep",), mine)] if mine is not None else [])
+
+    def _dense_bucket(self, b: int) -> tuple[float, float]:
+        """(elements, largest owner's share) of bucket b's dense matrices (the whole bucket without EP)."""
+        if self.ep == 1:
+            return self.bucket_numel[b], self.max_owned[b]
+        part = self.ep_parts[b].get(None)
+        return (part[0], part[1]) if part is not None else (0, 0)
+
+    def _expert_step(self, r: int, step: int, deps: tuple, momentum) -> Op | None:
+        """dmuon with ddp / sharded and EP: `ExpertMuon.step` after the dense half of the step (the runtime
+        calls it after DMuon's Muon and AdamW updates), for rank r's EP rank: one reduce per owner of its
+        replica group, packed, issued one after another on the group's communicator (flat: a
+        torch.distributed reduce, not the two-level exchange), the owner's expert batches (momentum(numel):
+        their momentum seconds), one broadcast per owner; the next forward waits for it all (step()
+        returns once the broadcasts are in). None: nothing to do (no replicas and no owned batches)."""
+        s, cm = self.s, self._cmp
+        owned = self.expert_owned[r % self.ep]
+        payload, chunk = sum(owned.values()), max(owned.values())
+        reps = s.n_ranks // self.ep
+
+        def exchange(kind: str, elem_bytes: int, deps: tuple) -> Op:
+            col = self.coll(r, (f"ex_{kind}", step), "rep", kind, payload * elem_bytes, muon_fraction=1.0,
+                            max_share=chunk * elem_bytes, step=step, owners=len(owned), flat=True)
+            return self._cop(col, r, "opt", step, deps)
+
+        last = exchange("reduce", s.grad_bytes, deps) if reps > 1 else None
+        for k, bt, _, numel in self.batches_of.get(self.plan_rank(r), ()):
+            if self.expert_batch[k]:
+                last = cm(r, f"batch{k}", bt.ns_s * s.ns_stretch + momentum(numel), "opt", step,
+                          (last,) if last is not None else deps)
+        if reps == 1:
+            return last
+        return exchange("broadcast", s.param_bytes, (last,) if last is not None else deps)

@@ -63,18 +63,19 @@ class OptimizerPrograms(SplitPrograms):
         # every pass over gradients a rank reads is preceded by the runtime's gradient preparation (sum ->
         # mean in place, one-pass non-finite check: the cost table's grad_prep), priced with the pass
         if s.strategy == "adamw":
-            adam_numel += self.muon_total * local
+            muon_local, muon_tensors = self._local_muon()  # simulator.step_ep (EP with ddp: own experts)
+            adam_numel += muon_local
             units = sum(1 for l in range(len(s.layer_adamw_numel)) if self._layer_numel(l))
-            dur = self._adamw_s(adam_numel, self._adamw_tensors() + len(s.muon_numel), units)
+            dur = self._adamw_s(adam_numel, self._adamw_tensors() + muon_tensors, units)
             last = prev["adam"] = cm(r, "adamw", dur, phase="opt", step=step, deps=(red["last"],))
         elif s.strategy == "naive":
             if adam_numel:
                 last = cm(r, "adamw", self._adamw_s(adam_numel, self._adamw_tensors(), self._adamw_layers()),
                           phase="opt", step=step, deps=(red["last"],))
             prev["adam"] = last
-            muon_local = self.muon_total * local
+            muon_local, muon_tensors = self._local_muon()
             muon_layers = sum(1 for ms in s.layer_muon if ms)
-            last = cm(r, "momentum", s.elementwise_s(muon_local, "muon_momentum", len(s.muon_numel))
+            last = cm(r, "momentum", s.elementwise_s(muon_local, "muon_momentum", muon_tensors)
                       + s.elementwise_s(muon_local, "grad_prep", muon_layers), phase="opt", step=step,
                       deps=(red["last"],))
             for i, k in self.naive_runs:
@@ -100,6 +101,8 @@ class OptimizerPrograms(SplitPrograms):
             momentum_s = (s.elementwise_s(owned, "muon_momentum", n_owned)  # one pass per step, pro rata
                           + s.elementwise_s(owned, "grad_prep", n_buckets))
             for k, bt, bks, numel in mine:
+                if self.ep_at_step and self.expert_batch[k]:
+                    continue  # the experts' batches run in _expert_step, after the dense half
                 deps = [red["bucket"][b] for b in bks if red["bucket"].get(b) is not None]
                 if bt.group:
                     last = self._split_batch(r, step, k, bt, momentum_s * numel / owned, deps)
@@ -114,6 +117,9 @@ class OptimizerPrograms(SplitPrograms):
             if adam_numel:
                 last = cm(r, "adamw", self._adamw_s(adam_numel, self._adamw_tensors(), self._adamw_layers()),
                           phase="opt", step=step, deps=(red["adamw_last"],))
+            if self.ep_at_step:  # ddp with EP: ExpertMuon.step after the dense Muon and AdamW updates
+                last = self._expert_step(r, step, (last, red["last"]),
+                                         lambda numel: momentum_s * numel / owned) or last
             prev["adam"] = last
             if not s.overlap:
                 prev["pubs"] = {b: self._publish(r, b, step + 1, prev["pub_deps"].get(b, ()), phase="opt",
@@ -135,27 +141,40 @@ class OptimizerPrograms(SplitPrograms):
         return op
 
     def _sharded_optimizer(self, r: int, step: int, adam_numel: float, red: dict) -> Op:
+        """The sharded layout's optimizer; EP: the dense matrices only (buckets' dense parts,
+        `simulator.step_ep._dense_bucket`), then the experts' step (`_expert_step`)."""
         s, c, cm = self.s, self.c, self.c.compute
         n = s.n_ranks
         last = None
         if adam_numel:
             last = cm(r, "adamw", self._adamw_s(adam_numel, self._adamw_tensors(), self._adamw_layers()),
                       phase="opt", step=step, deps=(red["adamw_last"],))
+        dense = [self._dense_bucket(b) for b in range(self.n_buckets)]
+        total = sum(d[0] for d in dense)
+        n_dense = len(s.muon_numel) if self.ep == 1 else sum(1 for w in self.ep_of if w is None)
         to_owner: dict[int, Op] = {}
-        momentum_s = s.elementwise_s(sum(self.bucket_numel) / n, "muon_momentum",  # one pass, pro rata
-                                     len(s.muon_numel))
+        # one momentum pass, pro rata: the local shards of the dense matrices (EP: and the experts the rank
+        # owns, whose momentum ExpertMuon keeps on their owner)
+        ex_mine = [t for t in self.batches_of.get(r, ()) if self.ep_at_step and self.expert_batch[t[0]]]
+        ex_numel = sum(t[3] for t in ex_mine)
+        momentum_s = s.elementwise_s(total / n + ex_numel, "muon_momentum",
+                                     n_dense + sum(len(t[1].members) for t in ex_mine))
+        pass_numel = total / n + ex_numel
         for b in range(self.n_buckets - 1, -1, -1):
-            local = self.bucket_numel[b] / n
-            mom = cm(r, f"momentum_b{b}", momentum_s * self.bucket_numel[b] / sum(self.bucket_numel),
-                     phase="opt", step=step,
+            numel, most = dense[b]
+            if not numel:
+                continue
+            share = momentum_s * numel / total if not ex_mine else momentum_s * (numel / n) / pass_numel
+            mom = cm(r, f"momentum_b{b}", share, phase="opt", step=step,
                      deps=(red["layer"].get(self.bucket_layers[b][0]),))
-            share = self.max_owned[b] * s.grad_bytes
-            col = self.coll(r, ("a2a_to", step, b), "world", "all_to_all", local * s.grad_bytes,
-                            muon_fraction=1.0, max_share=share, step=step)
+            col = self.coll(r, ("a2a_to", step, b), "world", "all_to_all", numel / n * s.grad_bytes,
+                            muon_fraction=1.0, max_share=most * s.grad_bytes, step=step)
             to_owner[b] = c.collective(col, r, phase="opt", step=step, deps=(mom,))
             last = mom
         by_bucket: dict[int, list[Op]] = {}
         for k, bt, bks, _numel in self.batches_of.get(r, ()):
+            if self.ep_at_step and self.expert_batch[k]:
+                continue
             deps = [to_owner[b] for b in bks]
             op = (self._split_batch(r, step, k, bt, 0.0, deps) if bt.group
                   else cm(r, f"batch{k}", bt.ns_s * s.ns_stretch, phase="opt", step=step, deps=deps))
@@ -163,9 +182,13 @@ class OptimizerPrograms(SplitPrograms):
                 by_bucket.setdefault(b, []).append(op)
             last = op
         for b in range(self.n_buckets - 1, -1, -1):
-            local = self.bucket_numel[b] / n
-            share = self.max_owned[b] * s.param_bytes
-            col = self.coll(r, ("a2a_back", step, b), "world", "all_to_all", local * s.param_bytes,
-                            muon_fraction=1.0, max_share=share, step=step)
-            last_comm = c.collective(col, r, phase="opt", step=step, deps=tuple(by_bucket.get(b, ())))
-        return last_comm if self.n_buckets else last
+            numel, most = dense[b]
+            if not numel:
+                continue
+            col = self.coll(r, ("a2a_back", step, b), "world", "all_to_all", numel / n * s.param_bytes,
+                            muon_fraction=1.0, max_share=most * s.param_bytes, step=step)
+            last = c.collective(col, r, phase="opt", step=step, deps=tuple(by_bucket.get(b, ())))
+        if self.ep_at_step:
+            last = self._expert_step(r, step, (last, red["last"]),
+                                     lambda numel: momentum_s * numel / pass_numel) or last
+        return last

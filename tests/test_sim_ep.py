@@ -82,7 +82,8 @@ def test_representatives_match_all_ranks(model, strategy):
 
 @pytest.mark.parametrize("strategy", ["adamw", "naive", "dmuon"])
 @pytest.mark.parametrize("kw", [dict(ep=4), dict(ep=16, layout="fsdp-free"), dict(ep=8, gpu="cpu"),
-                                dict(ep=4, layout="hsdp-free")])
+                                dict(ep=4, layout="hsdp-free"), dict(ep=4, layout="ddp"),
+                                dict(ep=8, layout="sharded")])
 def test_fast_engine_matches_simpy(model, monkeypatch, strategy, kw):
     """The default event loop (simulator.engine_fast) gives every op the SimPy reference's times."""
     from simulator.engine import Cluster
@@ -146,8 +147,7 @@ def test_hsdp_with_ep(model, layout, strategy):
     (dict(ep=3), "divide gpus=16"),
     (dict(ep=32), "divide gpus=16"),  # ep > gpus: not a divisor
     (dict(ep=0), "ep must be an integer >= 1"),
-    (dict(ep=4, layout="ddp"), "layout fsdp-keep | fsdp-free | hsdp-keep | hsdp-free"),
-    (dict(ep=4, layout="sharded"), "layout fsdp-keep | fsdp-free | hsdp-keep | hsdp-free"),
+    (dict(ep=4, layout="zero3"), "layout fsdp-keep | fsdp-free | hsdp-keep | hsdp-free | ddp | sharded"),
     (dict(ep=4, max_split=2), "max_split"),
     (dict(workload="qwen2.5-7b", model=None, ep=2), "no routed experts"),
 ])
@@ -160,3 +160,105 @@ def test_ep_must_divide_experts(model, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**TINY, "num_experts": 12}))
     with pytest.raises(InputError, match="does not divide the 12 experts"):
         simulate(_cfg(str(tmp_path), gpus=8, ep=8, strategy="adamw"))
+
+
+A2A = SEQ * 256 * 4 * 2  # one all-to-all's send buffer per rank: tokens x hidden x top_k x bf16
+
+
+def _numel(built) -> tuple[int, int]:
+    """(all parameters' elements, the routed experts' of every EP rank)."""
+    s = built.spec
+    return sum(s.layer_adamw_numel) + sum(s.muon_numel), 2 * EXPERT_NUMEL
+
+
+@pytest.mark.parametrize("strategy", ["adamw", "naive"])
+@pytest.mark.parametrize("ep", [4, 8])
+def test_ddp_with_ep(model, strategy, ep):
+    """ddp with EP (adamw, naive): the dense gradients all-reduced over the world, each rank's experts over
+    its replica group, nothing gathered; bytes per rank equal the closed form; the world all-reduces are
+    ep = 1's less the experts."""
+    cfg = _cfg(model, strategy=strategy, layout="ddp", ep=ep)
+    r, built = run(cfg)
+    assert simulate(cfg) == r
+    cs = _colls(built)
+    assert {c.kind for c in cs} == {"all_reduce", "all_to_all"}
+    reps, (total, experts) = GPUS // ep, _numel(built)
+    rep = [c for c in cs if c.group.startswith("rep")]
+    assert len(rep) == 2 * ep and all(c.kind == "all_reduce" and c.size == reps for c in rep)
+    expected = (2 * (GPUS - 1) / GPUS * (total - experts) * 2 + 2 * (reps - 1) / reps * experts / ep * 2
+                + 2 * 4 * (ep - 1) / ep * A2A)
+    assert r.comm_bytes_per_rank == pytest.approx(expected, rel=1e-12)
+    # the optimizer keeps state for every dense matrix and the rank's own experts (experts / ep, whole)
+    s = built.spec
+    n_ex = sum(1 for w in s.ep_spec.muon_ep if w is not None)
+    local, tensors = sum(s.muon_numel) - experts + experts / ep, len(s.muon_numel) - n_ex + n_ex // ep
+    name = "momentum" if strategy == "naive" else "adamw"
+    op = next(o for o in built.cluster.queues[(0, "compute")] if o.step == 1 and o.name == name)
+    if strategy == "naive":
+        want = (s.elementwise_s(local, "muon_momentum", tensors)
+                + s.elementwise_s(local, "grad_prep", sum(1 for ms in s.layer_muon if ms)))
+    else:
+        local += sum(s.layer_adamw_numel)
+        want = (s.elementwise_s(local, "adamw", tensors + sum(s.layer_adamw_tensors))
+                + s.elementwise_s(local, "grad_prep", s.n_layers))
+    assert op.dur == pytest.approx(want, rel=1e-12)
+    _, base = run(_cfg(model, strategy=strategy, layout="ddp"))
+    base_ar = {c.name: c.bytes_per_rank for c in _colls(base)}
+    world = [c for c in cs if c.group == "world0"]
+    assert len(world) == len(base_ar)
+    for c in world:
+        moe = c.name.split("/")[-1] in ("1", "2")
+        assert base_ar[c.name] - c.bytes_per_rank == pytest.approx(
+            2 * 15 / 16 * EXPERT_NUMEL * 2 if moe else 0)
+
+
+@pytest.mark.parametrize("strategy", ["adamw", "naive"])
+def test_sharded_with_ep_is_fsdp_keep(model, strategy):
+    """Layout 'sharded' changes only dmuon's optimizer: adamw / naive with EP run as fsdp-keep with EP."""
+    a, b = (simulate(_cfg(model, strategy=strategy, layout=lay, ep=4)) for lay in ("sharded", "fsdp-keep"))
+    for f in ("step_s", "optimizer_s", "backward_s", "comm_bytes_per_rank", "muon_comm_bytes_per_rank"):
+        assert getattr(a, f) == getattr(b, f), f
+
+
+@pytest.mark.parametrize("layout", ["ddp", "sharded"])
+def test_dmuon_expert_step(model, layout):
+    """dmuon, ddp / sharded with EP (DMuon(model, ep=E), replicated / fsdp2-sharded): the experts are
+    neither FSDP's nor in the per-bucket exchange; ExpertMuon.step's one packed reduce and one broadcast
+    per replica group, inside it (each rank on its own EP rank's group); the dense matrices' exchange over
+    the world (sharded: its all-to-alls and FSDP2's gathers without the experts); the next forward waits
+    for the experts' broadcast."""
+    ep = 4
+    cfg = _cfg(model, strategy="dmuon", layout=layout, ep=ep)
+    r, built = run(cfg)
+    assert simulate(cfg) == r
+    cs, reps, (total, experts) = _colls(built), GPUS // ep, _numel(built)
+    rep = [c for c in cs if c.group.startswith("rep")]
+    assert sorted(c.name for c in rep) == ["ex_broadcast/1"] * ep + ["ex_reduce/1"] * ep
+    assert all(c.size == reps and c.bytes_per_rank == pytest.approx((reps - 1) / reps * experts / ep * 2)
+               for c in rep)
+    for (rank, _), ops in built.cluster.queues.items():
+        for o in ops:
+            if o.coll is not None and o.name.startswith("ex_"):
+                assert o.coll.group == f"rep{rank % ep}"
+            if o.name == "ex_broadcast/0":
+                first = next(f for f in built.cluster.queues[(rank, "compute")] if f.step == 1)
+                assert first.start >= o.end
+    world = [c for c in cs if c.group == "world0"]
+    muon = sum(built.spec.muon_numel)
+    if layout == "ddp":
+        assert [c for c in world if c.name.startswith("reduce/")]  # dense Muon gradients to their owners
+        ar = sum(c.bytes_per_rank for c in world if c.kind == "all_reduce")
+        assert ar == pytest.approx(2 * 15 / 16 * (total - muon) * 2)  # AdamW parameters only
+    else:
+        a2a = sum(c.bytes_per_rank for c in world if c.name.startswith("a2a_to/"))
+        assert a2a == pytest.approx(15 / 16 * (muon - experts) / GPUS * 2)  # dense shards to their owners
+        ag = sum(c.bytes_per_rank for c in world if c.kind == "all_gather")
+        assert ag == pytest.approx(15 / 16 * (total - experts) * 2)  # FSDP2 gathers: dense parameters
+
+
+@pytest.mark.parametrize("layout", ["ddp", "sharded"])
+def test_dmuon_not_slower_than_naive_with_ep(layout):
+    """Qwen3-30B-A3B on 64 A800s, ep 8, in both layouts: DMuon's step <= naive's."""
+    kw = dict(model="qwen3-30b-a3b", gpus=64, ep=8, layout=layout, seq_len=1024, micro_batch=1)
+    d, n = (simulate(SimConfig(**kw, strategy=s)) for s in ("dmuon", "naive"))
+    assert d.step_s <= n.step_s
