@@ -180,7 +180,13 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
 
     info["provenance"] = provenance
     if ep is not None:
-        info["notes"].append(f"expert parallelism ep={cfg.ep}: experts reduced / gathered over their "
+        from .step_ep import AT_STEP
+
+        how = "reduced / gathered"
+        if cfg.layout in AT_STEP:
+            how = ("owned and exchanged after the dense update (ExpertMuon.step)" if cfg.strategy == "dmuon"
+                   else "all-reduced" if cfg.layout == "ddp" else how)
+        info["notes"].append(f"expert parallelism ep={cfg.ep}: experts {how} over their "
                              f"{cfg.gpus // cfg.ep}-rank replica group, 2 + 2 token all-to-alls per MoE "
                              "layer "
                              "over the EP group (simulator.step_ep); ASSUMPTION: balanced routing")
