@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from dmuon.errors import InputError
 
+from . import engine_native
 from .engine_fast import MAX_SM_SHARE, run_fast
 
 
@@ -143,6 +144,7 @@ class Cluster:
         self._sm_used = [0.0] * n_ranks  # SM share held by the collectives running on each rank
         self._changed: list = []  # per rank: event fired when its number of running collectives changes
         self._ran = False
+        self.engine = ""  # the event loop that ran it: native (C), python (engine_fast) or simpy (reference)
 
     # ---- building ------------------------------------------------------------------------------
     def compute(self, rank: int, name: str, dur: float, *, phase: str, step: int, deps=(),
@@ -193,10 +195,14 @@ class Cluster:
             raise InputError("this cluster has already run; build a new one to run the programs again")
         self._ran = True
         with paused_gc():
+            native = None if reference else engine_native.load()
             if reference:
                 end = self._run_simpy()
+            elif native is not None:
+                end = engine_native.run_native(self, native, Op, Collective)
             else:
                 end = run_fast(self)
+            self.engine = "simpy" if reference else "native" if native is not None else "python"
         stuck = [c for c in self.collectives if c.end is None]
         if stuck:
             c = stuck[0]
