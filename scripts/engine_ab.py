@@ -2,12 +2,14 @@
 programs of one configuration are built once, then each version's `run_fast` runs them in turn (op and
 collective times reset between runs), round after round in rotating order, so every version meets the
 same graph, the same memory layout and, pairwise, about the same machine load. Each version is a Python
-file defining `run_fast(cluster)` (e.g. simulator/engine_fast.py of this tree and of an older checkout).
+file defining `run_fast(cluster)` (e.g. simulator/engine_fast.py of this tree and of an older checkout), or
+`native` for this tree's compiled loop (simulator/engine_native.c).
 Prints each version's op-time digest (all must agree: the same simulation), its median and minimum, and
 the median over rounds of its time / the first version's.
 
     python -m scripts.engine_ab "model=kimi-k2-like,gpus=1024,ep=64" OLD/simulator/engine_fast.py \
         simulator/engine_fast.py --rounds 8
+    python -m scripts.engine_ab "model=kimi-k2-like,gpus=1024,ep=64" simulator/engine_fast.py native
 """
 
 from __future__ import annotations
@@ -63,6 +65,18 @@ def digest(cl) -> str:
 
 
 def load(path: str, k: int):
+    if path == "native":
+        from simulator import engine_native
+
+        mod = engine_native.load()
+        if mod is None:
+            raise SystemExit("the compiled event loop is not available here (DMUON_SIM_ENGINE=python?)")
+
+        class _Native:
+            @staticmethod
+            def run_fast(cl):
+                return engine_native.run_native(cl, mod, engine.Op, engine.Collective)
+        return _Native
     spec = importlib.util.spec_from_file_location(f"engine_ab_{k}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -72,7 +86,7 @@ def load(path: str, k: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config", help="SimConfig fields as k=v,k=v")
-    ap.add_argument("engines", nargs="+", help="Python files defining run_fast(cluster)")
+    ap.add_argument("engines", nargs="+", help="Python files defining run_fast(cluster), or native")
     ap.add_argument("--rounds", type=int, default=4)
     a = ap.parse_args()
     loops = [load(p, k).run_fast for k, p in enumerate(a.engines)]

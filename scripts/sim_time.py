@@ -9,7 +9,8 @@ alternating with this one, and the ratio of the totals is printed (the machine's
                                                # x adamw / naive / dmuon, against the 2 s / 10 s goals
     python -m scripts.sim_time --cli CONFIG    # the path of `harness simulate` / `harness run` instead
                                                # (simulator.api.run, which also returns the programs)
-"gc" is the CPU time of the garbage collector's passes, inside the total.
+"gc" is the CPU time of the garbage collector's passes, inside the total; "loop" the event loop that ran
+(native: simulator/engine_native.c; python: engine_fast; DMUON_SIM_ENGINE=python times the Python one).
 """
 
 from __future__ import annotations
@@ -56,6 +57,15 @@ def _child(cfg: dict, cli: bool = False) -> None:
     timed(setup, "make_spec", "plan+spec")
     timed(step, "build", "build")
     timed(engine.Cluster, "run", "run")
+    loops = []
+    ran = engine.Cluster.run
+
+    def run_and_note(self, *a, **k):
+        try:
+            return ran(self, *a, **k)
+        finally:
+            loops.append(self.engine)
+    engine.Cluster.run = run_and_note
     timed(metrics, "measure", "metrics")
     target = simulate
     if cli:
@@ -68,7 +78,7 @@ def _child(cfg: dict, cli: bool = False) -> None:
     r = target(SimConfig(**cfg))
     phases["total"] = time.process_time() - t
     gc.callbacks.remove(collecting)
-    print(json.dumps({"phases": phases, "step_s": r.step_s}))
+    print(json.dumps({"phases": phases, "step_s": r.step_s, "engine": ",".join(sorted(set(loops)))}))
 
 
 def _parse(text: str) -> dict:
@@ -117,7 +127,7 @@ def main() -> None:
                 goal = GOALS.get(cfg.get("gpus")) if a.grid else None
                 over = "  OVER" if goal is not None and ph["total"] > goal else ""
                 print(f"{name}: {cfg}: " + " ".join(f"{k} {v:.2f}" for k, v in ph.items())
-                      + f" s CPU (step_s {r['step_s']!r}){over}", flush=True)
+                      + f" s CPU (step_s {r['step_s']!r}, loop {r.get('engine') or '?'}){over}", flush=True)
             if "other" in totals:
                 print(f"  this / other: {totals['this'] / totals['other']:.2f}", flush=True)
 

@@ -1,6 +1,8 @@
-"""simulator.engine_fast (the default event loop) against the SimPy processes it replaced (the reference):
-every op's start, end and slowdown and the results equal, bit for bit, on every strategy, layout, slowdown
-mode (a800: SM share; cpu: compute and communication slowdowns), stragglers and expert parallelism."""
+"""Both event loops, simulator.engine_fast (Python) and simulator.engine_native (the same loop in C, the
+default where it builds), against the SimPy processes they replaced (the reference): every op's start, end
+and slowdown and the results equal, bit for bit, on every strategy, layout, slowdown mode (a800: SM share;
+cpu: compute and communication slowdowns), stragglers and expert parallelism (the `sim_engine` fixture of
+conftest.py runs each test once per loop and checks the loop that ran is the one asked for)."""
 
 import gc
 import itertools
@@ -12,12 +14,13 @@ from simulator.api import SimConfig, run
 from simulator.engine import Cluster, paused_gc
 
 
-def _both(monkeypatch, cfg, all_ranks=False):
+def _both(monkeypatch, cfg, all_ranks=False, engine=None):
     orig = Cluster.run
     monkeypatch.setattr(Cluster, "run", lambda self: orig(self, reference=True))
     ref, ref_built = run(cfg, all_ranks=all_ranks)
     monkeypatch.setattr(Cluster, "run", orig)
     fast, fast_built = run(cfg, all_ranks=all_ranks)
+    assert ref_built.cluster.engine == "simpy" and fast_built.cluster.engine == (engine or "native")
 
     def times(built):
         return [(k, o.name, o.start, o.end, o.slowed_s) for k, q in built.cluster.queues.items() for o in q]
@@ -33,9 +36,9 @@ CASES += [dict(strategy="dmuon", jitter=0.1), dict(strategy="dmuon", overlap=Fal
 
 
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: "-".join(str(v) for v in kw.values()))
-def test_fast_engine_equals_simpy(monkeypatch, kw):
+def test_fast_engine_equals_simpy(monkeypatch, kw, sim_engine):
     cfg = SimConfig(**{"workload": "qwen2.5-1.5b", "gpus": 16, **kw})
-    ref, fast, t_ref, t_fast, rb, fb = _both(monkeypatch, cfg)
+    ref, fast, t_ref, t_fast, rb, fb = _both(monkeypatch, cfg, engine=sim_engine)
     assert t_ref and t_fast == t_ref
     assert fast == ref
     def spans(built):
@@ -44,7 +47,7 @@ def test_fast_engine_equals_simpy(monkeypatch, kw):
     assert spans(fb) == spans(rb)
 
 
-def test_unit_scenarios_equal():
+def test_unit_scenarios_equal(sim_engine):
     """The engine's hand-built cases (overlap slowdown retimed mid-op, a collective beside compute)."""
     def build(reference):
         cl = Cluster(2, overlap_slowdown=0.5, comm_overlap_slowdown=1.0)
@@ -61,7 +64,7 @@ def test_unit_scenarios_equal():
     assert build(False) == build(True)
 
 
-def test_deadlock_reported_by_both():
+def test_deadlock_reported_by_both(sim_engine):
     for reference in (False, True):
         cl = Cluster(2)
         x, y = (cl.new_collective(n, "all_gather", 2, 1.0) for n in "xy")
@@ -132,8 +135,9 @@ def test_paused_gc_keeps_the_process_frozen_objects_frozen():
         gc.unfreeze()
 
 
+@pytest.mark.parametrize("comm_slow", [0.0, 0.7])
 @pytest.mark.parametrize("seed", range(6))
-def test_retimed_compute_equal_under_random_overlap(seed):
+def test_retimed_compute_equal_under_random_overlap(seed, comm_slow, sim_engine):
     """Long compute ops slowed and sped up by many overlapping collectives of random sizes (the deferred
     re-time timers of engine_fast.busy_changed: later ends pushed when the live timer pops, earlier ones
     at once), zero-length ops, a run that ends on a superseded timer: the same times as SimPy."""
@@ -142,7 +146,7 @@ def test_retimed_compute_equal_under_random_overlap(seed):
     def build(reference):
         rng = random.Random(seed)
         n = 4
-        cl = Cluster(n, overlap_slowdown=0.3)
+        cl = Cluster(n, overlap_slowdown=0.3, comm_overlap_slowdown=comm_slow)
         prev = [None] * n
         for k in range(40):
             for r in range(n):
@@ -155,7 +159,9 @@ def test_retimed_compute_equal_under_random_overlap(seed):
             for r in members:
                 cl.collective(col, r, phase="fwd", step=0, deps=(prev[r],) if rng.random() < 0.5 else ())
         end = cl.run(reference=reference).end_s
-        return end, [(k, o.start, o.end, o.slowed_s) for k, q in cl.queues.items() for o in q]
+        assert cl.engine == ("simpy" if reference else sim_engine)
+        return end, [(k, o.start, o.end, o.slowed_s) for k, q in cl.queues.items() for o in q] + [
+            (c.name, c.arrived, c.start, c.end, sorted(c.ranks)) for c in cl.collectives]
 
     fast, ref = build(False), build(True)
     assert fast[1] and fast == ref

@@ -84,8 +84,8 @@ def test_representatives_match_all_ranks(model, strategy):
 @pytest.mark.parametrize("kw", [dict(ep=4), dict(ep=16, layout="fsdp-free"), dict(ep=8, gpu="cpu"),
                                 dict(ep=4, layout="hsdp-free"), dict(ep=4, layout="ddp"),
                                 dict(ep=8, layout="sharded")])
-def test_fast_engine_matches_simpy(model, monkeypatch, strategy, kw):
-    """The default event loop (simulator.engine_fast) gives every op the SimPy reference's times."""
+def test_fast_engine_matches_simpy(model, monkeypatch, strategy, kw, sim_engine):
+    """Both event loops (engine_fast, engine_native) give every op the SimPy reference's times."""
     from simulator.engine import Cluster
 
     cfg = _cfg(model, strategy=strategy, **kw)
@@ -94,6 +94,7 @@ def test_fast_engine_matches_simpy(model, monkeypatch, strategy, kw):
     ref, ref_built = run(cfg, all_ranks=False)
     monkeypatch.setattr(Cluster, "run", orig)
     fast, fast_built = run(cfg, all_ranks=False)
+    assert fast_built.cluster.engine == sim_engine
     assert fast == ref
     ops = [[(o.name, o.start, o.end) for q in b.cluster.queues.values() for o in q]
            for b in (ref_built, fast_built)]
