@@ -64,7 +64,7 @@ def _child(cfg: dict, cli: bool = False) -> None:
         try:
             return ran(self, *a, **k)
         finally:
-            loops.append(self.engine)
+            loops.append(getattr(self, "engine", "") or "python")
     engine.Cluster.run = run_and_note
     timed(metrics, "measure", "metrics")
     target = simulate
