@@ -10,6 +10,9 @@ or the new one, never half of one, and an interrupted writer leaves no partial f
 
 Parent folders are created. The new file gets the mode a plain open() would give (0o666 minus the
 umask), not mkstemp's 0o600. Standard library only: importable without torch.
+
+  cache_dir()                           the project's cache folder: $DMUON_CACHE_DIR, else ~/.cache/dmuon
+                                        (Triton autotune winners, the simulator's compiled event loop)
 """
 
 from __future__ import annotations
@@ -19,6 +22,13 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+ENV_CACHE_DIR = "DMUON_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """The project's cache folder: $DMUON_CACHE_DIR, else ~/.cache/dmuon."""
+    return Path(os.environ.get(ENV_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "dmuon"))
 
 
 def file_mode() -> int:

@@ -10,8 +10,8 @@ latency on ~10^7 scattered objects plus the interpreter), the C loop reads the s
 Environment:
   DMUON_SIM_ENGINE   auto (default: native where it builds, else python) | native (fail if it cannot
                      build) | python (always the Python loop)
-  DMUON_CACHE_DIR    where the compiled module is kept (default: $XDG_CACHE_HOME/dmuon-harness, else
-                     ~/.cache/dmuon-harness); one file per source / compiler-flag / Python version
+  DMUON_CACHE_DIR    where the compiled module is kept (`dmuon.io.cache_dir`, default ~/.cache/dmuon, beside
+                     the Triton autotune cache); one file per source / compiler-flag / Python version
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import warnings
 from pathlib import Path
 
 from dmuon.errors import InputError
+from dmuon.io import cache_dir
 
 from .engine_fast import MAX_SM_SHARE
 
@@ -46,14 +47,6 @@ def mode() -> str:
     if m not in MODES:
         raise InputError(f"DMUON_SIM_ENGINE={m!r} is not an engine; accepted: {', '.join(MODES)}")
     return m
-
-
-def cache_dir() -> Path:
-    d = os.environ.get("DMUON_CACHE_DIR")
-    if d:
-        return Path(d)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dmuon-harness"
 
 
 def _compiler() -> list[str] | None:

@@ -23,18 +23,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..io import cache_dir
 from ..plan.flops import DEFAULT_AUTO_MIN_N, default_auto_min_n
 from .configs import TileConfig, parse_key
 
 CACHE_FORMAT = "dmuon-autotune/1"
-ENV_CACHE_DIR = "DMUON_CACHE_DIR"
 ENV_AUTOTUNE = "DMUON_AUTOTUNE"
 
 
 def cache_path() -> Path:
     """Where the autotune cache lives: $DMUON_CACHE_DIR/autotune.json or ~/.cache/dmuon/autotune.json."""
-    base = os.environ.get(ENV_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "dmuon")
-    return Path(base) / "autotune.json"
+    return cache_dir() / "autotune.json"
 
 
 def autotune_enabled() -> bool:
