@@ -12,10 +12,10 @@ With `StepSpec.ep` = E > 1 (`SimConfig.ep`), N ranks, p per node (the layout of 
                  the node, then all-reduced across nodes, as without EP); the local experts over the replica
                  group (adamw, naive; naive's optimizer gathers and runs NS on its local experts only, over
                  the replica group; HSDP too: the replica group already spans the nodes, so no all-reduce
-                 across nodes follows); per-rank elements are unchanged (experts / E sharded over N / E
-                 ranks = experts / N). No runtime runs adamw / naive with EP: a convention. DMuon's
-                 experts are never FSDP's (the runtime's `DMuon(model, ep=E)` keeps them out of fully_shard
-                 in every layout, HSDP included)
+                 across nodes follows); a rank's optimizer passes run over its dense shards and its own
+                 experts only (experts / E sharded over N / E ranks = experts / N; `_local_muon`). No
+                 runtime runs adamw / naive with EP: a convention. DMuon's experts are never FSDP's (the
+                 runtime's `DMuon(model, ep=E)` keeps them out of fully_shard in every layout, HSDP too)
   ddp            (replicated) the dense gradients all-reduced over the world, the rank's experts over its
                  replica group (adamw, naive: no gathers; naive runs NS on every dense matrix and its own
                  experts; optimizer state for the dense parameters and experts / ep, whole)
@@ -134,6 +134,7 @@ class EPPrograms:
         per = max(1, p // ep)  # replica-group members per node
         self.rep_group = Group(reps // per, per, share=p // per)
         self.ep_of = e.muon_ep
+        self.n_dense_muon = sum(1 for w in e.muon_ep if w is None)  # dense Muon matrices (every rank's)
         self._a2a_colls: dict = {}
 
     def _is_local(self, i: int, ep_rank: int = 0) -> bool:
@@ -145,15 +146,20 @@ class EPPrograms:
         return self.s.ep_spec.layer_expert_numel[l] if self.ep > 1 else 0
 
     def _local_muon(self) -> tuple[float, int]:
-        """(Muon elements, Muon tensors) a rank keeps optimizer state for with adamw / naive: its share of
-        every matrix (`_local_fraction`: FSDP's 1 / N, as the rank's experts / ep over N / ep replicas);
-        ddp with EP: every dense matrix and its own experts (experts / ep, whole)."""
+        """(Muon elements, Muon tensors) a rank's adamw / naive optimizer keeps state for and runs its
+        elementwise passes over (AdamW, momentum): without EP its shard of every matrix (`_local_fraction`);
+        with EP its share of every dense matrix (the shard group's: 1 / N FSDP, 1 / GPUs per node HSDP,
+        whole ddp) and of its own experts only (experts / ep, as `DMuon(model, ep=E)` holds them), sharded
+        as the layout moves them (`_fsdp_parts`: over the replica group of N / ep ranks, i.e. experts / N;
+        ddp: whole). One tensor per dense matrix and per own expert matrix, as ep = 1 counts every matrix
+        (an FSDP shard is one tensor of the pass)."""
         s = self.s
-        if self.ep == 1 or self.shard is not None:
+        if self.ep == 1:
             return self.muon_total * self._local_fraction(), len(s.muon_numel)
         ex = sum(s.ep_spec.layer_expert_numel)
-        n_ex = sum(1 for w in self.ep_of if w is not None)
-        return self.muon_total - ex + ex / self.ep, len(s.muon_numel) - n_ex + n_ex // self.ep
+        own = ex / self.ep if self.shard is None else ex / s.n_ranks
+        return ((self.muon_total - ex) * self._local_fraction() + own,
+                self.n_dense_muon + (len(s.muon_numel) - self.n_dense_muon) // self.ep)
 
     def _muon_group(self, i: int):
         """The group that shards Muon matrix i (naive's gradient gathers): the replica group for experts."""

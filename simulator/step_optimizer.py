@@ -151,7 +151,7 @@ class OptimizerPrograms(SplitPrograms):
                       phase="opt", step=step, deps=(red["adamw_last"],))
         dense = [self._dense_bucket(b) for b in range(self.n_buckets)]
         total = sum(d[0] for d in dense)
-        n_dense = len(s.muon_numel) if self.ep == 1 else sum(1 for w in self.ep_of if w is None)
+        n_dense = len(s.muon_numel) if self.ep == 1 else self.n_dense_muon
         to_owner: dict[int, Op] = {}
         # one momentum pass, pro rata: the local shards of the dense matrices (EP: and the experts the rank
         # owns, whose momentum ExpertMuon keeps on their owner)

@@ -172,6 +172,54 @@ def _numel(built) -> tuple[int, int]:
     return sum(s.layer_adamw_numel) + sum(s.muon_numel), 2 * EXPERT_NUMEL
 
 
+def _shard(built, layout: str) -> int:
+    """Ranks a dense parameter is sharded over: all (FSDP), a node's (HSDP), none (ddp)."""
+    return 1 if layout == "ddp" else built.spec.per_node if layout.startswith("hsdp") else GPUS
+
+
+def _rank_muon(built, layout: str, ep: int) -> tuple[float, int]:
+    """(Muon elements, Muon tensors) of one rank's adamw / naive optimizer, from the model's dense / expert
+    split: its share of every dense matrix (`_shard`) and of its own experts only (experts / ep; FSDP and
+    HSDP shard them over the gpus / ep replica group, so experts / gpus; ddp keeps them whole); one tensor
+    per dense matrix and per own expert matrix."""
+    s = built.spec
+    n_ex = 2 * 16 * 3  # 2 MoE layers x 16 experts x (gate, up, down)
+    shard = _shard(built, layout)
+    experts = 2 * EXPERT_NUMEL
+    own = experts / (shard if ep == 1 else ep if layout == "ddp" else GPUS)
+    return (sum(s.muon_numel) - experts) / shard + own, len(s.muon_numel) - n_ex + n_ex // ep
+
+
+def _assert_optimizer_pass(built, strategy: str, layout: str, ep: int) -> None:
+    """Rank 0's AdamW pass (adamw) / momentum pass (naive) in step 1 is priced over `_rank_muon`'s
+    elements and tensors (adamw: and the rank's share of the AdamW parameters, all dense)."""
+    s = built.spec
+    local, tensors = _rank_muon(built, layout, ep)
+    name = "momentum" if strategy == "naive" else "adamw"
+    op = next(o for o in built.cluster.queues[(0, "compute")] if o.step == 1 and o.name == name)
+    if strategy == "naive":
+        want = (s.elementwise_s(local, "muon_momentum", tensors)
+                + s.elementwise_s(local, "grad_prep", sum(1 for ms in s.layer_muon if ms)))
+    else:
+        local += sum(s.layer_adamw_numel) / _shard(built, layout)
+        want = (s.elementwise_s(local, "adamw", tensors + sum(s.layer_adamw_tensors))
+                + s.elementwise_s(local, "grad_prep", s.n_layers))
+    assert op.dur == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["fsdp-keep", "fsdp-free", "hsdp-keep", "hsdp-free", "sharded"])
+@pytest.mark.parametrize("strategy", ["adamw", "naive"])
+@pytest.mark.parametrize("ep", [1, 4, 16])
+@pytest.mark.parametrize("gpu", [{}, {"gpu": "cpu"}])
+def test_optimizer_pass_over_own_experts(model, layout, strategy, ep, gpu):
+    """adamw / naive with EP: a rank's AdamW / momentum pass runs over its dense shards and only its own
+    experts (not every EP rank's), the elements and tensors of `_rank_muon`; ep = 1: every matrix's
+    shard, as before (ddp: test_ddp_with_ep). The cpu profile prices each extra tensor (its split rows:
+    `CostTable.per_tensor_time`), the a800 one does not."""
+    _, built = run(_cfg(model, strategy=strategy, layout=layout, ep=ep, **gpu), all_ranks=False)
+    _assert_optimizer_pass(built, strategy, "fsdp-keep" if layout == "sharded" else layout, ep)
+
+
 @pytest.mark.parametrize("strategy", ["adamw", "naive"])
 @pytest.mark.parametrize("ep", [4, 8])
 def test_ddp_with_ep(model, strategy, ep):
@@ -189,20 +237,7 @@ def test_ddp_with_ep(model, strategy, ep):
     expected = (2 * (GPUS - 1) / GPUS * (total - experts) * 2 + 2 * (reps - 1) / reps * experts / ep * 2
                 + 2 * 4 * (ep - 1) / ep * A2A)
     assert r.comm_bytes_per_rank == pytest.approx(expected, rel=1e-12)
-    # the optimizer keeps state for every dense matrix and the rank's own experts (experts / ep, whole)
-    s = built.spec
-    n_ex = sum(1 for w in s.ep_spec.muon_ep if w is not None)
-    local, tensors = sum(s.muon_numel) - experts + experts / ep, len(s.muon_numel) - n_ex + n_ex // ep
-    name = "momentum" if strategy == "naive" else "adamw"
-    op = next(o for o in built.cluster.queues[(0, "compute")] if o.step == 1 and o.name == name)
-    if strategy == "naive":
-        want = (s.elementwise_s(local, "muon_momentum", tensors)
-                + s.elementwise_s(local, "grad_prep", sum(1 for ms in s.layer_muon if ms)))
-    else:
-        local += sum(s.layer_adamw_numel)
-        want = (s.elementwise_s(local, "adamw", tensors + sum(s.layer_adamw_tensors))
-                + s.elementwise_s(local, "grad_prep", s.n_layers))
-    assert op.dur == pytest.approx(want, rel=1e-12)
+    _assert_optimizer_pass(built, strategy, "ddp", ep)  # every dense matrix and the rank's own experts
     _, base = run(_cfg(model, strategy=strategy, layout="ddp"))
     base_ar = {c.name: c.bytes_per_rank for c in _colls(base)}
     world = [c for c in cs if c.group == "world0"]
