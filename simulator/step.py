@@ -41,7 +41,8 @@ beside the node's gathers and reduce-scatters):
 An elementwise pass (AdamW, momentum, gradient preparation) is priced once per step over all the
 elements it covers, so a cost table's per-call intercept is paid once, not per batch, plus the table's
 measured cost per extra tensor (`CostTable.per_tensor_time`) for the tensors it runs over: AdamW the
-rank's parameters, momentum its Muon matrices, gradient preparation one per reduction unit (layer).
+rank's parameters, momentum its Muon matrices (EP: the dense ones and its own experts only,
+`simulator.step_ep._local_muon`), gradient preparation one per reduction unit (layer).
 The programs are generated per rank; ranks with identical programs are simulated once
 (`simulator.step_comm.CommPrograms.select`: exact). Collectives are priced in `simulator.step_comm`.
 """
