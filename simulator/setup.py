@@ -37,6 +37,38 @@ def ns_method_of(cfg, profile) -> str:
     return ("gram" if cfg.gram else "standard") + ("_sym" if sym else "")
 
 
+def elementwise_pricer(priced, profile, scale: float, answers: dict | None = None):
+    """The simulator's price of one elementwise pass, `elementwise_s(numel, op, tensors=1) -> seconds`:
+    the cost table's fp32 pass of `op` over `numel` elements in `tensors` tensors
+    (`CostTable.elementwise_time`), x `scale` (the profile's elementwise_scale x contention x speed);
+    grad_prep x the profile's grad_prep_passes (0: free). `answers[op]` keeps the largest pass's
+    CostAnswer (provenance)."""
+    answers = {} if answers is None else answers
+
+    def elementwise_s(numel: float, op: str, tensors: int = 1) -> float:
+        n = int(round(numel))
+        if n <= 0:
+            return 0.0
+        if op == "grad_prep" and not profile.grad_prep_passes:
+            return 0.0
+        a = priced.elementwise_time(n, op, "fp32", max(1, min(int(tensors), n)))
+        if n >= answers.get(op, (0, None))[0]:
+            answers[op] = (n, a)  # provenance names the largest pass
+        return a.time_s * scale * (profile.grad_prep_passes if op == "grad_prep" else 1.0)
+
+    return elementwise_s
+
+
+def profile_pricer(name: str):
+    """`elementwise_pricer` of hardware profile `name` as `harness simulate --gpu NAME` prices a pass at
+    speed 1 on one thread without contention (its first loadable cost table, its elementwise_scale)."""
+    from .costs import load_cost
+    from .hardware import load_profile
+
+    profile = load_profile(name)
+    return elementwise_pricer(load_cost(profile.cost_profiles), profile, profile.elementwise_scale)
+
+
 def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
     """(StepSpec, info) where info has ns_makespan_s, balancer, method, notes, and provenance: a callable
     returning the provenance dict once the step programs have been built. thread_cost: a cost table
@@ -87,18 +119,7 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
     ns_naive = [ns_answers[(m.rows, m.cols)].time_s / per_member[(m.rows, m.cols)] * ns_stretch for m in muon]
 
     ew_answers: dict = {}
-    scale = profile.elementwise_scale * ew_stretch
-
-    def elementwise_s(numel: float, op: str, tensors: int = 1) -> float:
-        n = int(round(numel))
-        if n <= 0:
-            return 0.0
-        if op == "grad_prep" and not profile.grad_prep_passes:
-            return 0.0
-        a = priced.elementwise_time(n, op, "fp32", max(1, min(int(tensors), n)))
-        if n >= ew_answers.get(op, (0, None))[0]:
-            ew_answers[op] = (n, a)  # provenance names the largest pass
-        return a.time_s * scale * (profile.grad_prep_passes if op == "grad_prep" else 1.0)
+    elementwise_s = elementwise_pricer(priced, profile, profile.elementwise_scale * ew_stretch, ew_answers)
 
     ep = None
     if cfg.ep > 1:  # expert parallelism (simulator.step_ep): placement, all-to-all bytes, expert compute
