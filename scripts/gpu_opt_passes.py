@@ -200,7 +200,7 @@ class Table:
             return ""
         return sum(self.price(elements, o, tensors) for o in op.split("+")) * 1e3
 
-    def add(self, name, group, op, elements, tensors, fn, before=None, note="") -> None:
+    def add(self, name, group, op, elements, tensors, fn, before=None, note="", predicted=None) -> None:
         t0 = time.perf_counter()
         try:
             with deadline(self.limit_s, name):
@@ -209,7 +209,8 @@ class Table:
             measured = host = ""
             note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         row = dict(zip(COLUMNS, (name, group, op, elements, tensors, measured, host,
-                                 self.predicted(op, elements, tensors), note), strict=True))
+                                 self.predicted(op, elements, tensors) if predicted is None else predicted,
+                                 note), strict=True))
         self.rows.append(row)
         shown = f"{measured:9.3f} ms" if measured != "" else "   failed"
         print(f"[{time.perf_counter() - t0:5.1f} s] {name:28s} {elements:>12,} el {tensors:>4} t {shown}"
@@ -265,7 +266,9 @@ def part_b(table: Table, dims, device, dtype, ids, targets, kernels: str) -> Non
     opt._ns = no_ns
     table.add("dmuon_step_no_ns", "b", "muon_momentum+adamw", n_muon + n_adamw, len(muon) + len(adamw),
               opt.step, before=again, note="DMuon.step() with NS replaced by the identity; predicted: "
-              "the momentum and AdamW passes (apply, checks and flags are not in it)")
+              "the momentum and AdamW passes (apply, checks and flags are not in it)",
+              predicted=(table.predicted("muon_momentum", n_muon, len(muon))
+                         + table.predicted("adamw", n_adamw, len(adamw))))
     opt._ns = real_ns
     table.add("dmuon_step", "b", "", n_muon + n_adamw, len(muon) + len(adamw), opt.step, before=again,
               note=f"DMuon.step() (kernels={kernels})")
