@@ -11,6 +11,8 @@
 #      methods standard|gram|gram_sym, bf16 and fp16 -> dmuon/plan/profiles/h200.csv
 # The autotune cache starts empty (a temp DMUON_CACHE_DIR) and is kept as results/gpu/h200_autotune.json;
 # everything is logged to results/gpu/gpu_check.log. With $OUT set, the outputs are copied there too.
+# Not run here: issue 17's optimizer-pass check (do DMuon's momentum / AdamW passes pay the FSDP2+AdamW
+# intercept?), a separate < 3 min command: `PYTHONPATH=. python3 scripts/gpu_opt_passes.py` (docs/simulator.md).
 #
 # Dry run on a CPU (tiny shapes, Triton interpreter, nothing written outside the results folder):
 #   DMUON_GPU_CHECK_CPU=1 DMUON_GPU_CHECK_RESULTS=/tmp/x scripts/gpu_check.sh

@@ -245,34 +245,37 @@ def part_b(table: Table, dims, device, dtype, ids, targets, kernels: str) -> Non
     with deadline(table.limit_s, "part (b) set-up"):
         model = build_model(dims, "fsdp2-owner", device, dtype)
         opt = DMuon(model, ns=NSConfig(kernels=kernels), timeout_s=table.limit_s)
-        fwd_bwd(model, ids, targets)
-        opt.step()  # the state exists; every unit's exchange is absorbed and its summed gradient kept
-        opt.synchronize_exchanges()
-    muon = opt.params[:opt.n_muon]
-    adamw = opt.params[opt.n_muon:opt.expert_first]
-    n_muon, n_adamw = sum(p.numel() for p in muon), sum(local_sizes(adamw))
-    real_ns = opt._ns
-    no_ns = lambda stack, method: stack  # noqa: E731 (the NS call left out: momentum + stacking only)
-    opt._ns = no_ns
-    table.add("dmuon_momentum", "b", "muon_momentum", n_muon, len(muon), opt._speculate,
-              note="DMuon._speculate, NS replaced by the identity: momentum into the owner stacks")
-    opt._ns = real_ns
-    table.add("dmuon_momentum_ns", "b", "", n_muon, len(muon), opt._speculate,
-              note=f"DMuon._speculate with NS (kernels={kernels})")
-    everything = torch.ones(len(opt.params), dtype=torch.bool)
-    table.add("dmuon_adamw", "b", "adamw", n_adamw, len(adamw), lambda: opt._adamw_update(everything),
-              note="DMuon._adamw_update over the FSDP2 shards of the non-Muon parameters")
-    again = lambda: fwd_bwd(model, ids, targets)  # noqa: E731 (untimed: every step needs its gradients)
-    opt._ns = no_ns
-    table.add("dmuon_step_no_ns", "b", "muon_momentum+adamw", n_muon + n_adamw, len(muon) + len(adamw),
-              opt.step, before=again, note="DMuon.step() with NS replaced by the identity; predicted: "
-              "the momentum and AdamW passes (apply, checks and flags are not in it)",
-              predicted=(table.predicted("muon_momentum", n_muon, len(muon))
-                         + table.predicted("adamw", n_adamw, len(adamw))))
-    opt._ns = real_ns
-    table.add("dmuon_step", "b", "", n_muon + n_adamw, len(muon) + len(adamw), opt.step, before=again,
-              note=f"DMuon.step() (kernels={kernels})")
-    opt.close()
+    try:
+        with deadline(table.limit_s, "part (b) first step"):
+            fwd_bwd(model, ids, targets)
+            opt.step()  # the state exists; every unit's exchange is absorbed, its summed gradient kept
+            opt.synchronize_exchanges()
+        muon = opt.params[:opt.n_muon]
+        adamw = opt.params[opt.n_muon:opt.expert_first]
+        n_muon, n_adamw = sum(p.numel() for p in muon), sum(local_sizes(adamw))
+        real_ns = opt._ns
+        no_ns = lambda stack, method: stack  # noqa: E731 (the NS call left out: momentum + stacking only)
+        opt._ns = no_ns
+        table.add("dmuon_momentum", "b", "muon_momentum", n_muon, len(muon), opt._speculate,
+                  note="DMuon._speculate, NS replaced by the identity: momentum into the owner stacks")
+        opt._ns = real_ns
+        table.add("dmuon_momentum_ns", "b", "", n_muon, len(muon), opt._speculate,
+                  note=f"DMuon._speculate with NS (kernels={kernels})")
+        everything = torch.ones(len(opt.params), dtype=torch.bool)
+        table.add("dmuon_adamw", "b", "adamw", n_adamw, len(adamw), lambda: opt._adamw_update(everything),
+                  note="DMuon._adamw_update over the FSDP2 shards of the non-Muon parameters")
+        again = lambda: fwd_bwd(model, ids, targets)  # noqa: E731 (untimed: every step needs its gradients)
+        opt._ns = no_ns
+        table.add("dmuon_step_no_ns", "b", "muon_momentum+adamw", n_muon + n_adamw, len(muon) + len(adamw),
+                  opt.step, before=again, note="DMuon.step() with NS replaced by the identity; predicted: "
+                  "the momentum and AdamW passes (apply, checks and flags are not in it)",
+                  predicted=(table.predicted("muon_momentum", n_muon, len(muon))
+                             + table.predicted("adamw", n_adamw, len(adamw))))
+        opt._ns = real_ns
+        table.add("dmuon_step", "b", "", n_muon + n_adamw, len(muon) + len(adamw), opt.step, before=again,
+                  note=f"DMuon.step() (kernels={kernels})")
+    finally:
+        opt.close()
 
 
 def flat_views(sizes: list[int], device, dtype, fill: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
