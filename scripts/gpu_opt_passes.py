@@ -389,6 +389,13 @@ def write_outputs(out: Path, prefix: str, rows, lines, args, device) -> tuple[Pa
     return csv_path, md_path
 
 
+def device_slug(name: str) -> str:
+    """The file prefix of a GPU: its first name token with a digit ("NVIDIA H200 NVL" -> "h200")."""
+    tokens = name.split() or ["gpu"]
+    token = next((t for t in tokens if any(c.isdigit() for c in t)), tokens[-1])
+    return "".join(c for c in token.lower() if c.isalnum()) or "gpu"
+
+
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="dry run: gloo on the CPU (use with --scale)")
@@ -426,8 +433,7 @@ def main(argv=None) -> int:
     price = profile_pricer(args.profile)
     dims = qwen_dims(args.workload, args.scale)
     out = Path(args.out or os.environ.get("OUT") or "results/gpu")
-    prefix = "cpu_dryrun" if args.cpu else "".join(
-        c for c in torch.cuda.get_device_name(0).split()[-1].lower() if c.isalnum())
+    prefix = "cpu_dryrun" if args.cpu else device_slug(torch.cuda.get_device_name(0))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -104,6 +104,11 @@ def test_verdict_rule():
     assert lines["dmuon_momentum"] == "dmuon_momentum: not measured"
 
 
+def test_device_slug():
+    assert [gop.device_slug(n) for n in ("NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA A800-SXM4-80GB", "")] == [
+        "h200", "h200", "a800sxm480gb", "gpu"]
+
+
 def test_bad_input():
     with pytest.raises(InputError, match="Qwen/Llama-shaped"):
         gop.qwen_dims("wall-oss", 1)
