@@ -49,13 +49,15 @@ from torch import nn
 ROLES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 COLUMNS = ("pass", "group", "op", "elements", "tensors", "measured_ms", "host_ms", "predicted_ms", "note")
 # each pass of (a) / (b) against the plain one-tensor pass of the same elements (the verdict)
-PASSES = ("fsdp2_torch_adamw_foreach", "fsdp2_torch_adamw_fused", "dmuon_momentum", "dmuon_momentum_ns",
-          "dmuon_adamw", "dmuon_step_no_ns", "dmuon_step", "plain_adamw_fused_1", "plain_adamw_fused_k",
-          "plain_adamw_all_fused_1", "plain_adamw_all_fused_k", "plain_momentum_1", "plain_momentum_k",
+PASSES = ("fsdp2_torch_adamw_foreach", "fsdp2_torch_adamw_fused", "dmuon_momentum", "dmuon_momentum_batch",
+          "dmuon_momentum_ns", "dmuon_adamw", "dmuon_step_no_ns", "dmuon_step", "plain_adamw_fused_1",
+          "plain_adamw_fused_k", "plain_adamw_all_fused_1", "plain_adamw_all_fused_k", "plain_momentum_1",
+          "plain_momentum_k", "plain_momentum_batch_1", "plain_momentum_batch_k",
           "plain_torch_adamw_foreach_1", "plain_torch_adamw_foreach_k")  # the CSV's rows, in order
 BASELINES = {"fsdp2_torch_adamw_foreach": "plain_torch_adamw_foreach_1",
              "fsdp2_torch_adamw_fused": "plain_adamw_all_fused_1",
-             "dmuon_momentum": "plain_momentum_1", "dmuon_adamw": "plain_adamw_fused_1"}
+             "dmuon_momentum": "plain_momentum_1", "dmuon_momentum_batch": "plain_momentum_batch_1",
+             "dmuon_adamw": "plain_adamw_fused_1"}
 
 
 # ---- the model ---------------------------------------------------------------------------------------
@@ -238,8 +240,10 @@ def part_a(table: Table, dims, device, dtype, ids, targets) -> None:
     del model, params
 
 
-def part_b(table: Table, dims, device, dtype, ids, targets, kernels: str) -> None:
-    """DMuon on the fsdp2-owner layout: its own momentum, AdamW and step code."""
+def part_b(table: Table, dims, device, dtype, ids, targets, kernels: str) -> list[int]:
+    """DMuon on the fsdp2-owner layout: its own momentum, AdamW and step code. On a world of 1 the rank
+    owns all the matrices; an owner at scale owns a few batches, so the momentum is also timed over the
+    plan's largest batch alone (`_ordered_batches` cut to it). Returns that batch's member sizes."""
     from dmuon import DMuon, NSConfig
 
     with deadline(table.limit_s, "part (b) set-up"):
@@ -258,6 +262,13 @@ def part_b(table: Table, dims, device, dtype, ids, targets, kernels: str) -> Non
         opt._ns = no_ns
         table.add("dmuon_momentum", "b", "muon_momentum", n_muon, len(muon), opt._speculate,
                   note="DMuon._speculate, NS replaced by the identity: momentum into the owner stacks")
+        batch = max(opt._ordered_batches(), key=lambda b: sum(opt.params[i].numel() for i in b.members))
+        big = [opt.params[i].numel() for i in batch.members]
+        opt._ordered_batches = lambda: [batch]
+        table.add("dmuon_momentum_batch", "b", "muon_momentum", sum(big), len(big), opt._speculate,
+                  note=f"as dmuon_momentum over the plan's largest batch ({len(big)} x {batch.rows} x "
+                  f"{batch.cols}) alone: one owner's pass at scale")
+        del opt._ordered_batches  # the class's method again: every batch
         opt._ns = real_ns
         table.add("dmuon_momentum_ns", "b", "", n_muon, len(muon), opt._speculate,
                   note=f"DMuon._speculate with NS (kernels={kernels})")
@@ -276,6 +287,7 @@ def part_b(table: Table, dims, device, dtype, ids, targets, kernels: str) -> Non
                   note=f"DMuon.step() (kernels={kernels})")
     finally:
         opt.close()
+    return big
 
 
 def flat_views(sizes: list[int], device, dtype, fill: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -312,8 +324,11 @@ def momentum_plain(sizes: list[int], one: bool, device, dtype):
 def part_c(table: Table, sizes: dict, device, dtype) -> None:
     """The same elementwise work on plain tensors: one tensor, and as many as the pass has."""
     for what, name, op in (("adamw", "plain_adamw_fused", "adamw"), ("all", "plain_adamw_all_fused", "adamw"),
-                           ("muon", "plain_momentum", "muon_momentum")):
-        s = sizes[what]
+                           ("muon", "plain_momentum", "muon_momentum"),
+                           ("batch", "plain_momentum_batch", "muon_momentum")):
+        s = sizes.get(what)
+        if not s:  # the batch's sizes come from part (b)
+            continue
         make = momentum_plain if op == "muon_momentum" else adamw_plain
         for one in (True, False):
             fn = make(s, one, device, dtype)
@@ -347,7 +362,8 @@ def verdicts(rows: list[dict], price) -> list[str]:
                    f"({b['measured_ms']:.3f} ms) "
                    f"-> {'PAYS' if pays else 'does NOT pay'} the simulator's {intercept:.2f} ms intercept "
                    f"(threshold {intercept / 2:.2f} ms; predicted {r['predicted_ms']:.3f} ms)")
-    for base in ("plain_adamw_all_fused", "plain_momentum", "plain_torch_adamw_foreach"):
+    for base in ("plain_adamw_all_fused", "plain_momentum", "plain_momentum_batch",
+                 "plain_torch_adamw_foreach"):
         one, k = by.get(f"{base}_1"), by.get(f"{base}_k")
         if one and k and one["measured_ms"] != "" and k["measured_ms"] != "" and k["tensors"] > 1:
             per = (k["measured_ms"] - one["measured_ms"]) / (k["tensors"] - 1) * 1e3
@@ -448,15 +464,18 @@ def main(argv=None) -> int:
         gen = torch.Generator(device="cpu").manual_seed(0)
         ids = torch.randint(dims["vocab"], (args.tokens,), generator=gen).to(device)
         targets = torch.randint(dims["vocab"], (args.tokens,), generator=gen).to(device)
+        sizes = pass_sizes(dims)
         for name, part, extra in (("a", part_a, ()), ("b", part_b, (args.kernels,))):
             try:  # a part that fails leaves its rows out (reported below); the next part still runs
-                part(table, dims, device, dtype, ids, targets, *extra)
+                got = part(table, dims, device, dtype, ids, targets, *extra)
+                if name == "b":
+                    sizes["batch"] = got
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
                 print(f"part ({name}) failed; its rows are missing", flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        part_c(table, pass_sizes(dims), device, dtype)
+        part_c(table, sizes, device, dtype)
     finally:
         dist.destroy_process_group()
     lines = verdicts(table.rows, price)

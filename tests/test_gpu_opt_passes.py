@@ -64,7 +64,11 @@ def test_counts_are_the_workloads(dry_run):
     for name in ("fsdp2_torch_adamw_foreach", "fsdp2_torch_adamw_fused", "dmuon_step", "dmuon_step_no_ns",
                  "plain_adamw_all_fused_k", "plain_torch_adamw_foreach_k"):
         assert n(name) == total, name
-    for name, twin in (("plain_adamw_fused_k", "dmuon_adamw"), ("plain_momentum_k", "dmuon_momentum")):
+    batch = n("dmuon_momentum_batch")  # the plan's largest batch: up to max_batch (8) same-shape matrices
+    assert 1 <= batch[1] <= 8 and batch[0] % batch[1] == 0
+    assert batch[0] // batch[1] == max((p.rows // SCALE) * (p.cols // SCALE) for p in muon)
+    for name, twin in (("plain_adamw_fused_k", "dmuon_adamw"), ("plain_momentum_k", "dmuon_momentum"),
+                       ("plain_momentum_batch_k", "dmuon_momentum_batch")):
         assert n(name) == n(twin)
         assert n(name.replace("_k", "_1")) == (n(twin)[0], 1)
 
