@@ -25,12 +25,11 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import warnings
 from pathlib import Path
 
 from dmuon.errors import InputError
-from dmuon.io import cache_dir
+from dmuon.io import atomic_path, cache_dir
 
 from .engine_fast import MAX_SM_SHARE
 
@@ -80,18 +79,11 @@ def build() -> Path:
     out = cache_dir() / f"_engine_native-{_key(cc)}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        cmd = [*cc, *CFLAGS, f"-I{include}", str(SRC), "-o", tmp]
+    with atomic_path(out) as tmp:  # dmuon.io: renamed into place on success, removed on failure
+        cmd = [*cc, *CFLAGS, f"-I{include}", str(SRC), "-o", str(tmp)]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if p.returncode != 0:
             raise OSError(f"compiling {SRC.name} failed ({' '.join(cmd)}): {p.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return out
 
 
