@@ -49,10 +49,9 @@ from .hooks import BackwardTracker, ForwardWaits
 from .model import broadcast_module_state, forward_layers
 from .planning import build_model_plan
 from .state import STATE_FORMAT, load_rank_state, rank_state_dict  # noqa: F401 (STATE_FORMAT: re-export)
-from .units import AllReduceUnit, Member, OwnerUnit
+from .units import OwnerUnit, build_units
 
 BALANCERS = ("lpt", "round_robin", "milp")
-SMALL_ADAMW = 1 << 16  # AdamW parameters up to this many elements ride in their layer's Muon bucket
 
 
 class DistributedMuonBase(torch.optim.Optimizer):
@@ -173,7 +172,7 @@ class DistributedMuonBase(torch.optim.Optimizer):
         workers = [w for w in (self._worker, self._pub_worker) if w is not None]
         self._finalizer = weakref.finalize(self, lambda: [w.close() for w in workers])
         self._launched: set[int] = set()  # units whose exchange was launched since the last step
-        self.units = self._build_units(exchange, bucket_numel)
+        self.units = build_units(self, exchange, bucket_numel)
         self._where = {}  # param index -> (unit, position in unit)
         for u in self.units:
             for k, m in enumerate(u.members):
@@ -198,60 +197,6 @@ class DistributedMuonBase(torch.optim.Optimizer):
                                 priced=self.owner_centric,
                                 # fsdp2-sharded runs the momentum on every rank's shards: not owner work
                                 owner_momentum=self.layout != "fsdp2-sharded")
-
-    def _build_units(self, exchange: str, bucket_numel: int) -> list:
-        """Exchange units in launch order (reverse forward layer). Muon matrices: the plan's buckets.
-        AdamW parameters of at most SMALL_ADAMW elements ride in the bucket of their layer (DMuon: owned
-        by the rank owning the fewest elements of that bucket); the others form one unit per layer (a
-        small one joins the unit launched just before it; with bucket_numel, units grow to that size);
-        DMuon shards those evenly over the ranks (shard_adamw)."""
-        entries = []  # [min layer, members, kind]
-        by_layer = {}
-        if self.plan is not None and self._muon_units:
-            for b in self.plan.buckets:
-                members = [Member(i, self.names[i], self.params[i], self.plan.owners[i]) for i in b.members]
-                e = [min(self.layers[i] for i in b.members), members, "muon"]
-                entries.append(e)
-                for i in b.members:
-                    by_layer.setdefault(self.layers[i], e)
-        groups: list[list[int]] = []
-        for i in range(self.n_muon, len(self.params)):
-            if self.local[i]:
-                continue
-            e = by_layer.get(self.layers[i])
-            if e is not None and self.params[i].numel() <= SMALL_ADAMW:
-                load = [0] * self.world_size
-                for m in e[1]:
-                    load[m.owner] += m.param.numel()
-                e[1].append(Member(i, self.names[i], self.params[i], load.index(min(load))))
-            elif groups and self.layers[groups[-1][-1]] == self.layers[i]:
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-        merged: list[list[int]] = []  # built in launch order (reverse forward): a small group joins the
-        for g in reversed(groups):    # group launched just before it
-            size = sum(self.params[i].numel() for i in g)
-            last = sum(self.params[i].numel() for i in merged[-1]) if merged else 0
-            if merged and (size <= SMALL_ADAMW or (bucket_numel and last < bucket_numel)):
-                merged[-1] = g + merged[-1]
-            else:
-                merged.append(list(g))
-        for g in merged:
-            members = [Member(i, self.names[i], self.params[i]) for i in g]
-            entries.append([min(self.layers[i] for i in g), members, "adamw"])
-        entries.sort(key=lambda e: (-e[0], e[2] != "muon"))
-        units = []
-        for pos, (_, members, kind) in enumerate(entries):
-            if not self.owner_centric or (kind == "adamw" and not self.shard_adamw):
-                units.append(AllReduceUnit(pos, members, self.groups, self._worker, self.comm_dtype))
-            else:
-                fsdp = self.layout == "fsdp2-owner"  # memory matters: buffers only while in flight
-                units.append(OwnerUnit(pos, members, self.groups, self._worker, exchange,
-                                       sharded=kind == "adamw", transient=fsdp,
-                                       pub_worker=self._pub_worker, pub_groups=self._pub_groups,
-                                       comm_dtype=self.comm_dtype))
-                units[-1].consume_grads = fsdp
-        return units
 
     # ---- communication -------------------------------------------------------------------------
     def _launch(self, u: int) -> None:

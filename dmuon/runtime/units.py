@@ -6,6 +6,7 @@ after the step the owners' new weights are published to every rank (`publish_fro
 copies them into its parameters (on the communication thread, so the compute thread only waits where
 a module needs its weights).
 `AllReduceUnit` (NaiveMuon, replicated AdamW): the summed gradient of every member lands on every rank.
+`build_units` makes a distributed optimizer's units from its plan (Muon buckets, AdamW groups).
 
 The compute thread packs (`pack`: gradient, or zeros where a parameter has none this step) and submits;
 the communication thread runs the collectives. A unit never repacks a buffer still in flight.
@@ -336,3 +337,61 @@ class OwnerUnit(_Unit):
         if h is not None:
             h.wait()
             self.publish_handle = None
+
+
+SMALL_ADAMW = 1 << 16  # AdamW parameters up to this many elements ride in their layer's Muon bucket
+
+
+def build_units(opt, exchange: str, bucket_numel: int) -> list:
+    """Exchange units in launch order (reverse forward layer). Muon matrices: the plan's buckets.
+    AdamW parameters of at most SMALL_ADAMW elements ride in the bucket of their layer (DMuon: owned
+    by the rank owning the fewest elements of that bucket); the others form one unit per layer (a
+    small one joins the unit launched just before it; with bucket_numel, units grow to that size);
+    DMuon shards those evenly over the ranks (shard_adamw)."""
+    entries = []  # [min layer, members, kind]
+    by_layer = {}
+    if opt.plan is not None and opt._muon_units:
+        for b in opt.plan.buckets:
+            members = [Member(i, opt.names[i], opt.params[i], opt.plan.owners[i]) for i in b.members]
+            e = [min(opt.layers[i] for i in b.members), members, "muon"]
+            entries.append(e)
+            for i in b.members:
+                by_layer.setdefault(opt.layers[i], e)
+    groups: list[list[int]] = []
+    for i in range(opt.n_muon, len(opt.params)):
+        if opt.local[i]:
+            continue
+        e = by_layer.get(opt.layers[i])
+        if e is not None and opt.params[i].numel() <= SMALL_ADAMW:
+            load = [0] * opt.world_size
+            for m in e[1]:
+                load[m.owner] += m.param.numel()
+            e[1].append(Member(i, opt.names[i], opt.params[i], load.index(min(load))))
+        elif groups and opt.layers[groups[-1][-1]] == opt.layers[i]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    merged: list[list[int]] = []  # built in launch order (reverse forward): a small group joins the
+    for g in reversed(groups):    # group launched just before it
+        size = sum(opt.params[i].numel() for i in g)
+        last = sum(opt.params[i].numel() for i in merged[-1]) if merged else 0
+        if merged and (size <= SMALL_ADAMW or (bucket_numel and last < bucket_numel)):
+            merged[-1] = g + merged[-1]
+        else:
+            merged.append(list(g))
+    for g in merged:
+        members = [Member(i, opt.names[i], opt.params[i]) for i in g]
+        entries.append([min(opt.layers[i] for i in g), members, "adamw"])
+    entries.sort(key=lambda e: (-e[0], e[2] != "muon"))
+    units = []
+    for pos, (_, members, kind) in enumerate(entries):
+        if not opt.owner_centric or (kind == "adamw" and not opt.shard_adamw):
+            units.append(AllReduceUnit(pos, members, opt.groups, opt._worker, opt.comm_dtype))
+        else:
+            fsdp = opt.layout == "fsdp2-owner"  # memory matters: buffers only while in flight
+            units.append(OwnerUnit(pos, members, opt.groups, opt._worker, exchange,
+                                   sharded=kind == "adamw", transient=fsdp,
+                                   pub_worker=opt._pub_worker, pub_groups=opt._pub_groups,
+                                   comm_dtype=opt.comm_dtype))
+            units[-1].consume_grads = fsdp
+    return units
