@@ -1,8 +1,12 @@
 """DMuon with expert parallelism (`DMuon(model, ep=E)`): what one step() costs on gloo ranks, for a MoE of
-many small experts (where the expert exchange, not NS, is the step): the step's wall time and the training
-thread's CPU time (medians over the timed steps, slowest rank), the collectives that thread issues per
-step (the expert exchange; DMuon's own exchange runs on its communication thread), and a hash of every
-rank's parameters after the run (equal hashes from two trees = bitwise the same training).
+many small experts (where the expert exchange, not NS, is the step): per training step a forward and a
+backward pass (every rank's local experts see every token), then `step()` and `synchronize()`. Printed:
+the step's wall time (step() and synchronize()), the iteration's (backward, step(), synchronize()), the
+training thread's CPU time over the same spans (medians over the timed steps, slowest rank), the
+collectives that thread issues inside step() (the expert exchange when it runs there; DMuon's own
+exchange runs on its communication threads), and a hash of every rank's parameters after the run (equal
+hashes from two trees = bitwise the same training). `--no-backward` sets random gradients instead of a
+backward pass (no hook fires: every exchange runs from step()).
 
 Run from a tree's root (compare two trees by running each with its PYTHONPATH):
       PYTHONPATH=. .venv/bin/python scripts/ep_step.py --ranks 4 --ep 2
@@ -33,11 +37,25 @@ def _model(args, e_local: int):
             self.mlp.experts.w_up = nn.Parameter(torch.randn(e_local, args.inter, args.hidden))
             self.mlp.experts.w_down = nn.Parameter(torch.randn(e_local, args.hidden, args.inter))
 
+        def forward(self, x):  # every local expert on every token, outputs averaged
+            h, ex = self.norm(x), self.mlp.experts
+            up = torch.relu(torch.einsum("td,eid->tei", h, ex.w_up)) / args.hidden ** 0.5
+            return x + self.q(h) + torch.einsum("tei,edi->td", up, ex.w_down) / (args.inter ** 0.5 * e_local)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(64, args.hidden)
+            self.layers = nn.ModuleList(Layer() for _ in range(args.layers))
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            for layer in self.layers:
+                x = layer(x)
+            return x.pow(2).mean()
+
     torch.manual_seed(0)
-    model = nn.Module()
-    model.embed = nn.Embedding(64, args.hidden)
-    model.layers = nn.ModuleList(Layer() for _ in range(args.layers))
-    return model
+    return Model()
 
 
 def _rank(rank: int, args, port: int, queue) -> None:
@@ -51,20 +69,28 @@ def _rank(rank: int, args, port: int, queue) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks)
     model = _model(args, args.experts // args.ep)
     opt = dmuon.DMuon(model, ep=args.ep, profile="cpu", timeout_s=120.0)
-    walls, cpus, colls = [], [], []
+    walls, cpus, iters, iter_cpus, colls = [], [], [], [], []
     for it in range(args.warmup + args.steps):
         g = torch.Generator().manual_seed(1000 * it + rank)
-        for p in model.parameters():
-            p.grad = torch.randn(p.shape, generator=g)
+        if args.no_backward:
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g)
+        else:
+            loss = model(torch.randint(0, 64, (args.tokens,), generator=g))
         counter = CollectiveBytes()
         dist.barrier()
         start, cpu0 = time.perf_counter(), time.thread_time()
+        if not args.no_backward:
+            loss.backward()
+        mid, cpu1 = time.perf_counter(), time.thread_time()
         with counter.active():
             opt.step()
         opt.synchronize()
         if it >= args.warmup:
-            walls.append(time.perf_counter() - start)
-            cpus.append(time.thread_time() - cpu0)
+            walls.append(time.perf_counter() - mid)
+            cpus.append(time.thread_time() - cpu1)
+            iters.append(time.perf_counter() - start)
+            iter_cpus.append(time.thread_time() - cpu0)
             colls.append(sum(r.kind in ("reduce", "broadcast") for r in counter.records))
         opt.zero_grad(set_to_none=True)
     digest = hashlib.sha256()
@@ -72,7 +98,7 @@ def _rank(rank: int, args, port: int, queue) -> None:
         digest.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
     held = sum(p.shape[0] for p in model.parameters() if p.dim() == 3)
     queue.put((rank, statistics.median(walls), statistics.median(cpus), statistics.median(colls), held,
-               digest.hexdigest()[:16]))
+               digest.hexdigest()[:16], statistics.median(iters), statistics.median(iter_cpus)))
     opt.close()
     dist.destroy_process_group()
 
@@ -85,6 +111,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--inter", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per rank and step")
+    ap.add_argument("--no-backward", action="store_true", help="random gradients, no forward / backward")
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
@@ -93,7 +121,9 @@ def main() -> None:
           f"{args.inter}x{args.hidden}, w_down {args.hidden}x{args.inter}); {got[0][4]} expert matrices per "
           f"rank; load {os.getloadavg()[0]:.2f}")
     print(f"step wall ms (median, slowest rank) {max(g[1] for g in got) * 1e3:.1f}; training-thread CPU ms "
-          f"{max(g[2] for g in got) * 1e3:.1f}; reduces + broadcasts per step {max(g[3] for g in got):g}")
+          f"{max(g[2] for g in got) * 1e3:.1f}; reduces + broadcasts in step() {max(g[3] for g in got):g}")
+    print(f"backward + step wall ms {max(g[6] for g in got) * 1e3:.1f}; training-thread CPU ms "
+          f"{max(g[7] for g in got) * 1e3:.1f}")
     print("parameter hashes:", " ".join(g[5] for g in got))
 
 

@@ -51,9 +51,12 @@ class TinyMoE(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HID)
         self.layers = nn.ModuleList(Layer(count) for _ in range(LAYERS))
+        self.probe = None  # called when backward reaches the embedding's output (every layer's is done)
 
     def forward(self, tokens, first: int, lo: int, count: int):
         x = self.embed(tokens)
+        if self.probe is not None:
+            x.register_hook(lambda g: self.probe())
         for layer in self.layers:
             x = layer(x, first, lo, count)
         return x.pow(2).mean()
@@ -104,6 +107,27 @@ def train_step(model, opt, step: int, rank: int, ep: int, counter=None) -> None:
     opt.zero_grad()
 
 
+def probed_step(model, opt, step: int, rank: int, ep: int, counter) -> int:
+    """train_step counting the collectives of step() on the training thread and of the experts'
+    communication thread; returns how many expert buckets had their gradient exchange launched when
+    backward reached the first layer's input (before backward's end)."""
+    opt.synchronize()  # the last step's publications are not counted
+    units = getattr(opt.experts, "units", ())  # an exchange at step() only would have no units: 0 launched
+    old = [u.reduce_handle for u in units]  # kept alive: their ids are not reused
+    launched = []
+    model.probe = lambda: launched.append(sum(u.reduce_handle is not None and u.reduce_handle not in old
+                                              for u in units))
+    worker = getattr(opt.experts, "worker", None)  # None where the replica group is one rank
+    if worker is not None:
+        worker.counter = counter
+    train_step(model, opt, step, rank, ep, counter)
+    opt.synchronize()
+    if worker is not None:
+        worker.counter = None
+    model.probe = None
+    return launched[0]
+
+
 def weights(model, opt) -> dict[str, torch.Tensor]:
     opt.synchronize()
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
@@ -127,12 +151,15 @@ def run_case(rank: int, world: int, ep: int, case: dict) -> dict:
     from dmuon.runtime.bytecount import CollectiveBytes
 
     counter = CollectiveBytes()
-    train_step(model, opt, STEPS - 1, rank, ep, counter)
+    out["launched"] = probed_step(model, opt, STEPS - 1, rank, ep, counter)
+    out["units"] = len(getattr(opt.experts, "units", ()))
     out["weights"] = weights(model, opt)
-    # the expert exchange: reduces to / broadcasts from the owners of the replica group (world / ep ranks)
-    out["expert_colls"] = {kind: [r.payload_bytes for r in counter.records
-                                  if r.kind == kind and r.group_size == world // ep]
-                           for kind in ("reduce", "broadcast")}
+    # the expert exchange: reduces to / broadcasts from the owners of the replica group (world / ep ranks),
+    # on the experts' communication thread ("dmuon"); step() on the training thread ("main") issues none
+    out["expert_colls"] = {(kind, lab): [r.payload_bytes for r in counter.records
+                                         if r.kind == kind and r.group_size == world // ep and r.label == lab]
+                           for kind in ("reduce", "broadcast") for lab in ("main", "dmuon")}
+    out["owners"] = [len({m.owner for m in u.members}) for u in getattr(opt.experts, "units", ())]
     experts = [p for p in model.parameters() if p.dim() == 3]
     out["expert_bytes"] = sum(p.numel() * p.element_size() for p in experts)
     out["momentum_rows"] = sum(opt.state[p]["momentum_buffer"].shape[0] for p in experts
@@ -216,15 +243,19 @@ def test_dmuon_ep_equals_single_process_muon(world, ep, case):
     # every expert matrix of every layer has exactly one owner, which alone holds its momentum
     assert sum(r["owned"] for r in results) == LAYERS * 2 * E
     assert [r["momentum_rows"] for r in results] == [r["owned"] for r in results]
-    for r in results:  # one reduce and one broadcast per owner of the group, together all the rank's experts
+    for r in results:  # per bucket one reduce and one broadcast per owner, together all the rank's experts
         colls = r["expert_colls"]
+        assert colls["reduce", "main"] == colls["broadcast", "main"] == []  # not from step() itself
+        # every bucket's exchange was launched from backward's hooks, before backward ended
+        assert r["launched"] == r["units"] == (LAYERS if world // ep > 1 else 0)
         if world // ep == 1:
-            assert colls == {"reduce": [], "broadcast": []}
+            assert colls["reduce", "dmuon"] == colls["broadcast", "dmuon"] == []
         else:
-            assert 1 <= len(colls["reduce"]) == len(colls["broadcast"]) <= world // ep
+            assert len(colls["reduce", "dmuon"]) == len(colls["broadcast", "dmuon"]) == sum(r["owners"])
+            assert all(1 <= n <= world // ep for n in r["owners"])
             wire = 2 / 4 if case.get("opts", {}).get("comm_dtype") == "bf16" else 1  # gradients in bf16
-            assert sum(colls["reduce"]) == wire * r["expert_bytes"]
-            assert sum(colls["broadcast"]) == r["expert_bytes"]
+            assert sum(colls["reduce", "dmuon"]) == wire * r["expert_bytes"]
+            assert sum(colls["broadcast", "dmuon"]) == r["expert_bytes"]
 
 
 def run_checkpoint(rank: int, world: int, ep: int, case: dict, path: str, save: bool) -> dict:

@@ -8,6 +8,7 @@ docs/runtime.md and docs/fsdp.md.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -187,8 +188,8 @@ class DistributedMuonBase(torch.optim.Optimizer):
                                                 and not u.sharded], self.rank)
             owner_units = {k: u for k, u in owner_units.items() if u.sharded}
         self._forward_waits = ForwardWaits(model, owner_units, self._wait_publish) if owner_units else None
-        self.experts = (ExpertMuon(self, self.ep_plan, self.expert_first, len(specs), self.ep)
-                        if experts else None)
+        self.experts = (ExpertMuon(self, model, self.ep_plan, self.expert_first, len(specs), self.ep,
+                                   exchange) if experts else None)
 
     # ---- construction ------------------------------------------------------------------------
     def _build_plan(self, specs, balancer: str, profile: str | None, bucket_numel: int) -> Plan:
@@ -211,9 +212,11 @@ class DistributedMuonBase(torch.optim.Optimizer):
     def _wait_publish(self, unit) -> None:
         unit.wait_publish()
 
+    @contextlib.contextmanager
     def no_sync(self):
         """Context manager: backward passes inside only accumulate gradients locally (no exchange)."""
-        return self._tracker.no_sync()
+        with self._tracker.no_sync(), self.experts.no_sync() if self.experts else contextlib.nullcontext():
+            yield
 
     def synchronize(self) -> None:
         """Wait for every exchange in flight (new weights on every rank): before eval, checkpoints, or
@@ -229,6 +232,8 @@ class DistributedMuonBase(torch.optim.Optimizer):
             u.wait_reduce()
             if isinstance(u, OwnerUnit):
                 u.wait_publish()
+        if self.experts is not None:
+            self.experts.synchronize()
 
     def publish_owned(self) -> None:
         """Owners publish their current weights to every rank, and wait (after loading a checkpoint)."""
@@ -247,6 +252,8 @@ class DistributedMuonBase(torch.optim.Optimizer):
             self._forward_waits.remove()
         if self._residency is not None:
             self._residency.remove()
+        if self.experts is not None:
+            self.experts.close()
         self._finalizer()
 
     # ---- the step ------------------------------------------------------------------------------
@@ -257,6 +264,8 @@ class DistributedMuonBase(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._tracker.finish()
+        if self.experts is not None:  # ep > 1: the experts' round too (runtime/ep.py)
+            self.experts.begin_step()
         self._launched = set()
         for u in self.units:
             if isinstance(u, OwnerUnit):

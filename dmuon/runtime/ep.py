@@ -14,13 +14,23 @@ Gradients, as the training step leaves them in `.grad`: dense parameters as in D
 averages them over all ranks); expert parameters hold this replica's gradient of its local experts (the
 step averages them over the EP rank's replica group, the ranks holding the same experts).
 
-The expert half of one step, after DMuon has agreed the has-gradient / non-finite flags (the expert
-parameters' flags are among them, from each rank's local gradients):
-  expert matrix   reduce (mean) of its slice to its owner inside the replica group (no other rank holds
-                  it); the owner: momentum, NS, update; broadcast of the new slice inside the group.
-                  Per owner (and dtype) of the group one reduce and one broadcast carry all its slices
-                  (packed), all issued before the first is waited for; gradients in DMuon's comm_dtype
-                  when set, weights in the parameters' dtype.
+The expert exchange runs as DMuon's dense one does (`units.OwnerUnit`, `exchange.OwnerLayout`), on the
+replica group: per bucket of the plan one exchange unit holds the expert matrices of this EP rank in
+it (slices of the 3-D parameters: `units.Member` with start / numel), launched from backward hooks
+(`hooks.BackwardTracker`, in reverse forward order) as soon as the bucket's expert gradients are ready,
+on a communication thread and private replica-group process groups of its own (its job order depends
+on no other tracker's, so every rank runs the same sequence), so the reduce overlaps the rest of
+backward:
+  backward        per bucket: the sum of each expert matrix to its owner inside the replica group (no
+                  other rank holds it): per owner one reduce of its packed slices (exchange mode
+                  "reduce"; "reduce_scatter" or DMuon's "auto" as for the dense buckets), gradients in
+                  DMuon's comm_dtype when set;
+  step()          after DMuon has agreed the has-gradient / non-finite flags (the expert parameters'
+                  flags are among them, from each rank's local gradients): the owner waits for each
+                  bucket's sum, scales it to the mean, runs momentum, NS and the update; each bucket's
+                  new slices are published from their owners (broadcast in the parameters' dtype), which
+                  a module's next forward waits for (`hooks.ForwardWaits`), as DMuon's dense publication.
+Without a backward pass (gradients set by hand, or only inside no_sync()) step() launches the round.
 The owner runs each plan batch as one batched NS call: a batch of consecutive experts of one 3-D
 parameter is the slice view grad[a:b] (no copy per expert); other batches are stacked. Momentum lives
 on the owner only: per 3-D parameter a stack of its owned slices in slot order (state "momentum_buffer",
@@ -31,7 +41,10 @@ as single-process Muon over the dense matrices and every expert matrix with the 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -41,8 +54,12 @@ from ..optim import lr_scale, muon_apply_many_, muon_momentum_
 from ..params import EXPERT_MARK, is_expert_param
 from ..plan.ep import EPLayout
 from ..plan.types import MatrixSpec
+from .comm import CommWorker
 from .fsdp import is_dtensor
+from .groups import CommGroups
+from .hooks import BackwardTracker, ForwardWaits
 from .planning import batch_method
+from .units import Member, OwnerUnit
 
 
 def expert_spec_name(param_name: str, e: int) -> str:
@@ -100,17 +117,29 @@ def expert_matrices(names, params, layers, ep: int) -> list[tuple[MatrixSpec, in
 
 class ExpertMuon:
     """The expert half of `DMuon(model, ep=E)` (module docstring). `opt`: the DMuon whose parameters
-    `opt.params[first:]` are the expert parameters; `plan`: the EP plan over opt's dense Muon matrices
-    (the first `n_dense` matrices) and the expert matrices (the rest, in `expert_matrices` order)."""
+    `opt.params[first:]` are the expert parameters of `model`; `plan`: the EP plan over opt's dense Muon
+    matrices (the first `n_dense` matrices) and the expert matrices (the rest, in `expert_matrices`
+    order); `exchange`: DMuon's exchange mode."""
 
-    def __init__(self, opt, plan, first: int, n_dense: int, ep: int):
+    def __init__(self, opt, model: torch.nn.Module, plan, first: int, n_dense: int, ep: int,
+                 exchange: str = "auto"):
         self.opt, self.plan, self.n_dense = opt, plan, n_dense
         self.layout = EPLayout(opt.world_size, ep)
         self.k = self.layout.ep_rank(opt.rank)
         timeout = datetime.timedelta(seconds=opt.timeout_s)
-        # every rank creates every replica group, in the same order (torch.distributed's rule)
-        groups = [dist.new_group(list(self.layout.replica_group(k)), timeout=timeout) for k in range(ep)]
-        self.group = groups[self.k]
+        # every rank creates every replica group, in the same order (torch.distributed's rule): one set for
+        # the training thread (set-up, checkpoints), one for the expert communication thread
+        mine = list(self.layout.replica_group(self.k))
+        groups = [[dist.new_group(list(self.layout.replica_group(k)), timeout=timeout) for k in range(ep)]
+                  for _ in range(2)]
+        self.group = groups[0][self.k]
+        self.comm_groups = CommGroups(group=groups[1][self.k], rank=mine.index(opt.rank),
+                                      world_size=len(mine), global_ranks=tuple(mine), timeout_s=opt.timeout_s,
+                                      backend=dist.get_backend(self.group))
+        self.worker = None  # a group of one exchanges nothing: no thread, no units
+        if self.layout.replicas > 1:
+            self.worker = CommWorker(opt.rank, opt.timeout_s, opt.device, opt.comm_stats)
+            self._finalizer = weakref.finalize(self, self.worker.close)
         self._mesh = None  # (replica, ep) DeviceMesh of the checkpoints' DTensors, created on first use
         idx = list(range(first, len(opt.params)))
         found = expert_matrices([opt.names[i] for i in idx], [opt.params[i] for i in idx],
@@ -126,68 +155,86 @@ class ExpertMuon:
             if plan.owners[j] == opt.rank:
                 self.owned.setdefault(i, []).append(slot)
         self.row = {(i, slot): r for i, slots in self.owned.items() for r, slot in enumerate(sorted(slots))}
+        self.units = self._build_units(exchange) if self.worker is not None else []
+        self.where = {m.index: (u, k) for u in self.units for k, m in enumerate(u.members)}
+        self.tracker = BackwardTracker([u.params for u in self.units], self._launch, enabled=opt.overlap)
+        self.forward_waits = ForwardWaits(model, {id(p): u for u in self.units for p in u.params},
+                                          lambda u: u.wait_publish())
         with torch.no_grad():  # replicas start from the same experts (the group's first rank's), as DDP does
             for i in idx:
-                dist.broadcast(opt.params[i].data, self.layout.replica_group(self.k)[0], group=self.group)
+                dist.broadcast(opt.params[i].data, mine[0], group=self.group)
+
+    def _build_units(self, exchange: str) -> list[OwnerUnit]:
+        """Per plan bucket (launch order: reverse forward) an OwnerUnit of the expert matrices held here,
+        owners as positions in the replica group; buffers per launch where DMuon's are (fsdp2-owner)."""
+        opt, plan, units = self.opt, self.plan, []
+        owner_pos = {r: pos for pos, r in enumerate(self.layout.replica_group(self.k))}
+        env = os.environ.get("LOCAL_WORLD_SIZE", "")
+        per_node = max(1, int(env) // self.layout.ep) if env.isdigit() else None  # replica-group ranks
+        for b in reversed(plan.buckets):
+            members = []
+            for j in b.members:
+                if j in self.held:
+                    i, slot = self.held[j]
+                    numel = opt.params[i][slot].numel()
+                    members.append(Member(j, plan.matrices[j].name, opt.params[i], owner_pos[plan.owners[j]],
+                                          start=slot * numel, numel=numel))
+            if members:
+                units.append(OwnerUnit(len(units), members, self.comm_groups, self.worker, exchange,
+                                       transient=opt.layout == "fsdp2-owner", comm_dtype=opt.comm_dtype,
+                                       per_node=per_node))
+        return units
+
+    def _launch(self, u: int) -> None:
+        unit = self.units[u]
+        unit.launch_reduce(f"expert gradient exchange of bucket {u} ({len(unit.members)} matrices)")
+
+    def begin_step(self) -> None:
+        """At the top of step(): launch the round if no backward did, and finish the last publication."""
+        self.tracker.finish()
+        for u in self.units:
+            u.wait_publish()
+
+    def no_sync(self):
+        return self.tracker.no_sync() if self.units else contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        """Wait for the expert exchanges in flight."""
+        for u in self.units:
+            u.wait_reduce()
+            u.wait_publish()
+
+    def close(self) -> None:
+        self.tracker.remove()
+        self.forward_waits.remove()
+        if self.worker is not None:
+            self._finalizer()
 
     @torch.no_grad()
     def step(self, flags: list[bool]) -> None:
-        """Reduce, orthogonalize and publish the expert matrices whose parameter has a gradient on some
-        rank (`flags`, agreed on every rank): one reduce and one broadcast per owner (and dtype) of the
-        replica group, each packing that owner's matrices."""
-        opt, plan = self.opt, self.plan
-        active = [j for j, (i, _) in self.held.items() if flags[i]]
-        for i in {self.held[j][0] for j in active}:
-            if opt.params[i].grad is None:  # no gradient here, but on some rank: contributes zeros
-                opt.params[i].grad = torch.zeros_like(opt.params[i])
-        packs: dict[tuple, list[int]] = {}  # (owner, dtype) -> its matrices, the same on the whole group
-        for j in active:
-            packs.setdefault((plan.owners[j], str(opt.params[self.held[j][0]].dtype)), []).append(j)
-        packs = dict(sorted(packs.items()))
-        self._exchange(packs, grad=True)  # gradients to owners (mean over the replica group)
-        for b in plan.batches_of(opt.rank):
+        """Orthogonalize and publish the expert matrices whose parameter has a gradient on some rank
+        (`flags`, agreed on every rank); their sums were launched to their owners during backward (or by
+        begin_step())."""
+        for u in self.units:
+            u.wait_reduce()
+            u.scale_(1.0 / self.layout.replicas)  # sums to means
+        for b in self.plan.batches_of(self.opt.rank):
             members = [j for j in b.members if j >= self.n_dense and flags[self.held[j][0]]]
             if members:
                 self._run_batch(b, members)
-        self._exchange(packs, grad=False)  # publication from the owners
+        for u in reversed(self.units):  # forward order: the next forward needs the first layers first
+            u.launch_publish(f"expert weight publication of bucket {u.position} ({len(u.members)} matrices)")
 
-    def _slice(self, j: int, grad: bool) -> torch.Tensor:
-        i, slot = self.held[j]
+    def _grads(self, members: list[int]) -> torch.Tensor:
+        """The mean gradients of consecutive held experts of one parameter, (count, rows, cols): one view
+        (of the unit's summed chunk; a group of one: of the local gradient, zeros where it has none)."""
+        i, slot = self.held[members[0]]
         p = self.opt.params[i]
-        return (p.grad if grad else p.data)[slot]
-
-    def _exchange(self, packs: dict, grad: bool) -> None:
-        """grad: reduce (sum) each pack to its owner, which keeps the mean (in DMuon's comm_dtype, if set);
-        else broadcast each pack from its owner (in the parameters' dtype, as DMuon publishes). All packs
-        are issued before the first is waited for."""
-        size, me, wire = self.layout.replicas, self.opt.rank, self.opt.comm_dtype if grad else None
-        if size == 1:  # every matrix is owned where it lives
-            return
-        issued = []
-        for (owner, _), js in packs.items():
-            if grad or owner == me:
-                flat = torch.cat([self._slice(j, grad).reshape(-1) for j in js])
-                flat = flat if wire is None else flat.to(wire)
-            else:
-                t = self._slice(js[0], grad)
-                flat = torch.empty(sum(self._slice(j, grad).numel() for j in js), dtype=t.dtype,
-                                   device=t.device)
-            if grad:
-                work = dist.reduce(flat, owner, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            else:
-                work = dist.broadcast(flat, owner, group=self.group, async_op=True)
-            issued.append((owner, js, flat, work))
-        for owner, js, flat, work in issued:
-            work.wait()
-            if (owner == me) != grad:  # the owner keeps the reduced sum, the others the published weights
-                continue
-            pos = 0
-            for j in js:
-                t = self._slice(j, grad)
-                t.copy_(flat[pos:pos + t.numel()].view(t.shape))
-                if grad:
-                    t.div_(size)
-                pos += t.numel()
+        if not self.units:
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            return g[slot:slot + len(members)]
+        unit, k = self.where[members[0]]
+        return unit.grad(k, len(members)).view(len(members), *p.shape[1:]).to(p.dtype)
 
     def _buffer(self, i: int) -> torch.Tensor:
         """Parameter i's momentum: a stack of its owned slices in slot order (created on first use)."""
@@ -207,12 +254,12 @@ class ExpertMuon:
         if all(i == i0 for i, _ in where) and [s for _, s in where] == list(range(a, a + len(where))):
             # consecutive experts of one 3-D parameter (consecutive rows of its owned stack too): momentum and
             # NS on the slice views, no copy per expert
-            z, r = a + len(where), self.row[(i0, a)]
-            stack = muon_momentum_(opt.params[i0].grad[a:z], self._buffer(i0)[r:r + len(where)],
-                                   hp["momentum"], hp["nesterov"])
+            r = self.row[(i0, a)]
+            stack = muon_momentum_(self._grads(members), self._buffer(i0)[r:r + len(where)], hp["momentum"],
+                                   hp["nesterov"])
         else:  # mixed members: tall ones transposed to the batch's (rows, cols) shape
-            ins = [muon_momentum_(opt.params[i].grad[s], self._buffer(i)[self.row[(i, s)]], hp["momentum"],
-                                  hp["nesterov"]) for i, s in where]
+            ins = [muon_momentum_(self._grads([j])[0], self._buffer(i)[self.row[(i, s)]], hp["momentum"],
+                                  hp["nesterov"]) for j, (i, s) in zip(members, where, strict=True)]
             stack = torch.stack([t if tuple(t.shape) == (batch.rows, batch.cols) else t.mT for t in ins])
         updates = opt._ns(stack, batch_method(self.plan, batch))
         ws = [opt.params[i].data[s] for i, s in where]

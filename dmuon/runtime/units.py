@@ -40,12 +40,24 @@ from .groups import CommGroups
 
 @dataclass
 class Member:
-    """One parameter in a unit: its global index in the optimizer's parameter list."""
+    """One parameter in a unit (its global index in the optimizer's parameter list), or a contiguous part
+    of one: elements [start, start + numel) of the flattened parameter (an expert matrix of a 3-D expert
+    parameter, `dmuon.runtime.ep`; its index is then the plan's)."""
 
     index: int
     name: str
     param: torch.Tensor
     owner: int = -1  # owning rank (OwnerUnit) or -1 (everyone)
+    start: int = 0
+    numel: int | None = None  # None: the whole parameter
+
+    def __post_init__(self) -> None:
+        if self.numel is None:
+            self.numel = self.param.numel()
+
+    def flat(self, t: torch.Tensor) -> torch.Tensor:
+        """This member's elements of `t` (the parameter, its gradient or its data), flattened."""
+        return t.reshape(-1).narrow(0, self.start, self.numel)
 
 
 def _buffer_dtype(members: list[Member]) -> torch.dtype:
@@ -92,13 +104,13 @@ class _Unit:
             self._grad_buf = self._alloc_grad(self._buf_numel)
         buf = self._grad_buf
         for k, (m, off) in enumerate(zip(self.members, self._offsets, strict=True)):
-            view = buf.narrow(0, off, m.param.numel())
+            view = buf.narrow(0, off, m.numel)
             g = m.param.grad
             self.has_grad[k] = g is not None
             if g is None:
                 view.zero_()
             else:
-                view.copy_(g.reshape(-1))
+                view.copy_(m.flat(g))
                 if self.consume_grads:
                     m.param.grad = None
 
@@ -128,7 +140,7 @@ class AllReduceUnit(_Unit):
         pos = 0
         for m in members:
             self._offsets.append(pos)
-            pos += m.param.numel()
+            pos += m.numel
         total = padded_numel(pos, groups)
         self._buf_numel = total
         self._grad_buf = self._alloc_grad(total)
@@ -145,14 +157,14 @@ class AllReduceUnit(_Unit):
 
     def grad(self, k: int) -> torch.Tensor:
         """Summed gradient of member k (flat view into the buffer; valid after wait_reduce)."""
-        return self._grad_buf.narrow(0, self._offsets[k], self.members[k].param.numel())
+        return self._grad_buf.narrow(0, self._offsets[k], self.members[k].numel)
 
     def scale_(self, factor: float) -> None:
         self._grad_buf.mul_(factor)
 
     def local_pieces(self) -> list[tuple[int, int, int, torch.Tensor]]:
         """(k, lo, hi, summed gradient) of what this rank updates: every member, whole."""
-        return [(k, 0, m.param.numel(), self.grad(k)) for k, m in enumerate(self.members)]
+        return [(k, 0, m.numel, self.grad(k)) for k, m in enumerate(self.members)]
 
     def readable(self) -> torch.Tensor:
         """The part of the summed buffer this rank reads (for a one-pass non-finite check)."""
@@ -190,6 +202,7 @@ class OwnerUnit(_Unit):
     transient: buffers allocated per launch and dropped after use (memory only while in flight).
     pub_worker / pub_groups: run publications on another communication thread and process group
     (memory='free', whose publications are triggered from forward and backward hooks).
+    per_node: ranks of `groups` per node, for mode "auto" (see `auto_mode`).
     """
 
     kind = "owner"
@@ -197,17 +210,18 @@ class OwnerUnit(_Unit):
     def __init__(self, position: int, members: list[Member], groups: CommGroups, worker: CommWorker,
                  mode: str, sharded: bool = False, transient: bool = False,
                  pub_worker: CommWorker | None = None, pub_groups: CommGroups | None = None,
-                 comm_dtype: torch.dtype | None = None):
+                 comm_dtype: torch.dtype | None = None, per_node: int | None = None):
         super().__init__(position, members, groups, worker, comm_dtype)
         self.sharded = sharded
         self.transient = transient
         self.pub_worker = pub_worker or worker
         self.pub_groups = pub_groups or groups
         self._before_copy = None
-        numels = [m.param.numel() for m in members]
+        numels = [m.numel for m in members]
         owners = None if sharded else [m.owner for m in members]
         if mode == "auto":
-            mode = auto_mode(numels, owners, groups, elem_bytes=members[0].param.element_size())
+            mode = auto_mode(numels, owners, groups, elem_bytes=members[0].param.element_size(),
+                             per_node=per_node)
         self.layout = OwnerLayout(numels, owners, groups, mode)
         self._offsets = list(self.layout.offsets)
         self._buf_numel = self.layout.total
@@ -224,7 +238,8 @@ class OwnerUnit(_Unit):
         self.owned = sorted({k for k, *_ in self._my_pieces if not sharded})
         # what the publication job copies into parameters: every piece that is not this rank's
         mine = {(k, lo) for k, lo, _, _ in self._my_pieces}
-        self._others = [(members[k].param, lo, hi, off) for o in range(groups.world_size)
+        self._others = [(members[k].param, members[k].start + lo, members[k].start + hi, off)
+                        for o in range(groups.world_size)
                         for k, lo, hi, off in self.layout.pieces[o] if o != me and (k, lo) not in mine]
 
     def _alloc_buffers(self) -> None:
@@ -278,10 +293,11 @@ class OwnerUnit(_Unit):
         k, lo, hi, off = self._my_pieces[j]
         return self._summed().narrow(0, off - self._chunk_start, hi - lo)
 
-    def grad(self, k: int) -> torch.Tensor:
-        """Summed gradient of an owned (whole) member k (flat)."""
-        j = next(j for j, piece in enumerate(self._my_pieces) if piece[0] == k)
-        return self.piece_grad(j)
+    def grad(self, k: int, count: int = 1) -> torch.Tensor:
+        """Summed gradient of an owned (whole) member k (flat), or of the owned members k .. k + count - 1
+        as one flat view (consecutive members of one owner lie end to end in its chunk)."""
+        numel = sum(m.numel for m in self.members[k:k + count])
+        return self._summed().narrow(0, self.layout.offsets[k] - self._chunk_start, numel)
 
     def scale_(self, factor: float) -> None:
         """Scale this rank's summed chunk (the only part it reads)."""
@@ -316,8 +332,8 @@ class OwnerUnit(_Unit):
         else:
             chunk, base = mine, self._chunk_start
         for k, lo, hi, off in self._my_pieces:
-            p = self.members[k].param
-            chunk.narrow(0, off - base, hi - lo).copy_(p.detach().reshape(-1)[lo:hi])
+            m = self.members[k]
+            chunk.narrow(0, off - base, hi - lo).copy_(m.flat(m.param.detach())[lo:hi])
         layout, others, before_copy = self.layout, self._others, self._before_copy
 
         def job():
