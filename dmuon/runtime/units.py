@@ -55,9 +55,18 @@ class Member:
         if self.numel is None:
             self.numel = self.param.numel()
 
-    def flat(self, t: torch.Tensor) -> torch.Tensor:
-        """This member's elements of `t` (the parameter, its gradient or its data), flattened."""
-        return t.reshape(-1).narrow(0, self.start, self.numel)
+
+def merge_copies(copies: list[tuple]) -> list[tuple]:
+    """(param, lo, hi, offset) copies between elements [lo, hi) of a flattened parameter and a buffer at
+    `offset`, with each copy that continues the previous one in both merged into it (one copy per run of
+    consecutive expert slices with one owner instead of one per slice)."""
+    out: list[tuple] = []
+    for p, lo, hi, off in copies:
+        if out and out[-1][0] is p and out[-1][2] == lo and out[-1][3] + (lo - out[-1][1]) == off:
+            out[-1] = (p, out[-1][1], hi, out[-1][3])
+        else:
+            out.append((p, lo, hi, off))
+    return out
 
 
 def _buffer_dtype(members: list[Member]) -> torch.dtype:
@@ -84,6 +93,7 @@ class _Unit:
         self._offsets: list[int] = []
         self._grad_buf: torch.Tensor | None = None
         self._buf_numel = 0
+        self._pack_copies: list[tuple] | None = None  # merged (param, lo, hi, offset), at the first pack
         self.consume_grads = False  # True: a member's .grad is dropped once packed (FSDP2 owner layout)
 
     @property
@@ -103,16 +113,19 @@ class _Unit:
         if self._grad_buf is None:
             self._grad_buf = self._alloc_grad(self._buf_numel)
         buf = self._grad_buf
-        for k, (m, off) in enumerate(zip(self.members, self._offsets, strict=True)):
-            view = buf.narrow(0, off, m.numel)
-            g = m.param.grad
-            self.has_grad[k] = g is not None
-            if g is None:
+        if self._pack_copies is None:
+            self._pack_copies = merge_copies([(m.param, m.start, m.start + m.numel, off)
+                                              for m, off in zip(self.members, self._offsets, strict=True)])
+        self.has_grad = [m.param.grad is not None for m in self.members]
+        for p, lo, hi, off in self._pack_copies:
+            view = buf.narrow(0, off, hi - lo)
+            if p.grad is None:
                 view.zero_()
             else:
-                view.copy_(m.flat(g))
-                if self.consume_grads:
-                    m.param.grad = None
+                view.copy_(p.grad.reshape(-1)[lo:hi])
+        if self.consume_grads:
+            for m in self.members:
+                m.param.grad = None
 
     def wait_reduce(self) -> None:
         if self.reduce_handle is not None:
@@ -238,9 +251,12 @@ class OwnerUnit(_Unit):
         self.owned = sorted({k for k, *_ in self._my_pieces if not sharded})
         # what the publication job copies into parameters: every piece that is not this rank's
         mine = {(k, lo) for k, lo, _, _ in self._my_pieces}
-        self._others = [(members[k].param, members[k].start + lo, members[k].start + hi, off)
-                        for o in range(groups.world_size)
-                        for k, lo, hi, off in self.layout.pieces[o] if o != me and (k, lo) not in mine]
+        def copy(k, lo, hi, off):  # piece -> (param, lo, hi, offset) in the flattened parameter
+            return members[k].param, members[k].start + lo, members[k].start + hi, off
+
+        self._others = merge_copies([copy(*piece) for o in range(groups.world_size)
+                                     for piece in self.layout.pieces[o] if o != me and piece[:2] not in mine])
+        self._mine_copies = merge_copies([copy(*piece) for piece in self._my_pieces])  # into the send chunk
 
     def _alloc_buffers(self) -> None:
         cap = self.layout.chunk_cap
@@ -331,9 +347,8 @@ class OwnerUnit(_Unit):
             chunk, base = buf, 0
         else:
             chunk, base = mine, self._chunk_start
-        for k, lo, hi, off in self._my_pieces:
-            m = self.members[k]
-            chunk.narrow(0, off - base, hi - lo).copy_(m.flat(m.param.detach())[lo:hi])
+        for p, lo, hi, off in self._mine_copies:
+            chunk.narrow(0, off - base, hi - lo).copy_(p.detach().reshape(-1)[lo:hi])
         layout, others, before_copy = self.layout, self._others, self._before_copy
 
         def job():
