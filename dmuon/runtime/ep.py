@@ -31,8 +31,10 @@ backward:
                   new slices are published from their owners (broadcast in the parameters' dtype), which
                   a module's next forward waits for (`hooks.ForwardWaits`), as DMuon's dense publication.
 Without a backward pass (gradients set by hand, or only inside no_sync()) step() launches the round.
-The owner runs each plan batch as one batched NS call: a batch of consecutive experts of one 3-D
-parameter is the slice view grad[a:b] (no copy per expert); other batches are stacked. Momentum lives
+A replica group of one rank (ep = world size) exchanges nothing: no units, no thread; the owner reads
+the local gradients. The owner runs each plan batch as one batched NS call: a batch of consecutive
+experts of one 3-D parameter is one view of the bucket's summed buffer (an owner's consecutive slices
+lie end to end in its chunk; no copy per expert); other batches are stacked. Momentum lives
 on the owner only: per 3-D parameter a stack of its owned slices in slot order (state "momentum_buffer",
 "momentum_slots" the slots), so a batch of consecutive experts is a slice view of it too. Same semantics
 as single-process Muon over the dense matrices and every expert matrix with the averaged gradients
