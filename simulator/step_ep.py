@@ -55,7 +55,7 @@ from .engine import Op
 
 # layouts the simulator runs with ep > 1 (the runtime runs DMuon with EP on each: dmuon.runtime.ep)
 EP_LAYOUTS = ("fsdp-keep", "fsdp-free", "hsdp-keep", "hsdp-free", "ddp", "sharded")
-AT_STEP = ("ddp", "sharded")  # dmuon's expert exchange at the optimizer step, as ExpertMuon.step runs it
+AT_STEP = ("ddp", "sharded")  # dmuon: experts exchanged at the step (the runtime before it used backward)
 
 
 @dataclass(frozen=True)
