@@ -97,20 +97,26 @@ def setup(rank: int, world: int, ep: int, case: dict):
     return model, opt
 
 
-def train_step(model, opt, step: int, rank: int, ep: int, counter=None) -> None:
+def train_step(model, opt, step: int, rank: int, ep: int, counter=None, accumulate: bool = False) -> None:
+    """accumulate: two backward passes of half the loss, the first inside no_sync() (the same gradient)."""
     import contextlib
 
     e_local = E // ep
-    model(tokens(step, rank), (rank % ep) * e_local, 0, e_local).backward()
+    loss = model(tokens(step, rank), (rank % ep) * e_local, 0, e_local)
+    if accumulate:
+        with opt.no_sync():
+            (loss / 2).backward(retain_graph=True)
+        loss = loss / 2
+    loss.backward()
     with counter.active() if counter is not None else contextlib.nullcontext():  # this thread's collectives
         opt.step()
     opt.zero_grad()
 
 
-def probed_step(model, opt, step: int, rank: int, ep: int, counter) -> int:
+def probed_step(model, opt, step: int, rank: int, ep: int, counter, accumulate: bool = False) -> list[int]:
     """train_step counting the collectives of step() on the training thread and of the experts'
-    communication thread; returns how many expert buckets had their gradient exchange launched when
-    backward reached the first layer's input (before backward's end)."""
+    communication thread; returns, per backward pass, how many expert buckets had their gradient exchange
+    launched when it reached the first layer's input (before its end)."""
     opt.synchronize()  # the last step's publications are not counted
     units = getattr(opt.experts, "units", ())  # an exchange at step() only would have no units: 0 launched
     old = [u.reduce_handle for u in units]  # kept alive: their ids are not reused
@@ -120,12 +126,12 @@ def probed_step(model, opt, step: int, rank: int, ep: int, counter) -> int:
     worker = getattr(opt.experts, "worker", None)  # None where the replica group is one rank
     if worker is not None:
         worker.counter = counter
-    train_step(model, opt, step, rank, ep, counter)
+    train_step(model, opt, step, rank, ep, counter, accumulate)
     opt.synchronize()
     if worker is not None:
         worker.counter = None
     model.probe = None
-    return launched[0]
+    return launched
 
 
 def weights(model, opt) -> dict[str, torch.Tensor]:
@@ -151,7 +157,7 @@ def run_case(rank: int, world: int, ep: int, case: dict) -> dict:
     from dmuon.runtime.bytecount import CollectiveBytes
 
     counter = CollectiveBytes()
-    out["launched"] = probed_step(model, opt, STEPS - 1, rank, ep, counter)
+    out["launched"] = probed_step(model, opt, STEPS - 1, rank, ep, counter, case.get("accumulate", False))
     out["units"] = len(getattr(opt.experts, "units", ()))
     out["weights"] = weights(model, opt)
     # the expert exchange: reduces to / broadcasts from the owners of the replica group (world / ep ranks),
@@ -223,6 +229,7 @@ CASES = [  # (world, ep, case)
     (4, 2, {"layout": "fsdp2-sharded", "hsdp": True, "resume": True}),
     (4, 2, {"layout": "fsdp2-owner", "hsdp": True}),
     (4, 2, {"layout": "fsdp2-owner", "opts": {"comm_dtype": "bf16"}, "tol": 5e-2}),  # bf16 on the wire
+    (4, 2, {"layout": "replicated", "accumulate": True}),  # the last step's gradient in two halves
 ]
 
 
@@ -246,8 +253,10 @@ def test_dmuon_ep_equals_single_process_muon(world, ep, case):
     for r in results:  # per bucket one reduce and one broadcast per owner, together all the rank's experts
         colls = r["expert_colls"]
         assert colls["reduce", "main"] == colls["broadcast", "main"] == []  # not from step() itself
-        # every bucket's exchange was launched from backward's hooks, before backward ended
-        assert r["launched"] == r["units"] == (LAYERS if world // ep > 1 else 0)
+        # every bucket's exchange was launched from backward's hooks, before backward ended (none from the
+        # backward inside no_sync())
+        assert r["units"] == (LAYERS if world // ep > 1 else 0)
+        assert r["launched"] == [0] * bool(case.get("accumulate")) + [r["units"]]
         if world // ep == 1:
             assert colls["reduce", "dmuon"] == colls["broadcast", "dmuon"] == []
         else:
