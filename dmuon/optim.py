@@ -100,7 +100,7 @@ def muon_apply_many_(params, updates, lr: float, weight_decay: float, scales) ->
             u = u.reshape(p.shape)
         ps, us = groups.setdefault((s, p.dtype, p.device), ([], []))
         ps.append(p)
-        us.append(u.to(p.dtype))
+        us.append(u if u.dtype == p.dtype else u.to(p.dtype))
     for (s, *_), (ps, us) in groups.items():
         if weight_decay != 0:
             torch._foreach_mul_(ps, 1 - lr * weight_decay)
@@ -203,7 +203,8 @@ def suspect_indices(grads) -> list[int]:
     run of tensors back to back in one storage (`storage_runs`: FSDP2's gradient shards of a module are
     one run; every member of a run whose sum is not finite is a suspect), one finiteness test and one
     host sync per device."""
-    runs = storage_runs(grads)
+    runs = storage_runs(grads)[::-1]  # last first: the optimizers list Muon matrices first, and their
+    # momentum pass follows this one: it finds the gradients it reads still in cache
     bad = _failing([flat for flat, _ in runs], lambda g: g.sum().float(), torch.isfinite)
     return sorted(i for r in bad for i in runs[r][1])
 

@@ -177,21 +177,21 @@ class ShardedDMuonSteps(_ShardedMixin):
         super().close()
 
     def _speculate(self):
-        """Momentum and the packed NS inputs of every bucket, out of place (new momentum buffers, the
-        send buffers), while the flag all-reduce is in flight; `_muon_update` commits them once the
-        flags are agreed, or drops them (a non-finite gradient somewhere, or a different set of matrices
-        with gradients than this rank saw)."""
+        """Only the flag all-reduce goes out here: the momentum runs in place once the flags are agreed
+        (`_muon_update`). Computing it before, while the flags travel, needs a new buffer per matrix: a
+        write-allocated copy of the momentum (1/N of the matrices) that cost more than the all-reduce's
+        latency it hid (docs/runtime.md)."""
         if self.plan is None:
             return None
-        self._absorb_all()  # the exchange units (if any), so the flags can go out before the momentum
+        self._absorb_all()  # the exchange units (if any)
         if self._flags is None:
             self._flags = submit_flags(self._worker, self.groups, self._has_grad, self._nonfinite)
-        return self._pack([i for i in range(self.n_muon) if self.params[i].grad is not None])
+        return None
 
     def _pack(self, active: list[int]) -> dict:
         """The step's buffers for the active set's `OwnerLayout`: per bucket the send buffer (every NS input
         written straight into its place) and its splits, this rank's NS stacks with its own rows already
-        in them, and the new momentum buffers of my local shards."""
+        in them, and the momentum buffers of my local shards (updated in place: the flags are agreed)."""
         group, geo = self.param_groups[0], self.geo
         key = (id(self.plan), tuple(active))
         lay = self._layouts.get(key)
@@ -242,8 +242,7 @@ class ShardedDMuonSteps(_ShardedMixin):
         group, geo, plan = self.param_groups[0], self.geo, self.plan
         flags = has_any.tolist()
         active = [i for i in range(self.n_muon) if flags[i]]
-        if pending is None or pending["active"] != active:
-            pending = self._pack(active)
+        pending = self._pack(active)
         on, lay = set(active), pending["layout"]
         for i, buf in pending["bufs"].items():  # commit the momentum
             self.state[self.params[i]]["momentum_buffer"] = buf
@@ -305,18 +304,19 @@ class ShardedDMuonSteps(_ShardedMixin):
         return handle
 
     def _momentum_input(self, i: int, group, out: torch.Tensor) -> torch.Tensor:
-        """Momentum on the local shard of matrix i, out of place: returns the new buffer (committed by
-        `_muon_update`) and writes the NS input into `out` (flat, the shard's elements; any dtype: the
-        wire's). Bitwise what `muon_momentum_` gives."""
+        """Momentum on the local shard of matrix i, in place (the flags are agreed): returns the buffer
+        and writes the NS input into `out` (flat, the shard's elements; any dtype: the wire's). The two
+        passes of `muon_momentum_`, the second writing straight into `out`."""
         p = self.params[i]
         mine = local_tensor(p)
-        old = self.state[p].get("momentum_buffer")
-        if old is None:
-            old = torch.zeros_like(mine, memory_format=torch.preserve_format)
+        st = self.state[p]
+        buf = st.get("momentum_buffer")
+        if buf is None:
+            buf = torch.zeros_like(mine, memory_format=torch.preserve_format)
         if not mine.numel():
-            return old
+            return buf
         g = local_tensor(p.grad).to(p.dtype)
-        buf = momentum_update(g, old, group["momentum"])
+        momentum_update(g, buf, group["momentum"], out=buf)
         muon_ns_input(g, buf, group["momentum"], group["nesterov"], out=out.view(mine.shape))
         return buf
 
