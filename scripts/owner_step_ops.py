@@ -125,7 +125,9 @@ def main() -> None:
     print(f"profiler events per step (rank 0): {sum(counts.values()):.0f}; top: "
           + ", ".join(f"{k} {v:g}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:10]))
     print(f"step / (NS + waits), slowest rank, median of {len(ratios)} steps: "
-          f"{statistics.median(ratios):.3f}")
+          f"{statistics.median(ratios):.3f}; rank 0 medians: step "
+          + ", NS ".join(f"{statistics.median(t[j] for t in got[0][2]) * 1e3:.1f}" for j in (0, 1))
+          + f", waits {statistics.median(t[2] for t in got[0][2]) * 1e3:.1f} ms (wall)")
     cpu = got[0][4]
     ns = cpu.pop("_ns")
     print(f"compute-thread CPU ms per step (rank 0): step {cpu.pop('step') * 1e3:.1f}, NS calls "

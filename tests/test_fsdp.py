@@ -147,6 +147,14 @@ def test_owner_layout_keeps_momentum_on_the_owner_only(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_sharded_layout_updates_momentum_in_place(world):
+    """ShardedDMuon runs the momentum once the flags are agreed, in place: the buffer of step 1 is still
+    the buffer after step 4 (no per-step copy of 1/N of the matrices)."""
+    for rank, res in enumerate(results(world, "sharded")):
+        assert res["momentum_kept"] and all(res["momentum_kept"]), f"rank {rank}: {res['momentum_kept']}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_memory_free_holds_at_most_two_units_of_non_owned_matrices(world):
     for rank, res in enumerate(results(world, "owner_free")):
         units = res["unit_bytes"]

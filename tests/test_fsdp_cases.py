@@ -136,14 +136,20 @@ def run_plain(case: dict, rank: int, world: int) -> dict:
         for m in model.modules():
             if isinstance(m, nn.Linear):
                 m.register_forward_pre_hook(lambda *a: peaks.append(res.resident_bytes))
-    after = []
-    train(model, opt, case, range(5), rank, world,
-          each=lambda s: after.append(res.resident_bytes if res is not None else -1))
+    after, kept = [], {}  # kept: each momentum buffer after step 1 (held, so no address is reused)
+
+    def each(s):
+        after.append(res.resident_bytes if res is not None else -1)
+        if s == 1:
+            kept.update({i: opt.state[opt.params[i]]["momentum_buffer"] for i in range(opt.n_muon)
+                         if "momentum_buffer" in opt.state[opt.params[i]]})
+    train(model, opt, case, range(5), rank, world, each=each)
     out = {"params": full_params(model, opt), "peaks": peaks, "after_step": after,
            "owners": list(opt.plan.owners), "names": opt.names[:opt.n_muon], "layout": opt.layout,
            "cls": type(opt).__name__, "ns_matrices": getattr(opt, "ns_matrices", -1),
            "momentum": sorted(opt.names[i] for i in range(opt.n_muon)
                               if "momentum_buffer" in opt.state[opt.params[i]]),
+           "momentum_kept": [opt.state[opt.params[i]]["momentum_buffer"] is buf for i, buf in kept.items()],
            "unit_bytes": ([sum(p.numel() * p.element_size() for p in s.params) for s in res.units]
                           if res is not None else [])}
     opt.close()
