@@ -201,12 +201,11 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
 
     info["provenance"] = provenance
     if ep is not None:
-        from .step_ep import AT_STEP
-
         how = "reduced / gathered"
-        if cfg.layout in AT_STEP:
-            how = ("owned and exchanged after the dense update (ExpertMuon.step)" if cfg.strategy == "dmuon"
-                   else "all-reduced" if cfg.layout == "ddp" else how)
+        if cfg.strategy == "dmuon":
+            how = "reduced to their owners per bucket in backward and published from them"
+        elif cfg.layout == "ddp":
+            how = "all-reduced"
         info["notes"].append(f"expert parallelism ep={cfg.ep}: experts {how} over their "
                              f"{cfg.gpus // cfg.ep}-rank replica group, 2 + 2 token all-to-alls per MoE "
                              "layer "

@@ -189,7 +189,7 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms):
 
     def _gathered_numel(self, l: int) -> tuple[int, int]:
         """(elements, of which Muon) all-gathered for layer l: dmuon publishes its Muon matrices instead
-        (sharded: FSDP2 gathers the dense ones; the experts are never FSDP's, `_expert_step` runs them)."""
+        (sharded: FSDP2 gathers the dense ones; the experts are never FSDP's, their owners publish them)."""
         if self.dm and not self.sharded:
             return self.s.layer_adamw_numel[l], 0
         ex = self._layer_experts(l) if self.dm else 0
@@ -263,10 +263,10 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms):
             deps = list(gathers[l])
             if publish_here:
                 deps += [pubs[b] for b in self.layer_buckets.get(l, ())]
+            elif self.sharded:  # EP: the experts' publications of its buckets (_sharded_optimizer)
+                deps += [prev["pubs"][b] for b in self.layer_buckets.get(l, ()) if b in prev["pubs"]]
             elif l == 0:
                 deps += list(prev["pubs"].values())  # dmuon without overlap: everything published first
-            if l == 0 and self.ep_at_step:
-                deps.append(opt_dep)  # the experts' step (ExpertMuon.step returns once they are published)
             op, wait = self._layer_op(r, step, l, "fwd", s.layer_fwd_s[l], deps + wait)
             fwd.append(op)
         return fwd
@@ -309,7 +309,7 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms):
                 red["last"] = red["layer"][l] = op
                 if s.layer_adamw_numel[l]:
                     red["adamw_last"] = op
-            if self.dm and not self.sharded:
+            if self.dm and (not self.sharded or self.ep > 1):  # sharded: the experts' part only
                 for b in self._first_b.get(l, ()):
                     op = red["bucket"][b] = self._reduce_bucket(r, b, step, bwd[l])
                     red["last"] = op or red["last"]

@@ -97,6 +97,8 @@ class CommPrograms:
         if c is not None:
             return c
         ck = (b, kind, group) if part is None else (b, kind, group, inst)
+        # the experts' replica group (EP) is flat: ExpertMuon's process group has no node_size
+        two_level = self.s.hierarchical and group != "rep"
         shape = self._owner_shapes.get(ck) if hasattr(self, "_owner_shapes") else None
         if shape is None:
             n = g.size
@@ -105,7 +107,7 @@ class CommPrograms:
             per_local = Counter(o % self.s.per_node for o in owners) if g.nodes > 1 else Counter()
             k_local = max(per_local.values(), default=1)
             mode = choose_mode(payload * elem_bytes, chunk * elem_bytes, len(owners), k_local, n,
-                               g.per_node, self.s.hierarchical, self._links(), self.s.network.backend)
+                               g.per_node, two_level, self._links(), self.s.network.backend)
             if mode == "reduce_scatter":  # one reduce-scatter / all-gather of padded chunks
                 shape = ("reduce_scatter" if kind == "reduce" else "all_gather", n * chunk, 0, 1, 1)
             else:
@@ -114,9 +116,10 @@ class CommPrograms:
         k, numel, chunk, owners, per_local = shape
         if k != kind:
             return self.coll(r, key, group, k, numel * elem_bytes, muon_fraction=1.0, step=step,
-                             nccl=not self.s.hierarchical)
+                             nccl=not two_level, flat=not two_level)
         return self.coll(r, key, group, kind, numel * elem_bytes, muon_fraction=1.0,
-                         max_share=chunk * elem_bytes, step=step, owners=owners, owners_per_local=per_local)
+                         max_share=chunk * elem_bytes, step=step, owners=owners, owners_per_local=per_local,
+                         flat=not two_level)
 
     def _links(self) -> LinkEstimate:
         """The fabric estimate the exchange mode is chosen with: the profile's own numbers (largest

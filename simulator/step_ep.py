@@ -21,14 +21,17 @@ With `StepSpec.ep` = E > 1 (`SimConfig.ep`), N ranks, p per node (the layout of 
                  experts; optimizer state for the dense parameters and experts / ep, whole)
   sharded        adamw, naive: as fsdp-keep (the layout changes only dmuon's optimizer)
   dmuon          the plan is `dmuon.plan.ep.build_ep_plan`'s (expert owners inside their replica group):
-                 fsdp / hsdp: per bucket the dense matrices' owner exchange and publication over the
-                 world, the EP rank's experts' over its replica group only (in backward, as the dense
-                 ones: a convention; the runtime exchanges experts at step()). ddp / sharded: the dense
-                 half as without EP (ddp: owner exchange per bucket, AdamW parameters all-reduced;
-                 sharded: FSDP2 gathers / reduce-scatters and per-bucket all-to-alls of the dense
-                 matrices only), then `ExpertMuon.step` as the runtime runs it after DMuon's Muon and
-                 AdamW updates (`_expert_step`): one packed reduce per owner of the replica group, the
-                 owners' expert batches, one packed broadcast per owner; the next forward waits for it
+                 per bucket the dense matrices' owner exchange and publication over the world, the EP rank's
+                 experts' over its replica group only, as `DMuon(model, ep=E)` runs them in every layout
+                 (`ExpertMuon`: per bucket an OwnerUnit over the replica group, launched from backward hooks
+                 as the bucket's expert gradients are ready; flat, the group has no node_size, its mode
+                 "auto" picked with the group's ranks per node: `simulator.step_comm.owner_coll`).
+                 fsdp / hsdp / ddp: both parts in the bucket's reduce in backward and its publication
+                 before the layers that need it. sharded: the dense matrices go by FSDP2 and the per-bucket
+                 all-to-alls at the step; the experts' per-bucket reduces in backward, their batches after
+                 the dense update (ExpertMuon.step runs after DMuon's Muon and AdamW updates, once every
+                 expert sum is in), then per bucket their broadcast; each layer of the next forward waits
+                 for its buckets' (`simulator.step_optimizer._sharded_optimizer`)
   tokens         per MoE layer (a layer holding routed experts) the forward pass is the layer's non-expert
                  compute, the dispatch all-to-all, the expert compute, the combine all-to-all; backward
                  mirrors it (the combine's gradient all-to-all, expert backward, the dispatch's gradient
@@ -55,7 +58,6 @@ from .engine import Op
 
 # layouts the simulator runs with ep > 1 (the runtime runs DMuon with EP on each: dmuon.runtime.ep)
 EP_LAYOUTS = ("fsdp-keep", "fsdp-free", "hsdp-keep", "hsdp-free", "ddp", "sharded")
-AT_STEP = ("ddp", "sharded")  # dmuon: experts exchanged at the step (the runtime before it used backward)
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,6 @@ class EPPrograms:
         e = s.ep_spec
         self.ep = e.ep if e is not None else 1
         self._layer_info: dict = {}  # (phase, layer) -> its op names, all-to-all bytes, expert time
-        self.ep_at_step = False  # dmuon, ddp / sharded: the experts' exchange at the step (_prepare_ep_plan)
         if self.ep == 1:
             return
         n, p, ep = s.n_ranks, s.per_node, self.ep
@@ -218,7 +219,7 @@ class EPPrograms:
     # ---- dmuon's owner exchange, split by where the matrices live --------------------------------
     def _prepare_ep_plan(self) -> None:
         """Per bucket: (payload, largest owner's share, {owner: numel}) of its dense matrices, and of
-        each EP rank's experts."""
+        each EP rank's experts; per plan batch whether it is an expert batch."""
         if self.ep == 1 or not self.dm:
             return
         from dmuon.plan.ep import expert_placement
@@ -226,14 +227,6 @@ class EPPrograms:
         mats = self.s.plan.matrices
         owners = self.s.plan.owners
         where = expert_placement(mats, self.ep)  # in the plan's matrix order
-        # ddp / sharded: the experts' exchange at the optimizer step, per EP rank {owner: numel} of all its
-        # experts (ExpertMuon packs each owner's slices into one reduce and one broadcast)
-        self.ep_at_step = self.s.layout in AT_STEP
-        self.expert_owned: list[dict] = [{} for _ in range(self.ep)]
-        for i, w in enumerate(where):
-            if w is not None:
-                d = self.expert_owned[w]
-                d[owners[i]] = d.get(owners[i], 0) + mats[i].numel
         self.expert_batch = [where[bt.members[0]] is not None for bt in self.s.plan.batches]
         self.ep_parts = []
         for b in self.s.plan.buckets:
@@ -244,12 +237,13 @@ class EPPrograms:
             self.ep_parts.append({k: (sum(d.values()), max(d.values()), d) for k, d in parts.items()})
 
     def _owner_parts(self, r: int, b: int) -> list[tuple]:
-        """[(group, key tag, part)] of bucket b's owner exchange for rank r (part None: the whole bucket)."""
+        """[(group, key tag, part)] of bucket b's owner exchange for rank r (part None: the whole bucket);
+        sharded: its experts only (the dense matrices go by the all-to-alls)."""
         if self.ep == 1:
             return [("world", (), None)]
         parts = self.ep_parts[b]
-        out = [("world", (), parts[None])] if None in parts else []
-        mine = None if self.ep_at_step else parts.get(r % self.ep)  # ddp / sharded: `_expert_step`
+        out = [("world", (), parts[None])] if None in parts and not self.sharded else []
+        mine = parts.get(r % self.ep)
         return out + ([("rep", ("ep",), mine)] if mine is not None else [])
 
     def _dense_bucket(self, b: int) -> tuple[float, float]:
@@ -258,29 +252,3 @@ class EPPrograms:
             return self.bucket_numel[b], self.max_owned[b]
         part = self.ep_parts[b].get(None)
         return (part[0], part[1]) if part is not None else (0, 0)
-
-    def _expert_step(self, r: int, step: int, deps: tuple, momentum) -> Op | None:
-        """dmuon with ddp / sharded and EP: `ExpertMuon.step` after the dense half of the step (the runtime
-        calls it after DMuon's Muon and AdamW updates), for rank r's EP rank: one reduce per owner of its
-        replica group, packed, issued one after another on the group's communicator (flat: a
-        torch.distributed reduce, not the two-level exchange), the owner's expert batches (momentum(numel):
-        their momentum seconds), one broadcast per owner; the next forward waits for it all (step()
-        returns once the broadcasts are in). None: nothing to do (no replicas and no owned batches)."""
-        s, cm = self.s, self._cmp
-        owned = self.expert_owned[r % self.ep]
-        payload, chunk = sum(owned.values()), max(owned.values())
-        reps = s.n_ranks // self.ep
-
-        def exchange(kind: str, elem_bytes: int, deps: tuple) -> Op:
-            col = self.coll(r, (f"ex_{kind}", step), "rep", kind, payload * elem_bytes, muon_fraction=1.0,
-                            max_share=chunk * elem_bytes, step=step, owners=len(owned), flat=True)
-            return self._cop(col, r, "opt", step, deps)
-
-        last = exchange("reduce", s.grad_bytes, deps) if reps > 1 else None
-        for k, bt, _, numel in self.batches_of.get(self.plan_rank(r), ()):
-            if self.expert_batch[k]:
-                last = cm(r, f"batch{k}", bt.ns_s * s.ns_stretch + momentum(numel), "opt", step,
-                          (last,) if last is not None else deps)
-        if reps == 1:
-            return last
-        return exchange("broadcast", s.param_bytes, (last,) if last is not None else deps)

@@ -89,7 +89,7 @@ class OptimizerPrograms(SplitPrograms):
                 last = cm(r, f"ns{i}" if k == 1 else f"ns{i}x{k}", s.ns_naive_s[i] * k, phase="opt",
                           step=step, deps=deps)
         elif self.sharded:
-            last = prev["adam"] = self._sharded_optimizer(r, step, adam_numel, red)
+            last = prev["adam"] = self._sharded_optimizer(r, step, adam_numel, red, prev)
         else:
             # the owner's batches first (their buckets arrive during backward), then the AdamW pass
             # (the embeddings' gradients are the last to be reduced)
@@ -101,8 +101,6 @@ class OptimizerPrograms(SplitPrograms):
             momentum_s = (s.elementwise_s(owned, "muon_momentum", n_owned)  # one pass per step, pro rata
                           + s.elementwise_s(owned, "grad_prep", n_buckets))
             for k, bt, bks, numel in mine:
-                if self.ep_at_step and self.expert_batch[k]:
-                    continue  # the experts' batches run in _expert_step, after the dense half
                 deps = [red["bucket"][b] for b in bks if red["bucket"].get(b) is not None]
                 if bt.group:
                     last = self._split_batch(r, step, k, bt, momentum_s * numel / owned, deps)
@@ -117,9 +115,6 @@ class OptimizerPrograms(SplitPrograms):
             if adam_numel:
                 last = cm(r, "adamw", self._adamw_s(adam_numel, self._adamw_tensors(), self._adamw_layers()),
                           phase="opt", step=step, deps=(red["adamw_last"],))
-            if self.ep_at_step:  # ddp with EP: ExpertMuon.step after the dense Muon and AdamW updates
-                last = self._expert_step(r, step, (last, red["last"]),
-                                         lambda numel: momentum_s * numel / owned) or last
             prev["adam"] = last
             if not s.overlap:
                 prev["pubs"] = {b: self._publish(r, b, step + 1, prev["pub_deps"].get(b, ()), phase="opt",
@@ -140,9 +135,12 @@ class OptimizerPrograms(SplitPrograms):
             op = self._cop(col, r, phase, st, deps, stream)
         return op
 
-    def _sharded_optimizer(self, r: int, step: int, adam_numel: float, red: dict) -> Op:
+    def _sharded_optimizer(self, r: int, step: int, adam_numel: float, red: dict, prev: dict) -> Op:
         """The sharded layout's optimizer; EP: the dense matrices only (buckets' dense parts,
-        `simulator.step_ep._dense_bucket`), then the experts' step (`_expert_step`)."""
+        `simulator.step_ep._dense_bucket`), then `ExpertMuon.step` (DMuon.step calls it after its Muon and
+        AdamW updates, which wait for every bucket's return): the owner's expert batches once every expert
+        sum is in (their reduces ran per bucket in backward), then per bucket the broadcast of its experts
+        over the replica group, which the next forward's layers wait for (`prev["pubs"]`)."""
         s, c, cm = self.s, self.c, self.c.compute
         n = s.n_ranks
         last = None
@@ -153,9 +151,10 @@ class OptimizerPrograms(SplitPrograms):
         total = sum(d[0] for d in dense)
         n_dense = len(s.muon_numel) if self.ep == 1 else self.n_dense_muon
         to_owner: dict[int, Op] = {}
+        mine = self.batches_of.get(r, ())
+        ex_mine = [t for t in mine if self.ep > 1 and self.expert_batch[t[0]]]
         # one momentum pass, pro rata: the local shards of the dense matrices (EP: and the experts the rank
         # owns, whose momentum ExpertMuon keeps on their owner)
-        ex_mine = [t for t in self.batches_of.get(r, ()) if self.ep_at_step and self.expert_batch[t[0]]]
         ex_numel = sum(t[3] for t in ex_mine)
         momentum_s = s.elementwise_s(total / n + ex_numel, "muon_momentum",
                                      n_dense + sum(len(t[1].members) for t in ex_mine))
@@ -172,8 +171,8 @@ class OptimizerPrograms(SplitPrograms):
             to_owner[b] = c.collective(col, r, phase="opt", step=step, deps=(mom,))
             last = mom
         by_bucket: dict[int, list[Op]] = {}
-        for k, bt, bks, _numel in self.batches_of.get(r, ()):
-            if self.ep_at_step and self.expert_batch[k]:
+        for k, bt, bks, _numel in mine:
+            if self.ep > 1 and self.expert_batch[k]:
                 continue
             deps = [to_owner[b] for b in bks]
             op = (self._split_batch(r, step, k, bt, 0.0, deps) if bt.group
@@ -188,7 +187,15 @@ class OptimizerPrograms(SplitPrograms):
             col = self.coll(r, ("a2a_back", step, b), "world", "all_to_all", numel / n * s.param_bytes,
                             muon_fraction=1.0, max_share=most * s.param_bytes, step=step)
             last = c.collective(col, r, phase="opt", step=step, deps=tuple(by_bucket.get(b, ())))
-        if self.ep_at_step:
-            last = self._expert_step(r, step, (last, red["last"]),
-                                     lambda numel: momentum_s * numel / pass_numel) or last
+        if self.ep == 1:
+            return last
+        ex_by_bucket: dict[int, list[Op]] = {}
+        for k, bt, bks, numel in ex_mine:
+            last = cm(r, f"batch{k}", bt.ns_s * s.ns_stretch + momentum_s * numel / pass_numel, phase="opt",
+                      step=step, deps=(last, red["last"]))
+            for b in bks:
+                ex_by_bucket.setdefault(b, []).append(last)
+        pubs = [(b, self._publish(r, b, step + 1, ex_by_bucket.get(b, ()), phase="opt", op_step=step))
+                for b in range(self.n_buckets)]
+        prev["pubs"] = {b: op for b, op in pubs if op is not None}
         return last

@@ -256,29 +256,91 @@ def test_sharded_with_ep_is_fsdp_keep(model, strategy):
         assert getattr(a, f) == getattr(b, f), f
 
 
+def _expert_parts(plan, ep: int) -> dict:
+    """(bucket, EP rank) -> (elements, largest owner's share) of the bucket's experts on that EP rank."""
+    from dmuon.plan.ep import expert_placement
+
+    where, out = expert_placement(plan.matrices, ep), {}
+    for b in plan.buckets:
+        for k in range(ep):
+            owned: dict = {}
+            for i in b.members:
+                if where[i] == k:
+                    owned[plan.owners[i]] = owned.get(plan.owners[i], 0) + plan.matrices[i].numel
+            if owned:
+                out[(b.index, k)] = (sum(owned.values()), max(owned.values()))
+    return out
+
+
 @pytest.mark.parametrize("layout", ["ddp", "sharded"])
-def test_dmuon_expert_step(model, layout):
-    """dmuon, ddp / sharded with EP (DMuon(model, ep=E), replicated / fsdp2-sharded): the experts are
-    neither FSDP's nor in the per-bucket exchange; ExpertMuon.step's one packed reduce and one broadcast
-    per replica group, inside it (each rank on its own EP rank's group); the dense matrices' exchange over
-    the world (sharded: its all-to-alls and FSDP2's gathers without the experts); the next forward waits
-    for the experts' broadcast."""
+def test_dmuon_experts_per_bucket(model, layout):
+    """dmuon, ddp / sharded with EP (DMuon(model, ep=E), replicated / fsdp2-sharded), as the runtime's
+    ExpertMuon runs it in every layout: per bucket each EP rank's experts reduced to their owners over its
+    replica group, issued in backward once the bucket's layers are done; the owners' expert batches wait
+    for the reduces; per bucket a publication over the replica group after its batches; each layer of
+    the next forward waits for its buckets' publications (not for all of them). Bytes per rank: the
+    closed form of the mode picked (one reduce per owner: the payload; one reduce-scatter of padded
+    chunks: group size x the largest share). The dense half over the world (ddp: owner exchange, AdamW
+    parameters all-reduced; sharded: FSDP2 and per-bucket all-to-alls of the dense matrices only)."""
     ep = 4
     cfg = _cfg(model, strategy="dmuon", layout=layout, ep=ep)
     r, built = run(cfg)
     assert simulate(cfg) == r
-    cs, reps, (total, experts) = _colls(built), GPUS // ep, _numel(built)
-    rep = [c for c in cs if c.group.startswith("rep")]
-    assert sorted(c.name for c in rep) == ["ex_broadcast/1"] * ep + ["ex_reduce/1"] * ep
-    assert all(c.size == reps and c.bytes_per_rank == pytest.approx((reps - 1) / reps * experts / ep * 2)
-               for c in rep)
-    for (rank, _), ops in built.cluster.queues.items():
+    plan, reps, (total, experts) = built.spec.plan, GPUS // ep, _numel(built)
+    parts = _expert_parts(plan, ep)
+    assert sum(n for (_, k), (n, _) in parts.items() if k == 0) == experts / ep  # every own expert once
+    first_layer = {b.index: min(plan.matrices[i].layer for i in b.members) for b in plan.buckets}
+    expert_batch = {f"batch{k}" for k, bt in enumerate(plan.batches) if ".experts." in plan.matrices[
+        bt.members[0]].name}
+    q, pubs = built.cluster.queues, {}
+    for (rank, stream), ops in q.items():
+        if stream != "comm":
+            continue
+        red = {}
         for o in ops:
-            if o.coll is not None and o.name.startswith("ex_"):
-                assert o.coll.group == f"rep{rank % ep}"
-            if o.name == "ex_broadcast/0":
-                first = next(f for f in built.cluster.queues[(rank, "compute")] if f.step == 1)
-                assert first.start >= o.end
+            if o.coll is None or not o.coll.group.startswith("rep"):
+                continue
+            tag, st, b, ep_tag = o.name.split("/")
+            b, st = int(b), int(st)
+            assert ep_tag == "ep" and o.coll.group == f"rep{rank % ep}" and o.coll.size == reps
+            n, most = parts[(b, rank % ep)]
+            rs = o.coll.kind in ("reduce_scatter", "all_gather")
+            kinds = ("reduce_scatter", "reduce") if tag == "reduce" else ("all_gather", "broadcast")
+            assert o.coll.kind in kinds
+            assert o.coll.bytes_per_rank == pytest.approx((reps - 1) / reps * (reps * most if rs else n) * 2)
+            if tag == "reduce":  # in backward, after the bucket's first layer
+                assert o.phase == "bwd" and [d.name for d in o.deps] == [f"bwd{first_layer[b]}"]
+                assert o.start >= o.deps[0].end
+                red[(st, b)] = o
+            else:
+                pubs[(rank, st, b)] = o
+        assert {b for _, b in red} == {b for b, k in parts if k == rank % ep}
+        for st in range(built.spec.steps):  # the owner's expert batches after every expert sum is in
+            for o in q[(rank, "compute")]:
+                if o.step == st and o.name in expert_batch:
+                    assert all(o.start >= x.end for (s2, _), x in red.items() if s2 == st)
+    # publications after the owners' batches; the next forward's layers wait for their buckets' only
+    later = 1  # step 0's update: ddp publishes it in step 1's forward, sharded at the end of step 0
+    for (rank, _), ops in q.items():
+        for o in ops:
+            if o.step == 0 and o.name in expert_batch:
+                bks = {b for b in range(len(plan.buckets)) if any(plan.owners[i] == rank for i in
+                       plan.buckets[b].members) and (b, rank % ep) in parts}
+                for b in bks:
+                    assert pubs[(rank, later, b)].start >= o.end
+    buckets_of = {}
+    for b in first_layer:
+        for i in plan.buckets[b].members:
+            buckets_of.setdefault(plan.matrices[i].layer, set()).add(b)
+    for rank in range(GPUS):
+        for o in q[(rank, "compute")]:
+            if o.step == 1 and o.phase == "fwd" and o.name.startswith("fwd") and "." not in o.name:
+                l = int(o.name[3:])
+                want = {pubs[(rank, later, b)] for b in buckets_of.get(l, ()) if (b, rank % ep) in parts}
+                got = {d for d in o.deps if d.coll is not None and d.coll.group.startswith("rep")}
+                assert got == want, (rank, l)
+                assert all(o.start >= d.end for d in want)
+    cs = _colls(built)
     world = [c for c in cs if c.group == "world0"]
     muon = sum(built.spec.muon_numel)
     if layout == "ddp":
@@ -286,10 +348,25 @@ def test_dmuon_expert_step(model, layout):
         ar = sum(c.bytes_per_rank for c in world if c.kind == "all_reduce")
         assert ar == pytest.approx(2 * 15 / 16 * (total - muon) * 2)  # AdamW parameters only
     else:
+        assert not [c for c in world if c.name.startswith(("reduce/", "pub/"))]
         a2a = sum(c.bytes_per_rank for c in world if c.name.startswith("a2a_to/"))
         assert a2a == pytest.approx(15 / 16 * (muon - experts) / GPUS * 2)  # dense shards to their owners
         ag = sum(c.bytes_per_rank for c in world if c.kind == "all_gather")
         assert ag == pytest.approx(15 / 16 * (total - experts) * 2)  # FSDP2 gathers: dense parameters
+
+
+@pytest.mark.parametrize("layout", ["ddp", "sharded", "fsdp-keep"])
+def test_expert_exchange_is_flat(model, layout):
+    """The experts' replica-group exchange is flat whatever `hierarchical` says (ExpertMuon's process
+    groups have no node_size): the same collectives, kinds and times either way (ep 4 on nodes of 8: two
+    replica-group ranks per node, where two-level would differ)."""
+    def rep(h):
+        _, built = run(_cfg(model, strategy="dmuon", layout=layout, ep=4, hierarchical=h), all_ranks=False)
+        return sorted((c.name, c.group, c.kind, c.cost_s) for c in built.cluster.collectives
+                      if c.group.startswith("rep"))
+
+    flat = rep(False)
+    assert flat and rep(True) == flat
 
 
 @pytest.mark.parametrize("layout", ["ddp", "sharded"])
