@@ -201,11 +201,7 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
 
     info["provenance"] = provenance
     if ep is not None:
-        how = "reduced / gathered"
-        if cfg.strategy == "dmuon":
-            how = "reduced to their owners per bucket in backward and published from them"
-        elif cfg.layout == "ddp":
-            how = "all-reduced"
+        how = "all-reduced" if cfg.layout == "ddp" and cfg.strategy != "dmuon" else "reduced / gathered"
         info["notes"].append(f"expert parallelism ep={cfg.ep}: experts {how} over their "
                              f"{cfg.gpus // cfg.ep}-rank replica group, 2 + 2 token all-to-alls per MoE "
                              "layer "
