@@ -37,7 +37,9 @@ beside the node's gathers and reduce-scatters):
                     publication per bucket from the owners: overlapped with the next forward (each
                     layer waits for its buckets) when `overlap`, else before the next forward
              sharded dmuon: per bucket (backward order) its share of one momentum pass over the
-                    local shards, all_to_all to the owners, owners' batches, all_to_all back
+                    local shards, all_to_all to the owners, owners' batches, all_to_all back (EP: then
+                    the owners' expert batches and per bucket the experts' publication,
+                    `OptimizerPrograms._sharded_optimizer`)
 An elementwise pass (AdamW, momentum, gradient preparation) is priced once per step over all the
 elements it covers, so a cost table's per-call intercept is paid once, not per batch, plus the table's
 measured cost per extra tensor (`CostTable.per_tensor_time`) for the tensors it runs over: AdamW the

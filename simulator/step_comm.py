@@ -13,7 +13,8 @@ Pricing (`simulator.collectives.collective_time_s`, every collective NCCL-native
       reduce-scatter / all-gather of the owner chunks padded to the largest, n x C bytes) where its
       alpha-beta estimate is lower, else "reduce" (one reduce / broadcast per owner with a chunk, issued
       one after another on one communicator: latency once per owner); two-level (intra, then inter per
-      local index) where `StepSpec.hierarchical` (the runtime's node_size), else flat over the group.
+      local index) where `StepSpec.hierarchical` (the runtime's node_size), else flat over the group;
+      EP's replica group always flat (`ExpertMuon`'s process groups have no node_size).
   Each collective holds `StepSpec.sm_share` of its participants' SMs while it runs (simulator.engine).
 
 Representative ranks (`representatives`): ranks whose programs are identical and whose collectives all
