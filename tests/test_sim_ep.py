@@ -375,3 +375,35 @@ def test_dmuon_not_slower_than_naive_with_ep(layout):
     kw = dict(model="qwen3-30b-a3b", gpus=64, ep=8, layout=layout, seq_len=1024, micro_batch=1)
     d, n = (simulate(SimConfig(**kw, strategy=s)) for s in ("dmuon", "naive"))
     assert d.step_s <= n.step_s
+
+
+@pytest.mark.parametrize("layout, ep", [("ddp", 4), ("sharded", 4), ("hsdp-free", 2), ("fsdp-keep", 16)])
+def test_expert_mode_is_the_runtimes(model, layout, ep):
+    """Every bucket's expert exchange is simulated in the mode ExpertMuon's units pick (`units.auto_mode`
+    over the replica group: no node_size, its ranks per node = GPUs per node / ep, owners as positions in
+    the group), given the fabric estimate the simulator prices with."""
+    from dmuon.runtime.groups import CommGroups
+    from dmuon.runtime.units import auto_mode
+    from simulator import step_comm
+
+    seen, orig = [], step_comm.CommPrograms.owner_coll
+
+    def spy(self, r, key, b, kind, elem_bytes, group, step, part=None):
+        col = orig(self, r, key, b, kind, elem_bytes, group, step, part)
+        if group == "rep":
+            g, inst = self._instance(group, r)
+            shape = self._owner_shapes[(b, kind, group, inst)]
+            groups = CommGroups(group=None, rank=0, world_size=g.size, global_ranks=tuple(range(g.size)),
+                                backend=self.s.network.backend)
+            owned = part[2]
+            want = auto_mode(list(owned.values()), [o // self.ep for o in owned], groups, links=self._links(),
+                             elem_bytes=elem_bytes, per_node=max(1, self.s.per_node // self.ep))
+            seen.append((want, "reduce" if shape[0] in ("reduce", "broadcast") else "reduce_scatter"))
+        return col
+
+    step_comm.CommPrograms.owner_coll = spy
+    try:
+        run(_cfg(model, strategy="dmuon", layout=layout, ep=ep), all_ranks=False)
+    finally:
+        step_comm.CommPrograms.owner_coll = orig
+    assert seen and all(a == b for a, b in seen)
