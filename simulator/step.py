@@ -254,7 +254,8 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms):
             if publish_here:
                 for b in self._first_b.get(l, ()):
                     pubs[b] = self._publish(r, b, step, prev["pub_deps"].get(b, ()),
-                                            phase="pub" if step else "fwd", stream=self.pub_stream)
+                                            phase="pub" if step else "fwd", stream=self.pub_stream,
+                                            which="dense")
             gathers[l] = ops
 
         gather(0, None)
@@ -265,10 +266,12 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms):
             deps = list(gathers[l])
             if publish_here:
                 deps += [pubs[b] for b in self.layer_buckets.get(l, ())]
-            elif self.sharded:  # EP: the experts' publications of its buckets (_sharded_optimizer)
-                deps += [prev["pubs"][b] for b in self.layer_buckets.get(l, ()) if b in prev["pubs"]]
-            elif l == 0:
-                deps += list(prev["pubs"].values())  # dmuon without overlap: everything published first
+            if self.dm and not self.sharded and not s.overlap:
+                if l == 0:  # dmuon without overlap: everything published first
+                    deps += list(prev["pubs"].values())
+            elif self.dm and self.ep > 1:  # the experts' publications of its buckets (_expert_step)
+                got = prev["pubs"]
+                deps += [got[k] for b in self.layer_buckets.get(l, ()) if (k := ("ep", b)) in got]
             op, wait = self._layer_op(r, step, l, "fwd", s.layer_fwd_s[l], deps + wait)
             fwd.append(op)
         return fwd
@@ -290,7 +293,7 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms):
             if self.dm and not self.sharded:
                 for b in self._last_b.get(l, ()):
                     pubs[b] = self._publish(r, b, step, (dep,), phase="bwd", tag="regather",
-                                            stream=self.pub_stream)
+                                            stream=self.pub_stream, which="dense")
             gathers[l] = ops
 
         if regather:

@@ -26,12 +26,13 @@ With `StepSpec.ep` = E > 1 (`SimConfig.ep`), N ranks, p per node (the layout of 
                  (`ExpertMuon`: per bucket an OwnerUnit over the replica group, launched from backward hooks
                  as the bucket's expert gradients are ready; flat, the group has no node_size, its mode
                  "auto" picked with the group's ranks per node: `simulator.step_comm.owner_coll`).
-                 fsdp / hsdp / ddp: both parts in the bucket's reduce in backward and its publication
-                 before the layers that need it. sharded: the dense matrices go by FSDP2 and the per-bucket
-                 all-to-alls at the step; the experts' per-bucket reduces in backward, their batches after
-                 the dense update (ExpertMuon.step runs after DMuon's Muon and AdamW updates, once every
-                 expert sum is in), then per bucket their broadcast; each layer of the next forward waits
-                 for its buckets' (`simulator.step_optimizer._sharded_optimizer`)
+                 fsdp / hsdp / ddp: both parts in the bucket's reduce in backward, the dense part's
+                 publication before the layers that need it. sharded: the dense matrices go by FSDP2 and the
+                 per-bucket all-to-alls at the step. Every layout: the experts' per-bucket reduces in
+                 backward, their batches after the dense batches and the AdamW pass (ExpertMuon.step runs
+                 after DMuon's Muon and AdamW updates, once every expert sum is in), then per bucket their
+                 broadcast; each layer of the next forward waits for its buckets'
+                 (`simulator.step_optimizer._expert_step`; the experts are plain tensors: never regathered)
   tokens         per MoE layer (a layer holding routed experts) the forward pass is the layer's non-expert
                  compute, the dispatch all-to-all, the expert compute, the combine all-to-all; backward
                  mirrors it (the combine's gradient all-to-all, expert backward, the dispatch's gradient
@@ -236,14 +237,17 @@ class EPPrograms:
                 d[owners[i]] = d.get(owners[i], 0) + mats[i].numel
             self.ep_parts.append({k: (sum(d.values()), max(d.values()), d) for k, d in parts.items()})
 
-    def _owner_parts(self, r: int, b: int) -> list[tuple]:
+    def _owner_parts(self, r: int, b: int, which: str | None = None) -> list[tuple]:
         """[(group, key tag, part)] of bucket b's owner exchange for rank r (part None: the whole bucket);
-        sharded: its experts only (the dense matrices go by the all-to-alls)."""
+        sharded: its experts only (the dense matrices go by the all-to-alls). which "dense" / "experts":
+        that part only (EP publications: the dense matrices' as DMuon's, the experts' from ExpertMuon.step,
+        `simulator.step_optimizer._expert_step`; the experts are plain tensors, never freed or regathered)."""
         if self.ep == 1:
             return [("world", (), None)]
         parts = self.ep_parts[b]
-        out = [("world", (), parts[None])] if None in parts and not self.sharded else []
-        mine = parts.get(r % self.ep)
+        dense = None in parts and not self.sharded and which != "experts"
+        out = [("world", (), parts[None])] if dense else []
+        mine = parts.get(r % self.ep) if which != "dense" else None
         return out + ([("rep", ("ep",), mine)] if mine is not None else [])
 
     def _dense_bucket(self, b: int) -> tuple[float, float]:

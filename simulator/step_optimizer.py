@@ -92,7 +92,8 @@ class OptimizerPrograms(SplitPrograms):
             last = prev["adam"] = self._sharded_optimizer(r, step, adam_numel, red, prev)
         else:
             # the owner's batches first (their buckets arrive during backward), then the AdamW pass
-            # (the embeddings' gradients are the last to be reduced)
+            # (the embeddings' gradients are the last to be reduced); EP: the dense batches only, the
+            # experts' after the AdamW pass (`_expert_step`)
             by_bucket: dict[int, list[Op]] = {}
             mine = self.batches_of.get(self.plan_rank(r), ())
             owned = sum(t[3] for t in mine) or 1  # a split member of exchange "lead" owns nothing
@@ -101,6 +102,8 @@ class OptimizerPrograms(SplitPrograms):
             momentum_s = (s.elementwise_s(owned, "muon_momentum", n_owned)  # one pass per step, pro rata
                           + s.elementwise_s(owned, "grad_prep", n_buckets))
             for k, bt, bks, numel in mine:
+                if self.ep > 1 and self.expert_batch[k]:
+                    continue
                 deps = [red["bucket"][b] for b in bks if red["bucket"].get(b) is not None]
                 if bt.group:
                     last = self._split_batch(r, step, k, bt, momentum_s * numel / owned, deps)
@@ -116,31 +119,33 @@ class OptimizerPrograms(SplitPrograms):
                 last = cm(r, "adamw", self._adamw_s(adam_numel, self._adamw_tensors(), self._adamw_layers()),
                           phase="opt", step=step, deps=(red["adamw_last"],))
             prev["adam"] = last
+            prev["pubs"] = {}
             if not s.overlap:
                 prev["pubs"] = {b: self._publish(r, b, step + 1, prev["pub_deps"].get(b, ()), phase="opt",
-                                                 op_step=step) for b in range(self.n_buckets)}
+                                                 op_step=step, which="dense") for b in range(self.n_buckets)}
+            if self.ep > 1:
+                last = self._expert_step(r, step, [t for t in mine if self.expert_batch[t[0]]], last, red,
+                                         momentum_s, owned, prev)
         prev["opt_last"] = last
 
     def _publish(self, r: int, b: int, step: int, deps, *, phase: str, tag: str = "pub",
-                 op_step: int | None = None, stream: str = "comm") -> Op:
+                 op_step: int | None = None, stream: str = "comm", which: str | None = None) -> Op:
         s = self.s
-        # HSDP too: the runtime's two-level publication over every rank ("world"); EP: the experts over
-        # their replica group (simulator.step_ep)
+        # HSDP too: the runtime's two-level publication over every rank ("world"); EP: the dense matrices'
+        # (which "dense") and the experts' over their replica group (which "experts": `_expert_step`)
         op = None
         st = step if op_step is None else op_step
         deps = tuple(deps)
-        for col in self._cols((tag, step, b, self._ok), lambda: [  # simulator.step._cols
+        for col in self._cols((tag, step, b, self._ok, which), lambda: [  # simulator.step._cols
                 self.owner_coll(r, (tag, step, b, *ptag), b, "broadcast", s.param_bytes, group, st, part)
-                for group, ptag, part in self._owner_parts(r, b)]):  # simulator.step_comm
+                for group, ptag, part in self._owner_parts(r, b, which)]):  # simulator.step_ep
             op = self._cop(col, r, phase, st, deps, stream)
         return op
 
     def _sharded_optimizer(self, r: int, step: int, adam_numel: float, red: dict, prev: dict) -> Op:
         """The sharded layout's optimizer; EP: the dense matrices only (buckets' dense parts,
-        `simulator.step_ep._dense_bucket`), then `ExpertMuon.step` (DMuon.step calls it after its Muon and
-        AdamW updates, which wait for every bucket's return): the owner's expert batches once every expert
-        sum is in (their reduces ran per bucket in backward), then per bucket the broadcast of its experts
-        over the replica group, which the next forward's layers wait for (`prev["pubs"]`)."""
+        `simulator.step_ep._dense_bucket`), then `ExpertMuon.step` (`_expert_step`, as in every layout;
+        here after the Muon and AdamW updates, which wait for every bucket's return)."""
         s, c, cm = self.s, self.c, self.c.compute
         n = s.n_ranks
         last = None
@@ -187,15 +192,28 @@ class OptimizerPrograms(SplitPrograms):
             col = self.coll(r, ("a2a_back", step, b), "world", "all_to_all", numel / n * s.param_bytes,
                             muon_fraction=1.0, max_share=most * s.param_bytes, step=step)
             last = c.collective(col, r, phase="opt", step=step, deps=tuple(by_bucket.get(b, ())))
-        if self.ep == 1:
-            return last
+        prev["pubs"] = {}
+        return last if self.ep == 1 else self._expert_step(r, step, ex_mine, last, red, momentum_s,
+                                                           pass_numel, prev)
+
+    def _expert_step(self, r: int, step: int, ex_mine: list, last: Op | None, red: dict, momentum_s: float,
+                     pass_numel: float, prev: dict) -> Op | None:
+        """`ExpertMuon.step`, which `DMuon.step` calls after its Muon and AdamW updates in every layout
+        (`last`: the rank's last op of them): the owner's expert batches in plan order once every expert
+        sum is in (`wait_reduce` of every unit; their reduces ran per bucket in backward), each with its
+        share (numel / pass_numel) of the momentum pass `momentum_s`; then per bucket, in forward order,
+        the broadcast of its experts over the replica group, after the bucket's batches (`prev["pubs"]`
+        under ("ep", bucket): the next forward's layers wait for their buckets'). Returns the last batch."""
+        s, cm = self.s, self.c.compute
         ex_by_bucket: dict[int, list[Op]] = {}
         for k, bt, bks, numel in ex_mine:
             last = cm(r, f"batch{k}", bt.ns_s * s.ns_stretch + momentum_s * numel / pass_numel, phase="opt",
                       step=step, deps=(last, red["last"]))
             for b in bks:
                 ex_by_bucket.setdefault(b, []).append(last)
-        pubs = [(b, self._publish(r, b, step + 1, ex_by_bucket.get(b, ()), phase="opt", op_step=step))
-                for b in range(self.n_buckets)]
-        prev["pubs"] = {b: op for b, op in pubs if op is not None}
+        for b in range(self.n_buckets):
+            op = self._publish(r, b, step + 1, ex_by_bucket.get(b, ()), phase="opt", op_step=step,
+                               which="experts")
+            if op is not None:
+                prev["pubs"][("ep", b)] = op
         return last

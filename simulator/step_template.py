@@ -8,15 +8,16 @@ Why a replay issues the same ops: a step's forward and backward depend on the ra
 instances of its collectives, (b) which parts its owner exchange has (EP: the replica group's experts,
 `_owner_parts`, by r % ep) and (c) the ops of its previous optimizer step they wait for (`prev`: the op the
 gathers wait for, per bucket the owner's batches its publication waits for, the publications of overlap=False
-or, sharded with EP, the experts' publications of the step). Layer times, parts, buckets and the plan's bucket
-layers are the same on every rank. So the first rank of each (step, r % ep) builds them through the step logic
-with a placeholder op for each of (c) and records the result: per stream the ops (name, phase, step, duration,
-the collective's key and group) and per op its dependencies (earlier ops of the record or a placeholder). A
-replay creates the same ops on the same streams in the same order, the collectives looked up for its own group
-instances, and each placeholder replaced by that rank's ops (None dropped, as `Cluster.compute` does). A rank
-whose instance of some collective does not exist yet (it would create it: the first rank of a group) is built
-through the step logic, so collectives are created in the same order as without templates. With stragglers
-(`jitter`) every compute op draws its time in program order: nothing is replayed then.
+or, with EP, the experts' publications of the step: `_expert_step`). Layer times, parts, buckets and the
+plan's bucket layers are the same on every rank. So the first rank of each (step, r % ep) builds them through
+the step logic with a placeholder op for each of (c) and records the result: per stream the ops (name, phase,
+step, duration, the collective's key and group) and per op its dependencies (earlier ops of the record or a
+placeholder). A replay creates the same ops on the same streams in the same order, the collectives looked up
+for its own group instances, and each placeholder replaced by that rank's ops (None dropped, as
+`Cluster.compute` does). A rank whose instance of some collective does not exist yet (it would create it: the
+first rank of a group) is built through the step logic, so collectives are created in the same order as
+without templates. With stragglers (`jitter`) every compute op draws its time in program order: nothing is
+replayed then.
 """
 
 from __future__ import annotations

@@ -320,7 +320,7 @@ def test_dmuon_experts_per_bucket(model, layout):
                 if o.step == st and o.name in expert_batch:
                     assert all(o.start >= x.end for (s2, _), x in red.items() if s2 == st)
     # publications after the owners' batches; the next forward's layers wait for their buckets' only
-    later = 1  # step 0's update: ddp publishes it in step 1's forward, sharded at the end of step 0
+    later = 1  # step 0's update, published at the end of step 0 (ExpertMuon.step) as step 1's weights
     for (rank, _), ops in q.items():
         for o in ops:
             if o.step == 0 and o.name in expert_batch:
@@ -407,3 +407,42 @@ def test_expert_mode_is_the_runtimes(model, layout, ep):
     finally:
         step_comm.CommPrograms.owner_coll = orig
     assert seen and all(a == b for a, b in seen)
+
+
+@pytest.mark.parametrize("layout", ["fsdp-keep", "fsdp-free", "hsdp-keep", "hsdp-free", "ddp", "sharded"])
+def test_expert_batches_after_dense_update(model, layout):
+    """The owner's order in `DMuon.step` with ep > 1 (every layout): its dense batches in plan order, the
+    AdamW pass, then `ExpertMuon.step`: the expert batches in plan order, then each bucket's expert
+    publication over the replica group, after that bucket's expert batches. Checked on every owner rank
+    holding both dense and expert batches, every step."""
+    ep = 4
+    cfg = _cfg(model, strategy="dmuon", layout=layout, ep=ep)
+    _, built = run(cfg)
+    plan, q = built.spec.plan, built.cluster.queues
+    is_expert = [".experts." in plan.matrices[bt.members[0]].name for bt in plan.batches]
+    bucket_of = {i: b.index for b in plan.buckets for i in b.members}
+    checked = 0
+    for rank in range(GPUS):
+        mine = [k for k, bt in enumerate(plan.batches) if bt.owner == rank]
+        dense = [k for k in mine if not is_expert[k]]
+        experts = [k for k in mine if is_expert[k]]
+        if not dense or not experts:
+            continue
+        for st in range(built.spec.steps):
+            ops = [o for o in q[(rank, "compute")] if o.step == st and o.phase == "opt"]
+            by_name = {o.name: o for o in ops}
+            adamw = by_name["adamw"]
+            d_ops = [by_name[f"batch{k}"] for k in dense]
+            e_ops = [by_name[f"batch{k}"] for k in experts]
+            order = [o.name for o in ops if o.name.startswith("batch")]
+            assert order == [f"batch{k}" for k in dense + experts]
+            for o in e_ops:
+                assert o.start >= adamw.end and all(o.start >= d.end for d in d_ops), (layout, rank, o.name)
+            pubs = {int(o.name.split("/")[2]): o for o in q[(rank, "comm")]
+                    if o.coll is not None and o.coll.group.startswith("rep") and o.name.startswith("pub/")
+                    and o.name.split("/")[1] == str(st + 1)}
+            for k, o in zip(experts, e_ops, strict=True):
+                for b in {bucket_of[i] for i in plan.batches[k].members}:
+                    assert pubs[b].start >= o.end, (layout, rank, st, b)
+            checked += 1
+    assert checked
