@@ -22,38 +22,12 @@ import time
 
 from scripts.sim_time import _parse
 from simulator import engine
-from simulator.api import SimConfig, run
+from simulator.api import SimConfig, build_programs
 
 
 def built_cluster(cfg: dict):
-    """The cluster `simulate(cfg)` would run, built and not run (gc stays paused, as in a run)."""
-    got = {}
-    real = engine.Cluster.run
-
-    class _Built(Exception):
-        pass
-
-    def capture(self, reference=False):
-        got["cl"] = self
-        raise _Built
-
-    engine.Cluster.run = capture
-    try:
-        run(SimConfig(**cfg), all_ranks=False)
-    except _Built:
-        pass
-    finally:
-        engine.Cluster.run = real
-    return got["cl"]
-
-
-def reset(cl) -> None:
-    for ops in cl.queues.values():
-        for o in ops:
-            o.start = o.end = o.done = None
-            o.slowed_s = 0.0
-    for c in cl.collectives:
-        c.arrived, c.start, c.end, c.ranks, c.done = 0, None, None, [], None
+    """The cluster `simulate(cfg)` would run, built and not run."""
+    return build_programs(SimConfig(**cfg), all_ranks=False).cluster
 
 
 def digest(cl) -> str:
@@ -98,7 +72,7 @@ def main() -> None:
         for rnd in range(a.rounds):
             turn = order[rnd % len(order):] + order[:rnd % len(order)]
             for k in (turn if rnd % 2 == 0 else turn[::-1]):
-                reset(cl)
+                cl.clear_times()
                 t = time.process_time()
                 loops[k](cl)
                 times[k].append(time.process_time() - t)

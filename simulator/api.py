@@ -283,10 +283,10 @@ def simulate(cfg: SimConfig) -> SimResult:
         return run(cfg, all_ranks=False)[0]
 
 
-def run(cfg: SimConfig, all_ranks: bool = True):
+def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
     """(SimResult, the finished simulator.step.Built) — the trace writer needs the second. all_ranks=False:
     ranks with identical programs are simulated once (the same result, faster; the trace then holds only
-    those ranks)."""
+    those ranks). _execute=False: (None, the Built not run yet): `build_programs`."""
     from .engine import paused_gc
     from .metrics import measure
     from .setup import make_spec
@@ -312,6 +312,8 @@ def run(cfg: SimConfig, all_ranks: bool = True):
         built = build(spec, overlap_slowdown=profile.overlap_slowdown,
                       comm_overlap_slowdown=profile.comm_overlap_slowdown, all_ranks=all_ranks,
                       jitter=(cfg.jitter, cfg.seed))
+        if not _execute:
+            return None, built
         built.cluster.run()
         samples = sorted((measure(built, step=s) for s in range(1, spec.steps)), key=lambda x: x["step_s"])
     m = samples[(len(samples) - 1) // 2]  # the median step (the only one without jitter)
@@ -337,6 +339,12 @@ def run(cfg: SimConfig, all_ranks: bool = True):
     return result, built
 
 
+def build_programs(cfg: SimConfig, all_ranks: bool = True):
+    """The simulator.step.Built that `run(cfg, all_ranks)` would run, built and not run (its cluster's
+    `run()` gives the same op times): for timing or comparing event loops on one graph."""
+    return run(cfg, all_ranks, _execute=False)[1]
+
+
 def asdict_shallow(cfg: SimConfig) -> dict:
     return {f.name: getattr(cfg, f.name) for f in fields(cfg)}
 
@@ -348,4 +356,4 @@ def timed_simulate(cfg: SimConfig) -> tuple[SimResult, float]:
     return r, time.perf_counter() - t0
 
 
-__all__ = ["SimConfig", "SimResult", "simulate", "run", "timed_simulate"]
+__all__ = ["SimConfig", "SimResult", "simulate", "run", "build_programs", "timed_simulate"]

@@ -186,6 +186,17 @@ class Cluster:
     def _unknown(self, rank: int, stream: str):
         raise InputError(f"unknown stream {stream!r} of rank {rank}; streams: {self.stream_names}")
 
+    def clear_times(self) -> None:
+        """Every op and collective back to its state before a run (times, waiters, arrivals), so one built
+        graph can be run by several event loops in turn (scripts/engine_ab.py, tests); `run()` itself
+        still runs a cluster once."""
+        for ops in self.queues.values():
+            for o in ops:
+                o.start = o.end = o.done = None
+                o.slowed_s = 0.0
+        for c in self.collectives:
+            c.arrived, c.start, c.end, c.ranks, c.done = 0, None, None, [], None
+
     # ---- running -------------------------------------------------------------------------------
     def run(self, reference: bool = False) -> RunStats:
         """Run every stream to completion. reference=True: by one SimPy process per stream (the original

@@ -84,15 +84,22 @@ static void set_slot(PyObject *o, Py_ssize_t off, PyObject *v) /* steals v */
     Py_XDECREF(old);
 }
 
+/* make room for one more element in a growable array *a of *cap elements of `size` bytes holding n:
+ * doubled when full (first: `first` elements); -1 with MemoryError set when out of memory */
+static int grow(void **a, Py_ssize_t *cap, Py_ssize_t n, size_t size, Py_ssize_t first)
+{
+    if (n < *cap) return 0;
+    Py_ssize_t c = *cap ? 2 * *cap : first;
+    void *p = PyMem_Realloc(*a, (size_t)c * size);
+    if (!p) { PyErr_NoMemory(); return -1; }
+    *a = p;
+    *cap = c;
+    return 0;
+}
+
 static int ivec_push(IVec *v, Py_ssize_t x)
 {
-    if (v->n == v->cap) {
-        Py_ssize_t cap = v->cap ? 2 * v->cap : 8;
-        Py_ssize_t *a = PyMem_Realloc(v->a, cap * sizeof(Py_ssize_t));
-        if (!a) { PyErr_NoMemory(); return -1; }
-        v->a = a;
-        v->cap = cap;
-    }
+    if (grow((void **)&v->a, &v->cap, v->n, sizeof(Py_ssize_t), 8) < 0) return -1;
     v->a[v->n++] = x;
     return 0;
 }
@@ -152,13 +159,7 @@ static inline int before(const Entry *a, const Entry *b)
 
 static int push(Loop *L, double t, long long seq, int kind, Py_ssize_t obj, long long ver)
 {
-    if (L->hn == L->hcap) {
-        Py_ssize_t cap = L->hcap ? 2 * L->hcap : 1024;
-        Entry *a = PyMem_Realloc(L->heap, cap * sizeof(Entry));
-        if (!a) { PyErr_NoMemory(); return -1; }
-        L->heap = a;
-        L->hcap = cap;
-    }
+    if (grow((void **)&L->heap, &L->hcap, L->hn, sizeof(Entry), 1024) < 0) return -1;
     Entry e = {t, seq, ver, obj, kind};
     Py_ssize_t k = L->hn++;
     while (k > 0) {
@@ -196,13 +197,7 @@ static Py_ssize_t new_node(Loop *L, Py_ssize_t stream, Py_ssize_t next)
         k = L->free_node;
         L->free_node = L->nodes[k].next;
     } else {
-        if (L->n_nodes == L->nodes_cap) {
-            Py_ssize_t cap = L->nodes_cap ? 2 * L->nodes_cap : 4096;
-            Node *a = PyMem_Realloc(L->nodes, cap * sizeof(Node));
-            if (!a) { PyErr_NoMemory(); return -1; }
-            L->nodes = a;
-            L->nodes_cap = cap;
-        }
+        if (grow((void **)&L->nodes, &L->nodes_cap, L->n_nodes, sizeof(Node), 4096) < 0) return -1;
         k = L->n_nodes++;
     }
     L->nodes[k].stream = stream;

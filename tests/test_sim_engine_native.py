@@ -11,7 +11,7 @@ import pytest
 
 from dmuon.errors import InputError
 from simulator import engine, engine_native
-from simulator.api import SimConfig, run
+from simulator.api import SimConfig, build_programs
 from simulator.engine_fast import run_fast
 
 
@@ -33,28 +33,6 @@ def _native():
     return mod
 
 
-def _built(cfg: SimConfig) -> engine.Cluster:
-    """The cluster run(cfg) builds, captured before it runs."""
-    got = {}
-    real = engine.Cluster.run
-
-    class _Stop(Exception):
-        pass
-
-    def capture(self, reference=False):
-        got["cl"] = self
-        raise _Stop
-
-    engine.Cluster.run = capture
-    try:
-        run(cfg, all_ranks=False)
-    except _Stop:
-        pass
-    finally:
-        engine.Cluster.run = real
-    return got["cl"]
-
-
 def _state(cl, end) -> str:
     h = hashlib.sha256(repr(end).encode())
     for ops in cl.queues.values():
@@ -64,15 +42,6 @@ def _state(cl, end) -> str:
         h.update(f"{c.arrived}|{c.start!r}|{c.end!r}|{c.ranks!r}\n".encode())
     h.update(repr((cl._busy, cl._sm_used)).encode())
     return h.hexdigest()
-
-
-def _reset(cl) -> None:
-    for ops in cl.queues.values():
-        for o in ops:
-            o.start = o.end = o.done = None
-            o.slowed_s = 0.0
-    for c in cl.collectives:
-        c.arrived, c.start, c.end, c.ranks, c.done = 0, None, None, [], None
 
 
 BIG = [
@@ -90,12 +59,12 @@ def test_native_equals_python_loop_on_big_programs(kw):
     """Same cluster, each loop in turn: every op's start, end, slowdown and waiting list, every
     collective's arrivals, times and participants, the ranks' running counts and the end time agree."""
     mod = _native()
-    cl = _built(SimConfig(**kw))
+    cl = build_programs(SimConfig(**kw), all_ranks=False).cluster
     with engine.paused_gc():
         py_end = run_fast(cl)
         py = _state(cl, py_end)
         n_ops = sum(len(q) for q in cl.queues.values())
-        _reset(cl)
+        cl.clear_times()
         c_end = engine_native.run_native(cl, mod, engine.Op, engine.Collective)
     assert n_ops > 10_000
     assert c_end == py_end and c_end > 0
