@@ -92,7 +92,8 @@ def setup(rank: int, world: int, ep: int, case: dict):
         mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
                 if case.get("hsdp") else init_device_mesh("cpu", (world,)))
         dmuon.shard_model(model, layout, mesh=mesh, ep=ep)
-    opt = dmuon.DMuon(model, ep=ep, lr=0.05, weight_decay=0.01, profile="a800", timeout_s=60.0,
+    cls = dmuon.NaiveMuon if case.get("naive") else dmuon.DMuon
+    opt = cls(model, ep=ep, lr=0.05, weight_decay=0.01, profile="a800", timeout_s=60.0,
                       **case.get("opts", {}))
     return model, opt
 
@@ -314,7 +315,8 @@ def run_errors(rank: int, world: int) -> dict:
 
     attempt("ep_not_divisor", lambda: dmuon.DMuon(local_model(0, E // 2), ep=3, profile="a800"))
     attempt("ep_not_int", lambda: dmuon.DMuon(local_model(0, E // 2), ep=0, profile="a800"))
-    attempt("naive", lambda: dmuon.NaiveMuon(local_model(rank % 2, E // 2), ep=2))
+    attempt("naive", lambda: dmuon.NaiveMuon(local_model(rank % 2, E // 2), ep=2,
+                                             process_group=torch.distributed.group.WORLD))
     attempt("dense", lambda: dmuon.DMuon(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), ep=2,
                                          profile="a800"))
     attempt("split", lambda: dmuon.DMuon(local_model(rank % 2, E // 2), ep=2, max_split=2, profile="a800"))
@@ -340,7 +342,7 @@ def test_bad_setups_say_what_is_accepted():
     errs = results[0]
     assert "does not divide the 2 ranks; accepted: a divisor of the rank count" in errs["ep_not_divisor"]
     assert "ep must be an integer >= 1" in errs["ep_not_int"]
-    assert "accepted: ep=1 for NaiveMuon" in errs["naive"]
+    assert "accepted: process_group=None with ep > 1" in errs["naive"]
     assert "no expert parameters" in errs["dense"] and "accepted: ep=1" in errs["dense"]
     assert "max_split is not supported with expert parallelism" in errs["split"]
     assert "ignored_params" in errs["experts_sharded"] and "shard_model(model, layout, ep=E)" in \
@@ -348,3 +350,46 @@ def test_bad_setups_say_what_is_accepted():
     assert all("\n" not in m for k, m in errs.items() if k not in ("nonfinite", "unchanged"))
     for errs in results:  # every rank names the expert parameter and updates nothing
         assert "layers.1.mlp.experts.w_down" in errs["nonfinite"] and errs["unchanged"] is True
+
+
+def run_naive(rank: int, world: int, ep: int, case: dict) -> dict:
+    """NaiveMuon with EP: STEPS steps, the last one's collectives counted (probed_step)."""
+    from dmuon.runtime.bytecount import CollectiveBytes
+
+    model, opt = setup(rank, world, ep, {**case, "naive": True})
+    for s in range(STEPS - 1):
+        train_step(model, opt, s, rank, ep)
+    counter = CollectiveBytes()
+    launched = probed_step(model, opt, STEPS - 1, rank, ep, counter)
+    experts = [p for p in model.parameters() if p.dim() == 3]
+    colls = {(kind, lab): [r.payload_bytes for r in counter.records
+                           if r.kind == kind and r.label == lab and r.group_size == world // ep]
+             for kind in ("all_reduce", "reduce", "broadcast") for lab in ("main", "dmuon")}
+    return {"layout": opt.layout, "ep_plan": opt.ep_plan, "launched": launched, "colls": colls,
+            "units": len(opt.experts.units), "weights": weights(model, opt),
+            "expert_bytes": sum(p.numel() * p.element_size() for p in experts),
+            "momentum": [tuple(opt.state[p]["momentum_buffer"].shape) == tuple(p.shape) for p in experts]}
+
+
+NAIVE_CASES = [(2, 2, {"layout": "replicated"}), (4, 2, {"layout": "replicated"}),
+               (4, 2, {"layout": "fsdp2-owner"}), (4, 2, {"layout": "fsdp2-sharded"})]
+
+
+@pytest.mark.parametrize("world,ep,case", NAIVE_CASES, ids=[case_id(*c) for c in NAIVE_CASES])
+def test_naive_muon_ep_equals_single_process_muon(world, ep, case):
+    """NaiveMuon(ep=2): each replica group all-reduces its experts' gradients (one all-reduce per layer,
+    launched from backward), every rank runs momentum and NS on all of its local experts."""
+    results = run_distributed(run_naive, world, (ep, case), timeout_s=300)
+    want = reference(world, ep)
+    for rank, res in enumerate(results):
+        assert res["layout"] == case["layout"] and res["ep_plan"] is None
+        assert worst_error(res["weights"], want, rank, ep) < TOL, (rank, case)
+        assert res["momentum"] and all(res["momentum"])  # every local expert's momentum, on every rank
+        colls = res["colls"]
+        assert colls["reduce", "dmuon"] == colls["broadcast", "dmuon"] == colls["all_reduce", "main"] == []
+        if world // ep == 1:
+            assert res["units"] == 0 and colls["all_reduce", "dmuon"] == []
+        else:  # one all-reduce per layer over the replica group, launched before backward ended
+            assert res["units"] == LAYERS and res["launched"] == [LAYERS]
+            assert len(colls["all_reduce", "dmuon"]) == LAYERS
+            assert sum(colls["all_reduce", "dmuon"]) >= res["expert_bytes"]  # padded to the group size

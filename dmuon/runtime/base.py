@@ -32,7 +32,7 @@ from ..params import route
 from ..plan.ep import dense_part
 from ..plan.types import MatrixSpec, Plan
 from .comm import CommStats, CommWorker
-from .ep import ExpertMuon, check_ep, expert_matrices, take_experts
+from .ep import ExpertMuon, NaiveExperts, check_ep, expert_matrices, take_experts
 from .exchange import EXCHANGE_CHOICES
 from .fsdp import MEMORY, is_dtensor, local_tensor, mesh_node_size, resolve_layout
 from .groups import build_groups
@@ -141,8 +141,7 @@ class DistributedMuonBase(torch.optim.Optimizer):
         self.shard_adamw = self.owner_centric if shard_adamw is None else bool(shard_adamw)
 
         self.groups = build_groups(process_group, node_size, timeout_s)
-        self.ep = check_ep(ep, self.groups.world_size, owner_centric=self.owner_centric,
-                           process_group=process_group)
+        self.ep = check_ep(ep, self.groups.world_size, process_group=process_group)
         broadcast_module_state(model, self.groups, skip={id(r.param) for r in expert_routes})
         self.rank, self.world_size = self.groups.rank, self.groups.world_size
         # params: the dense Muon matrices [0, n_muon), AdamW's [n_muon, expert_first), the experts (ep > 1)
@@ -158,11 +157,13 @@ class DistributedMuonBase(torch.optim.Optimizer):
                       for i, r in enumerate(muon_routes))
         experts = expert_matrices(self.names[self.expert_first:], self.params[self.expert_first:],
                                   self.layers[self.expert_first:], self.ep) if expert_routes else []
-        plan = self._build_plan(specs + tuple(e[0] for e in experts), balancer, profile,
-                                bucket_numel) if specs or experts else None
-        # ep > 1: the EP plan (dense matrices, then experts); this class runs its dense part
-        self.ep_plan = plan if experts else None
-        self.plan: Plan | None = dense_part(plan, len(specs), bucket_numel) if experts else plan
+        # ep > 1, owner-centric: the EP plan (dense matrices, then experts); this class runs its dense part.
+        # NaiveMuon plans its dense matrices only (every rank runs every expert: runtime/ep.NaiveExperts)
+        planned = experts if self.owner_centric else []
+        plan = self._build_plan(specs + tuple(e[0] for e in planned), balancer, profile,
+                                bucket_numel) if specs or planned else None
+        self.ep_plan = plan if planned else None
+        self.plan: Plan | None = dense_part(plan, len(specs), bucket_numel) if planned else plan
 
         self.comm_stats = CommStats()
         self._worker = CommWorker(self.rank, self.timeout_s, self.device, self.comm_stats)
@@ -188,8 +189,11 @@ class DistributedMuonBase(torch.optim.Optimizer):
                                                 and not u.sharded], self.rank)
             owner_units = {k: u for k, u in owner_units.items() if u.sharded}
         self._forward_waits = ForwardWaits(model, owner_units, self._wait_publish) if owner_units else None
-        self.experts = (ExpertMuon(self, model, self.ep_plan, self.expert_first, len(specs), self.ep,
-                                   exchange) if experts else None)
+        self.experts = None  # ep > 1: the expert half (runtime/ep.py)
+        if experts:
+            self.experts = (ExpertMuon(self, model, self.ep_plan, self.expert_first, len(specs), self.ep,
+                                       exchange) if self.owner_centric
+                            else NaiveExperts(self, model, self.expert_first, self.ep))
 
     # ---- construction ------------------------------------------------------------------------
     def _build_plan(self, specs, balancer: str, profile: str | None, bucket_numel: int) -> Plan:

@@ -61,7 +61,7 @@ from .fsdp import is_dtensor
 from .groups import CommGroups
 from .hooks import BackwardTracker, ForwardWaits
 from .planning import batch_method
-from .units import Member, OwnerUnit
+from .units import AllReduceUnit, Member, OwnerUnit
 
 
 def expert_spec_name(param_name: str, e: int) -> str:
@@ -72,11 +72,9 @@ def expert_spec_name(param_name: str, e: int) -> str:
     return f"{head}.experts.{e}.{tail}"
 
 
-def check_ep(ep, world_size: int, *, owner_centric: bool, process_group) -> int:
+def check_ep(ep, world_size: int, *, process_group) -> int:
     """The `ep` argument of a distributed optimizer (1 = no expert parallelism)."""
     EPLayout(world_size, ep)  # a positive integer dividing the ranks (one-line errors)
-    if ep > 1 and not owner_centric:
-        raise InputError(f"ep={ep}: expert parallelism is run by DMuon only; accepted: ep=1 for NaiveMuon")
     if ep > 1 and process_group is not None:
         raise InputError(f"ep={ep} builds its replica groups over the whole world; accepted: "
                          "process_group=None with ep > 1")
@@ -117,15 +115,14 @@ def expert_matrices(names, params, layers, ep: int) -> list[tuple[MatrixSpec, in
     return out
 
 
-class ExpertMuon:
-    """The expert half of `DMuon(model, ep=E)` (module docstring). `opt`: the DMuon whose parameters
-    `opt.params[first:]` are the expert parameters of `model`; `plan`: the EP plan over opt's dense Muon
-    matrices (the first `n_dense` matrices) and the expert matrices (the rest, in `expert_matrices`
-    order); `exchange`: DMuon's exchange mode."""
+class _ExpertHalf:
+    """What the expert half of DMuon (`ExpertMuon`) and of NaiveMuon (`NaiveExperts`) share: the replica
+    groups (one set for the training thread, one for a communication thread of its own), the units
+    (`_build_units`, after `_setup`) launched from backward hooks, the forward waits of the units that
+    publish, waits, no_sync, and the replicas' first broadcast. `opt.params[first:]` are the experts."""
 
-    def __init__(self, opt, model: torch.nn.Module, plan, first: int, n_dense: int, ep: int,
-                 exchange: str = "auto"):
-        self.opt, self.plan, self.n_dense = opt, plan, n_dense
+    def __init__(self, opt, model: torch.nn.Module, first: int, ep: int, exchange: str = "auto"):
+        self.opt = opt
         self.layout = EPLayout(opt.world_size, ep)
         self.k = self.layout.ep_rank(opt.rank)
         timeout = datetime.timedelta(seconds=opt.timeout_s)
@@ -143,11 +140,91 @@ class ExpertMuon:
             self.worker = CommWorker(opt.rank, opt.timeout_s, opt.device, opt.comm_stats)
             self._finalizer = weakref.finalize(self, self.worker.close)
         self._mesh = None  # (replica, ep) DeviceMesh of the checkpoints' DTensors, created on first use
-        idx = list(range(first, len(opt.params)))
+        self.idx = list(range(first, len(opt.params)))
+        self._setup()
+        self.units = self._build_units(exchange) if self.worker is not None else []
+        self.where = {m.index: (u, k) for u in self.units for k, m in enumerate(u.members)}
+        self.tracker = BackwardTracker([u.params for u in self.units], self._launch, enabled=opt.overlap)
+        self.forward_waits = ForwardWaits(model, {id(p): u for u in self._publishing() for p in u.params},
+                                          lambda u: u.wait_publish())
+        with torch.no_grad():  # replicas start from the same experts (the group's first rank's), as DDP does
+            for i in self.idx:
+                dist.broadcast(opt.params[i].data, mine[0], group=self.group)
+
+    def _setup(self) -> None:
+        """What `_build_units` needs (before the units are built)."""
+
+    def _build_units(self, exchange: str) -> list:
+        raise NotImplementedError
+
+    def _publishing(self) -> list[OwnerUnit]:
+        return [u for u in self.units if isinstance(u, OwnerUnit)]
+
+    def _launch(self, u: int) -> None:
+        unit = self.units[u]
+        unit.launch_reduce(f"expert gradient exchange of bucket {u} ({len(unit.members)} matrices)")
+
+    def begin_step(self) -> None:
+        """At the top of step(): launch the round if no backward did, and finish the last publication."""
+        self.tracker.finish()
+        for u in self._publishing():
+            u.wait_publish()
+
+    def no_sync(self):
+        return self.tracker.no_sync() if self.units else contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        """Wait for the expert exchanges in flight."""
+        for u in self.units:
+            u.wait_reduce()
+        for u in self._publishing():
+            u.wait_publish()
+
+    def close(self) -> None:
+        self.tracker.remove()
+        self.forward_waits.remove()
+        if self.worker is not None:
+            self._finalizer()
+
+    def _mean_grads(self) -> None:
+        """Wait for every bucket's sum and scale it to the mean over the replica group."""
+        for u in self.units:
+            u.wait_reduce()
+            u.scale_(1.0 / self.layout.replicas)  # sums to means
+
+    # ---- sharded checkpoints (dmuon.runtime.checkpoint) -------------------------------------------
+    def as_global(self, t: torch.Tensor) -> torch.Tensor:
+        """A local expert stack (E_local, ...) as the DTensor of every EP rank's experts on a (replica, ep)
+        mesh, (Replicate(), Shard(0)): DCP writes each expert once and re-shards it on load for any ep
+        and world size. Shares t's storage (DCP loads into it). The first call is collective."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if self._mesh is None:
+            self._mesh = init_device_mesh(self.opt.device.type, (self.layout.replicas, self.layout.ep),
+                                          mesh_dim_names=("replica", "ep"))
+        shape = (t.shape[0] * self.layout.ep, *t.shape[1:])
+        return DTensor.from_local(t, self._mesh, (Replicate(), Shard(0)), run_check=False, shape=shape,
+                                  stride=torch.empty(shape, device="meta").stride())
+
+
+class ExpertMuon(_ExpertHalf):
+    """The expert half of `DMuon(model, ep=E)` (module docstring). `opt`: the DMuon whose parameters
+    `opt.params[first:]` are the expert parameters of `model`; `plan`: the EP plan over opt's dense Muon
+    matrices (the first `n_dense` matrices) and the expert matrices (the rest, in `expert_matrices`
+    order); `exchange`: DMuon's exchange mode."""
+
+    def __init__(self, opt, model: torch.nn.Module, plan, first: int, n_dense: int, ep: int,
+                 exchange: str = "auto"):
+        self.plan, self.n_dense = plan, n_dense
+        super().__init__(opt, model, first, ep, exchange)
+
+    def _setup(self) -> None:
+        opt, plan, idx = self.opt, self.plan, self.idx
         found = expert_matrices([opt.names[i] for i in idx], [opt.params[i] for i in idx],
-                                [opt.layers[i] for i in idx], ep)
+                                [opt.layers[i] for i in idx], self.layout.ep)
         self.held: dict[int, tuple[int, int]] = {}  # plan index -> (param index, local slot): what I hold
-        for j, (_, i, e) in enumerate(found, start=n_dense):
+        for j, (_, i, e) in enumerate(found, start=self.n_dense):
             e_local = opt.params[idx[i]].shape[0]
             if e // e_local == self.k:
                 self.held[j] = (idx[i], e - self.k * e_local)
@@ -157,14 +234,6 @@ class ExpertMuon:
             if plan.owners[j] == opt.rank:
                 self.owned.setdefault(i, []).append(slot)
         self.row = {(i, slot): r for i, slots in self.owned.items() for r, slot in enumerate(sorted(slots))}
-        self.units = self._build_units(exchange) if self.worker is not None else []
-        self.where = {m.index: (u, k) for u in self.units for k, m in enumerate(u.members)}
-        self.tracker = BackwardTracker([u.params for u in self.units], self._launch, enabled=opt.overlap)
-        self.forward_waits = ForwardWaits(model, {id(p): u for u in self.units for p in u.params},
-                                          lambda u: u.wait_publish())
-        with torch.no_grad():  # replicas start from the same experts (the group's first rank's), as DDP does
-            for i in idx:
-                dist.broadcast(opt.params[i].data, mine[0], group=self.group)
 
     def _build_units(self, exchange: str) -> list[OwnerUnit]:
         """Per plan bucket (launch order: reverse forward) an OwnerUnit of the expert matrices held here,
@@ -187,39 +256,12 @@ class ExpertMuon:
                                        per_node=per_node))
         return units
 
-    def _launch(self, u: int) -> None:
-        unit = self.units[u]
-        unit.launch_reduce(f"expert gradient exchange of bucket {u} ({len(unit.members)} matrices)")
-
-    def begin_step(self) -> None:
-        """At the top of step(): launch the round if no backward did, and finish the last publication."""
-        self.tracker.finish()
-        for u in self.units:
-            u.wait_publish()
-
-    def no_sync(self):
-        return self.tracker.no_sync() if self.units else contextlib.nullcontext()
-
-    def synchronize(self) -> None:
-        """Wait for the expert exchanges in flight."""
-        for u in self.units:
-            u.wait_reduce()
-            u.wait_publish()
-
-    def close(self) -> None:
-        self.tracker.remove()
-        self.forward_waits.remove()
-        if self.worker is not None:
-            self._finalizer()
-
     @torch.no_grad()
     def step(self, flags: list[bool]) -> None:
         """Orthogonalize and publish the expert matrices whose parameter has a gradient on some rank
         (`flags`, agreed on every rank); their sums were launched to their owners during backward (or by
         begin_step())."""
-        for u in self.units:
-            u.wait_reduce()
-            u.scale_(1.0 / self.layout.replicas)  # sums to means
+        self._mean_grads()
         for b in self.plan.batches_of(self.opt.rank):
             members = [j for j in b.members if j >= self.n_dense and flags[self.held[j][0]]]
             if members:
@@ -268,21 +310,6 @@ class ExpertMuon:
         muon_apply_many_(ws, [u if u.shape == w.shape else u.mT for w, u in zip(ws, updates, strict=True)],
                          hp["lr"], hp["weight_decay"], [lr_scale(w.shape, hp["adjust_lr"]) for w in ws])
 
-    # ---- sharded checkpoints (dmuon.runtime.checkpoint) -------------------------------------------
-    def as_global(self, t: torch.Tensor) -> torch.Tensor:
-        """A local expert stack (E_local, ...) as the DTensor of every EP rank's experts on a (replica, ep)
-        mesh, (Replicate(), Shard(0)): DCP writes each expert once and re-shards it on load for any ep
-        and world size. Shares t's storage (DCP loads into it). The first call is collective."""
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-
-        if self._mesh is None:
-            self._mesh = init_device_mesh(self.opt.device.type, (self.layout.replicas, self.layout.ep),
-                                          mesh_dim_names=("replica", "ep"))
-        shape = (t.shape[0] * self.layout.ep, *t.shape[1:])
-        return DTensor.from_local(t, self._mesh, (Replicate(), Shard(0)), run_check=False, shape=shape,
-                                  stride=torch.empty(shape, device="meta").stride())
-
     def full_momentum(self, i: int) -> torch.Tensor:
         """Parameter i's momentum for every local expert (zeros where none yet): each owner's rows, summed
         over the replica group (every other replica holds zeros there). Collective over the group."""
@@ -302,3 +329,57 @@ class ExpertMuon:
             st = self.opt.state[self.opt.params[i]]
             st["momentum_buffer"] = full[slots].clone()
             st["momentum_slots"] = tuple(slots)
+
+
+class NaiveExperts(_ExpertHalf):
+    """The expert half of `NaiveMuon(model, ep=E)`, the gather-then-compute baseline: per MoE layer (launch
+    order: reverse forward) one `units.AllReduceUnit` of the layer's expert parameters, whole, over the
+    replica group, launched from backward hooks on the experts' communication thread as `ExpertMuon`'s
+    units are (gradients in comm_dtype when set); at step() every rank of the group scales the sums to
+    the means and runs momentum (every rank holds every local expert's), one batched NS call per 3-D
+    parameter over its (E_local, out, in) stack (a view of the summed buffer, no copy per expert) and the
+    update; nothing is published (every replica computed the same weights)."""
+
+    def _build_units(self, exchange: str) -> list[AllReduceUnit]:
+        opt, units = self.opt, []
+        for layer in sorted({opt.layers[i] for i in self.idx}, reverse=True):
+            members = [Member(i, opt.names[i], opt.params[i]) for i in self.idx if opt.layers[i] == layer]
+            units.append(AllReduceUnit(len(units), members, self.comm_groups, self.worker, opt.comm_dtype))
+        return units
+
+    def _grad(self, i: int) -> torch.Tensor:
+        """Parameter i's mean gradient over the replica group (E_local, out, in): a view of its unit's
+        summed buffer (a group of one: the local gradient, zeros where it has none)."""
+        p = self.opt.params[i]
+        if not self.units:
+            return p.grad if p.grad is not None else torch.zeros_like(p)
+        unit, k = self.where[i]
+        return unit.grad(k).view(p.shape).to(p.dtype)
+
+    @torch.no_grad()
+    def step(self, flags: list[bool]) -> None:
+        """Momentum, NS and the update of every local expert whose parameter has a gradient on some rank
+        (`flags`, agreed on every rank), on every rank."""
+        opt = self.opt
+        hp = opt.param_groups[0]
+        self._mean_grads()
+        for i in self.idx:
+            if not flags[i]:
+                continue
+            p = opt.params[i]
+            st = opt.state[p]
+            if "momentum_buffer" not in st:
+                st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            stack = muon_momentum_(self._grad(i), st["momentum_buffer"], hp["momentum"], hp["nesterov"])
+            update = opt._ns(stack, opt.ns.method)
+            muon_apply_many_([p.data], [update], hp["lr"], hp["weight_decay"],
+                             [lr_scale(p.shape[1:], hp["adjust_lr"])])
+
+    def full_momentum(self, i: int) -> torch.Tensor:
+        """Parameter i's momentum for every local expert (zeros where none yet): every rank holds it."""
+        p = self.opt.params[i]
+        st = self.opt.state.get(p, {})
+        return st["momentum_buffer"].clone() if "momentum_buffer" in st else torch.zeros_like(p)
+
+    def install_momentum(self, i: int, full: torch.Tensor) -> None:
+        self.opt.state[self.opt.params[i]]["momentum_buffer"] = full.clone()
