@@ -1,15 +1,19 @@
-"""DMuon with expert parallelism (`DMuon(model, ep=E)`): what one step() costs on gloo ranks, for a MoE of
-many small experts (where the expert exchange, not NS, is the step): per training step a forward and a
-backward pass (every rank's local experts see every token), then `step()` and `synchronize()`. Printed:
-the step's wall time (step() and synchronize()), the iteration's (backward, step(), synchronize()), the
-training thread's CPU time over the same spans (medians over the timed steps, slowest rank), the
-collectives that thread issues inside step() (the expert exchange when it runs there; DMuon's own
-exchange runs on its communication threads), and a hash of every rank's parameters after the run (equal
-hashes from two trees = bitwise the same training). `--no-backward` sets random gradients instead of a
-backward pass (no hook fires: every exchange runs from step()).
+"""DMuon (or NaiveMuon: `--strategy naive`) with expert parallelism (`DMuon(model, ep=E)`): what one
+step() costs on gloo ranks, for a MoE of many small experts (where the expert exchange, not NS, is the
+step): per training step a forward and a backward pass (every rank's local experts see every token), then
+`step()` and `synchronize()`. Printed: the step's wall time (step() and synchronize()), the iteration's
+(backward, step(), synchronize()), the training thread's CPU time over the same spans (medians over the
+timed steps, slowest rank), the collectives that thread issues inside step() (reduces, broadcasts,
+all-reduces: the expert exchange when it runs there; both optimizers' own exchanges run on their
+communication threads), and a hash of every rank's parameters after the run (equal hashes from two trees
+= bitwise the same training). `--no-backward` sets random gradients instead of a backward pass (no hook
+fires: every exchange runs from step()).
 
 Run from a tree's root (compare two trees by running each with its PYTHONPATH):
       PYTHONPATH=. .venv/bin/python scripts/ep_step.py --ranks 4 --ep 2
+NaiveMuon (every expert gradient all-reduced over the replica group, NS of every local expert on every
+rank) on the same model, for a side-by-side comparison:
+      PYTHONPATH=. .venv/bin/python scripts/ep_step.py --ranks 4 --ep 2 --strategy naive
 """
 
 from __future__ import annotations
@@ -68,7 +72,8 @@ def _rank(rank: int, args, port: int, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks)
     model = _model(args, args.experts // args.ep)
-    opt = dmuon.DMuon(model, ep=args.ep, profile="cpu", timeout_s=120.0)
+    cls = {"dmuon": dmuon.DMuon, "naive": dmuon.NaiveMuon}[args.strategy]
+    opt = cls(model, ep=args.ep, profile="cpu", timeout_s=120.0)
     walls, cpus, iters, iter_cpus, colls = [], [], [], [], []
     for it in range(args.warmup + args.steps):
         g = torch.Generator().manual_seed(1000 * it + rank)
@@ -91,7 +96,7 @@ def _rank(rank: int, args, port: int, queue) -> None:
             cpus.append(time.thread_time() - cpu1)
             iters.append(time.perf_counter() - start)
             iter_cpus.append(time.thread_time() - cpu0)
-            colls.append(sum(r.kind in ("reduce", "broadcast") for r in counter.records))
+            colls.append(sum(r.kind in ("reduce", "broadcast", "all_reduce") for r in counter.records))
         opt.zero_grad(set_to_none=True)
     digest = hashlib.sha256()
     for p in model.parameters():
@@ -105,6 +110,8 @@ def _rank(rank: int, args, port: int, queue) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--strategy", choices=("dmuon", "naive"), default="dmuon",
+                    help="DMuon (owner-centric) or NaiveMuon (all-reduce, NS on every rank)")
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--ep", type=int, default=2)
     ap.add_argument("--experts", type=int, default=64, help="experts per MoE layer (all EP ranks)")
@@ -117,11 +124,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
     got = run_ranks(_rank, args.ranks, args)
-    print(f"ranks {args.ranks}, ep {args.ep}, {args.layers} layers x {args.experts} experts x (w_up "
-          f"{args.inter}x{args.hidden}, w_down {args.hidden}x{args.inter}); {got[0][4]} expert matrices per "
-          f"rank; load {os.getloadavg()[0]:.2f}")
+    print(f"{args.strategy}: ranks {args.ranks}, ep {args.ep}, {args.layers} layers x {args.experts} experts "
+          f"x (w_up {args.inter}x{args.hidden}, w_down {args.hidden}x{args.inter}); {got[0][4]} expert "
+          f"matrices per rank; load {os.getloadavg()[0]:.2f}")
     print(f"step wall ms (median, slowest rank) {max(g[1] for g in got) * 1e3:.1f}; training-thread CPU ms "
-          f"{max(g[2] for g in got) * 1e3:.1f}; reduces + broadcasts in step() {max(g[3] for g in got):g}")
+          f"{max(g[2] for g in got) * 1e3:.1f}; expert collectives in step() {max(g[3] for g in got):g}")
     print(f"backward + step wall ms {max(g[6] for g in got) * 1e3:.1f}; training-thread CPU ms "
           f"{max(g[7] for g in got) * 1e3:.1f}")
     print("parameter hashes:", " ".join(g[5] for g in got))
