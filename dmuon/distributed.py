@@ -166,7 +166,10 @@ class DMuon(DistributedMuonBase):
 class NaiveMuon(DistributedMuonBase):
     """Gather-then-compute distributed Muon (the baseline): every gradient is all-reduced (bucketed,
     overlapped with backward) and every rank orthogonalizes every matrix, as `dmuon.Muon` does on one
-    device. Same arguments as `DMuon` (balancer / exchange only shape the buckets; momentum everywhere)."""
+    device. Same arguments as `DMuon` (balancer / exchange only shape the buckets; momentum everywhere).
+    ep > 1: the experts (as `DMuon`'s) run by `dmuon.runtime.ep.NaiveExperts`: per layer one all-reduce of
+    their gradients over the replica group, launched from backward; every rank runs NS on all its local
+    experts (one batched call per 3-D parameter); the dense half as without EP (docs/moe.md)."""
 
     owner_centric = False
 

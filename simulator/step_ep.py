@@ -14,11 +14,14 @@ With `StepSpec.ep` = E > 1 (`SimConfig.ep`), N ranks, p per node (the layout of 
                  the replica group; HSDP too: the replica group already spans the nodes, so no all-reduce
                  across nodes follows); a rank's optimizer passes run over its dense shards and its own
                  experts only (experts / E sharded over N / E ranks = experts / N; `_local_muon`). No
-                 runtime runs adamw / naive with EP: a convention. DMuon's experts are never FSDP's (the
-                 runtime's `DMuon(model, ep=E)` keeps them out of fully_shard in every layout, HSDP too)
+                 runtime runs adamw with EP, nor naive's FSDP-sharded experts: a convention (the runtime's
+                 `NaiveMuon(model, ep=E)` keeps its experts out of fully_shard in every layout and runs
+                 them as ddp below). DMuon's experts are never FSDP's (the runtime's `DMuon(model, ep=E)`
+                 keeps them out of fully_shard in every layout, HSDP too)
   ddp            (replicated) the dense gradients all-reduced over the world, the rank's experts over its
                  replica group (adamw, naive: no gathers; naive runs NS on every dense matrix and its own
-                 experts; optimizer state for the dense parameters and experts / ep, whole)
+                 experts; optimizer state for the dense parameters and experts / ep, whole; naive as the
+                 runtime's `NaiveMuon(model, ep=E)` runs it: `dmuon.runtime.ep.NaiveExperts`)
   sharded        adamw, naive: as fsdp-keep (the layout changes only dmuon's optimizer)
   dmuon          the plan is `dmuon.plan.ep.build_ep_plan`'s (expert owners inside their replica group):
                  per bucket the dense matrices' owner exchange and publication over the world, the EP rank's

@@ -373,7 +373,8 @@ def run_naive(rank: int, world: int, ep: int, case: dict) -> dict:
 
 NAIVE_CASES = [(2, 2, {"layout": "replicated"}), (4, 2, {"layout": "replicated"}),
                (4, 2, {"layout": "fsdp2-owner"}), (4, 2, {"layout": "fsdp2-sharded"}),
-               (4, 2, {"layout": "fsdp2-owner", "hsdp": True}), (4, 2, {"layout": "fsdp2-sharded", "hsdp": True})]
+               (4, 2, {"layout": "fsdp2-owner", "hsdp": True}),
+               (4, 2, {"layout": "fsdp2-sharded", "hsdp": True})]
 
 
 @pytest.mark.parametrize("world,ep,case", NAIVE_CASES, ids=[case_id(*c) for c in NAIVE_CASES])

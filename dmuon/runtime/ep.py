@@ -1,5 +1,7 @@
 """Expert parallelism in `DMuon(model, ep=E)`: the expert half of the step (`ExpertMuon`), executing the
-expert part of a `dmuon.plan.ep` plan. The dense half is DMuon's own machinery, in any of its layouts
+expert part of a `dmuon.plan.ep` plan; `NaiveExperts` is `NaiveMuon(model, ep=E)`'s (every expert's
+gradient all-reduced per layer over the replica group, NS of every local expert on every rank).
+The dense half is DMuon's own machinery, in any of its layouts
 (replicated, fsdp2-owner, fsdp2-sharded; docs/fsdp.md), on the dense part of the same plan.
 
 The model as MoE code holds it under expert parallelism of degree ep (`dmuon.plan.ep.EPLayout`): per MoE
