@@ -395,3 +395,20 @@ def test_naive_muon_ep_equals_single_process_muon(world, ep, case):
             assert res["units"] == LAYERS and res["launched"] == [LAYERS]
             assert len(colls["all_reduce", "dmuon"]) == LAYERS
             assert sum(colls["all_reduce", "dmuon"]) >= res["expert_bytes"]  # padded to the group size
+
+
+def test_naive_sharded_checkpoint_resumes_at_another_ep_and_layout():
+    """NaiveMuon(ep=2) saved on 4 ranks (replicated): the same set-up resumes bitwise, 2 ranks (ep 2,
+    fsdp2-sharded) as single-process Muon does with the same schedule of ranks (every rank's momentum of
+    its local experts, whole)."""
+    path = scratch_dir("dmuon-naive-ep-ckpt-")
+    case = {"layout": "replicated", "naive": True}
+    saved = run_distributed(run_checkpoint, 4, (2, case, path, True), timeout_s=300)
+    same = run_distributed(run_checkpoint, 4, (2, case, path, False), timeout_s=300)
+    for a, b in zip(saved, same, strict=True):
+        assert all(torch.equal(a[n], b[n]) for n in a)
+    got = run_distributed(run_checkpoint, 2, (2, {"layout": "fsdp2-sharded", "naive": True}, path, False),
+                          timeout_s=300)
+    want = reference(2, 2, [(4, 2)] * (STEPS - 1) + [(2, 2)])
+    for rank, res in enumerate(got):
+        assert worst_error(res, want, rank, 2) < TOL, rank
