@@ -229,7 +229,8 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms):
         parts = self._gparts.get(l)
         if parts is None:
             numel, mu = self._gathered_numel(l)
-            parts = self._gparts[l] = ([(g, k, m / k, tag) for g, k, m, tag in self._fsdp_parts(l, numel, mu)]
+            parts = self._gparts[l] = ([(g, k, m / k, tag)
+                                        for g, k, m, tag in self._fsdp_parts(l, numel, mu, gather=True)]
                                        if numel else [])
         return parts
 

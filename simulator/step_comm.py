@@ -148,7 +148,8 @@ class CommPrograms:
         s = self.s
         frac = mu / numel
         size = numel * s.grad_bytes
-        if self.shard is None:  # ddp: all-reduced (EP: the experts over their replica group)
+        # ddp: all-reduced; EP: the experts over their replica group, all-reduced where they are whole
+        if self.shard is None or (grp == "rep" and self.whole_experts):
             col = self.coll(r, ("ar", step, *lk), grp or "world", "all_reduce", size, muon_fraction=frac,
                             step=step)
             return col, None

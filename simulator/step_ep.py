@@ -131,6 +131,9 @@ class EPPrograms:
         e = s.ep_spec
         self.ep = e.ep if e is not None else 1
         self._layer_info: dict = {}  # (phase, layer) -> its op names, all-to-all bytes, expert time
+        # naive's experts are whole on each rank, all-reduced over the replica group in every layout
+        # (`dmuon.runtime.ep.NaiveExperts`): never gathered, never reduce-scattered
+        self.whole_experts = self.ep > 1 and (s.strategy == "naive" or self.shard is None)
         if self.ep == 1:
             return
         n, p, ep = s.n_ranks, s.per_node, self.ep
@@ -162,22 +165,26 @@ class EPPrograms:
         if self.ep == 1:
             return self.muon_total * self._local_fraction(), len(s.muon_numel)
         ex = sum(s.ep_spec.layer_expert_numel)
-        own = ex / self.ep if self.shard is None else ex / s.n_ranks
+        own = ex / self.ep if self.whole_experts else ex / s.n_ranks
         return ((self.muon_total - ex) * self._local_fraction() + own,
                 self.n_dense_muon + (len(s.muon_numel) - self.n_dense_muon) // self.ep)
 
     def _muon_group(self, i: int):
-        """The group that shards Muon matrix i (naive's gradient gathers): the replica group for experts."""
-        return self.shard if self.ep == 1 or self.ep_of[i] is None else "rep"
+        """The group that shards Muon matrix i (naive's gradient gathers; None: whole on the rank, nothing
+        to gather): an expert is whole (`whole_experts`, naive's in every layout)."""
+        return self.shard if self.ep == 1 or self.ep_of[i] is None else None
 
-    def _fsdp_parts(self, l: int, numel: int, mu: int) -> list[tuple]:
-        """[(group, elements, of which Muon, key tag)] of layer l's FSDP gather / reduction: one part over
-        the shard group without EP; with EP the dense part over it and the rank's experts over the
-        replica group (dmuon publishes its Muon matrices instead: its parts are dense AdamW only)."""
+    def _fsdp_parts(self, l: int, numel: int, mu: int, gather: bool = False) -> list[tuple]:
+        """[(group, elements, of which Muon, key tag)] of layer l's FSDP gather (`gather`) / reduction: one
+        part over the shard group without EP; with EP the dense part over it and the rank's experts over
+        the replica group (dmuon publishes its Muon matrices instead: its parts are dense AdamW only;
+        `whole_experts`: the experts are all-reduced there, never gathered, `_reduce_colls`)."""
         ex = self._layer_experts(l)
         if not ex or self.dm:  # dmuon's experts are never FSDP's (numel, mu: without them)
             return [(self.shard, numel, mu, ())]
         parts = [(self.shard, numel - ex, mu - ex, ())] if numel > ex else []
+        if gather and self.whole_experts:
+            return parts
         return parts + [("rep", ex // self.ep, ex // self.ep, ("ep",))]
 
     # ---- token all-to-alls -------------------------------------------------------------------------

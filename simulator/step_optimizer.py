@@ -81,8 +81,9 @@ class OptimizerPrograms(SplitPrograms):
             for i, k in self.naive_runs:
                 numel = s.muon_numel[i]
                 deps = (last,)
-                if self.shard is not None:
-                    col = self.coll(r, ("ag", step, "opt", i), self._muon_group(i), "all_gather",
+                grp = self._muon_group(i)  # None: whole on the rank (ddp; EP: naive's experts)
+                if grp is not None:
+                    col = self.coll(r, ("ag", step, "opt", i), grp, "all_gather",
                                     numel * s.grad_bytes,
                                     muon_fraction=1.0, step=step, repeat=k)
                     deps = (c.collective(col, r, phase="opt", step=step, deps=(last,)),)

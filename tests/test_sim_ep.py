@@ -177,16 +177,17 @@ def _shard(built, layout: str) -> int:
     return 1 if layout == "ddp" else built.spec.per_node if layout.startswith("hsdp") else GPUS
 
 
-def _rank_muon(built, layout: str, ep: int) -> tuple[float, int]:
+def _rank_muon(built, layout: str, ep: int, strategy: str = "adamw") -> tuple[float, int]:
     """(Muon elements, Muon tensors) of one rank's adamw / naive optimizer, from the model's dense / expert
-    split: its share of every dense matrix (`_shard`) and of its own experts only (experts / ep; FSDP and
-    HSDP shard them over the gpus / ep replica group, so experts / gpus; ddp keeps them whole); one tensor
-    per dense matrix and per own expert matrix."""
+    split: its share of every dense matrix (`_shard`) and of its own experts only (experts / ep; adamw on
+    FSDP and HSDP shards them over the gpus / ep replica group, so experts / gpus; ddp, and naive in every
+    layout as `NaiveMuon(model, ep=E)`, keep them whole); one tensor per dense matrix and per own expert
+    matrix."""
     s = built.spec
     n_ex = 2 * 16 * 3  # 2 MoE layers x 16 experts x (gate, up, down)
     shard = _shard(built, layout)
     experts = 2 * EXPERT_NUMEL
-    own = experts / (shard if ep == 1 else ep if layout == "ddp" else GPUS)
+    own = experts / (shard if ep == 1 else ep if layout == "ddp" or strategy == "naive" else GPUS)
     return (sum(s.muon_numel) - experts) / shard + own, len(s.muon_numel) - n_ex + n_ex // ep
 
 
@@ -194,7 +195,7 @@ def _assert_optimizer_pass(built, strategy: str, layout: str, ep: int) -> None:
     """Rank 0's AdamW pass (adamw) / momentum pass (naive) in step 1 is priced over `_rank_muon`'s
     elements and tensors (adamw: and the rank's share of the AdamW parameters, all dense)."""
     s = built.spec
-    local, tensors = _rank_muon(built, layout, ep)
+    local, tensors = _rank_muon(built, layout, ep, strategy)
     name = "momentum" if strategy == "naive" else "adamw"
     op = next(o for o in built.cluster.queues[(0, "compute")] if o.step == 1 and o.name == name)
     if strategy == "naive":
@@ -246,6 +247,35 @@ def test_ddp_with_ep(model, strategy, ep):
         moe = c.name.split("/")[-1] in ("1", "2")
         assert base_ar[c.name] - c.bytes_per_rank == pytest.approx(
             2 * 15 / 16 * EXPERT_NUMEL * 2 if moe else 0)
+
+
+@pytest.mark.parametrize("layout", ["fsdp-keep", "fsdp-free", "hsdp-keep", "hsdp-free", "sharded"])
+def test_naive_experts_whole_in_every_layout(model, layout):
+    """naive with EP runs its experts as `NaiveMuon(model, ep=E)` does in every layout
+    (`dmuon.runtime.ep.NaiveExperts`): never gathered nor reduce-scattered; per MoE layer one all-reduce of
+    the rank's whole experts over its replica group in backward, the bytes of the closed form, the same
+    collectives as ddp's; the optimizer gathers only dense matrices; momentum over the whole own experts."""
+    ep = 4
+    cfg = _cfg(model, strategy="naive", layout=layout, ep=ep)
+    r, built = run(cfg)
+    assert simulate(cfg) == r
+    cs = _colls(built)
+    rep = [c for c in cs if c.group.startswith("rep")]
+    reps = GPUS // ep
+    assert len(rep) == 2 * ep  # 2 MoE layers x ep replica groups
+    assert all(c.kind == "all_reduce" and c.size == reps and c.name.startswith("ar/") for c in rep)
+    for c in rep:
+        assert c.bytes_per_rank == pytest.approx(2 * (reps - 1) / reps * EXPERT_NUMEL / ep * 2, rel=1e-12)
+    _, ddp = run(_cfg(model, strategy="naive", layout="ddp", ep=ep))
+    assert sorted((c.name, c.group, c.bytes_per_rank) for c in rep) == sorted(
+        (c.name, c.group, c.bytes_per_rank) for c in _colls(ddp) if c.group.startswith("rep"))
+    s = built.spec
+    n_dense = len(s.muon_numel) - 2 * 16 * 3
+    opt = [c for c in cs if c.name.startswith("ag/1/opt/")]
+    assert len({c.name for c in opt}) == n_dense and all(not c.group.startswith("rep") for c in opt)
+    ns = [o for o in built.cluster.queues[(0, "compute")] if o.step == 1 and o.name.startswith("ns")]
+    assert len(ns) == n_dense + 2 * 16 * 3 // ep  # NS of every dense matrix and the rank's own experts
+    _assert_optimizer_pass(built, "naive", "fsdp-keep" if layout == "sharded" else layout, ep)
 
 
 @pytest.mark.parametrize("strategy", ["adamw", "naive"])
