@@ -9,19 +9,20 @@ With `StepSpec.ep` = E > 1 (`SimConfig.ep`), N ranks, p per node (the layout of 
   experts        each rank holds E_l / E of layer l's experts (expert e on EP rank e // (E_l / E),
                  `dmuon.plan.ep.expert_placement`); shared experts and every other parameter are dense
   FSDP           dense parameters are gathered / reduce-scattered over the world as without EP (HSDP: over
-                 the node, then all-reduced across nodes, as without EP); the local experts over the replica
-                 group (adamw, naive; naive's optimizer gathers and runs NS on its local experts only, over
-                 the replica group; HSDP too: the replica group already spans the nodes, so no all-reduce
-                 across nodes follows); a rank's optimizer passes run over its dense shards and its own
-                 experts only (experts / E sharded over N / E ranks = experts / N; `_local_muon`). No
-                 runtime runs adamw with EP, nor naive's FSDP-sharded experts: a convention (the runtime's
-                 `NaiveMuon(model, ep=E)` keeps its experts out of fully_shard in every layout and runs
-                 them as ddp below). DMuon's experts are never FSDP's (the runtime's `DMuon(model, ep=E)`
-                 keeps them out of fully_shard in every layout, HSDP too)
+                 the node, then all-reduced across nodes, as without EP). adamw: the local experts over the
+                 replica group too (HSDP too: the replica group already spans the nodes, so no all-reduce
+                 across nodes follows), its optimizer pass over its dense shards and its own experts only
+                 (experts / E sharded over N / E ranks = experts / N; `_local_muon`); no runtime runs adamw
+                 with EP: a convention. naive: its experts whole on each rank in every layout, as the
+                 runtime's `NaiveMuon(model, ep=E)` keeps them out of fully_shard
+                 (`dmuon.runtime.ep.NaiveExperts`): never gathered, per MoE layer one all-reduce of the
+                 rank's experts over its replica group in backward, momentum over the rank's whole experts
+                 (experts / E) and NS on each of them with nothing gathered (`whole_experts`: the ddp code
+                 path below). DMuon's experts are never FSDP's (the runtime's `DMuon(model, ep=E)` keeps
+                 them out of fully_shard in every layout, HSDP too)
   ddp            (replicated) the dense gradients all-reduced over the world, the rank's experts over its
                  replica group (adamw, naive: no gathers; naive runs NS on every dense matrix and its own
-                 experts; optimizer state for the dense parameters and experts / ep, whole; naive as the
-                 runtime's `NaiveMuon(model, ep=E)` runs it: `dmuon.runtime.ep.NaiveExperts`)
+                 experts; optimizer state for the dense parameters and experts / ep, whole)
   sharded        adamw, naive: as fsdp-keep (the layout changes only dmuon's optimizer)
   dmuon          the plan is `dmuon.plan.ep.build_ep_plan`'s (expert owners inside their replica group):
                  per bucket the dense matrices' owner exchange and publication over the world, the EP rank's
@@ -158,9 +159,9 @@ class EPPrograms:
         elementwise passes over (AdamW, momentum): without EP its shard of every matrix (`_local_fraction`);
         with EP its share of every dense matrix (the shard group's: 1 / N FSDP, 1 / GPUs per node HSDP,
         whole ddp) and of its own experts only (experts / ep, as `DMuon(model, ep=E)` holds them), sharded
-        as the layout moves them (`_fsdp_parts`: over the replica group of N / ep ranks, i.e. experts / N;
-        ddp: whole). One tensor per dense matrix and per own expert matrix, as ep = 1 counts every matrix
-        (an FSDP shard is one tensor of the pass)."""
+        as the layout moves them (`_fsdp_parts`: adamw's over the replica group of N / ep ranks, i.e.
+        experts / N; `whole_experts`, ddp and naive in every layout: whole). One tensor per dense matrix
+        and per own expert matrix, as ep = 1 counts every matrix (an FSDP shard is one tensor of the pass)."""
         s = self.s
         if self.ep == 1:
             return self.muon_total * self._local_fraction(), len(s.muon_numel)
