@@ -47,7 +47,7 @@ def _state(cl, end) -> str:
 BIG = [
     dict(model="qwen3-30b-a3b", gpus=256, ep=8, strategy="dmuon"),
     dict(model="qwen3-30b-a3b", gpus=128, ep=16, strategy="dmuon", layout="hsdp-free"),
-    dict(model="qwen3-30b-a3b", gpus=64, ep=8, strategy="naive", gpu="cpu"),
+    dict(model="qwen3-30b-a3b", gpus=16, ep=4, strategy="naive", gpu="cpu", layout="hsdp-free"),
     dict(workload="wall-oss", gpus=64, strategy="dmuon", max_split=4),
     dict(workload="qwen2.5-7b", gpus=128, strategy="dmuon", layout="hsdp-free", jitter=0.2),
     dict(workload="qwen2.5-1.5b", gpus=32, strategy="dmuon", gpu="cpu", layout="sharded"),
