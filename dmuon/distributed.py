@@ -123,7 +123,7 @@ class DMuon(DistributedMuonBase):
             # the NS input of each member is written straight into its slot of a stack: members of the
             # other orientation (tall ones of a wide batch) in a stack of their own shape where the NS
             # iterates them as they are, so no slot is a transposed view; else (a split batch: its group
-            # splits the columns; Gram NS or Triton kernels) one stack, the flipped members through a
+            # splits the columns; Triton kernels) one stack, the flipped members through a
             # transposed view. No separate copy of the buffer or the inputs.
             one = not own_orientation_stacks(self.plan, batch, self.ns, members[0].device)
             parts = [range(len(members))] if one else [[k for k in range(len(members)) if flips[k] == f]

@@ -13,7 +13,8 @@ Public API:
 Every symmetric n x n product goes through the op namespace `dmuon.kernels.get_ops(X, kernels)`
 (`syrk`, `sym_poly`, `sym_mul_add`); the non-symmetric products B X / Q X are plain torch matmuls.
 The math follows muon.md: X = G / (||G||_F + 1e-7) (fp32 or wider), iterate on the short side
-(tall inputs are transposed), each step maps singular values s -> a s + b s^3 + c s^5.
+(tall inputs are transposed, or with torch ops iterated as they are through X^T X, the same math),
+each step maps singular values s -> a s + b s^3 + c s^5.
 """
 
 from __future__ import annotations
@@ -223,14 +224,24 @@ def _standard_ns_tall(x: torch.Tensor, triples) -> torch.Tensor:
     return x
 
 
-def _gram_ns(x: torch.Tensor, triples, ops, restarts: set[int]) -> torch.Tensor:
+def _gram_ns(x: torch.Tensor, triples, ops, restarts: set[int], tall: bool = False) -> torch.Tensor:
+    """Gram NS on wide x (R = X X^T, result Q X) or, tall=True, on tall x itself (R = X^T X, result X Q:
+    Q is a polynomial in R, so symmetric, and X Q is the transpose of Q X^T; the products read x^T
+    through the BLAS transpose flag, no transposed copy of X is made; torch ops only)."""
     steps = len(triples)
-    r = ops.syrk(x)
+
+    def gram(v):
+        return ops.syrk(v.mT if tall else v)
+
+    def apply(q, v):
+        return v @ q if tall else q @ v
+
+    r = gram(x)
     q = None  # None stands for the identity (fresh start)
     for t, (a, b, c) in enumerate(triples):
         if t in restarts:
-            x = q @ x
-            r = ops.syrk(x)
+            x = apply(q, x)
+            r = gram(x)
             q = None
         z = ops.sym_poly(r, b, c)  # Z = b R + c R^2
         if q is None:
@@ -241,20 +252,20 @@ def _gram_ns(x: torch.Tensor, triples, ops, restarts: set[int]) -> torch.Tensor:
         if t + 1 < steps and (t + 1) not in restarts:
             rz = ops.sym_mul_add(r, z, a)  # RZ = R Z + a R
             r = ops.sym_mul_add(rz, z, a)  # R = Z RZ + a RZ = (aI + Z)^2 R
-    return q @ x
+    return apply(q, x)
 
 
 def _call_setup(rows: int, cols: int, device, method: str, steps: int, restart, dtype, kernels: str):
     """What one `orthogonalize` call of a (rows, cols) matrix on `device` runs: (the resolved method, its
-    restart steps, the iteration dtype, the op set, whether a tall matrix is iterated as it is: standard
-    NS with torch ops, A = X^T X, X = a X + X B, instead of transposed into the wide orientation and
-    back)."""
+    restart steps, the iteration dtype, the op set, whether a tall matrix is iterated as it is: with torch
+    ops, standard NS as A = X^T X, X = a X + X B and Gram NS as R = X^T X, result X Q, instead of
+    transposed into the wide orientation and back; the Triton kernels take the wide orientation)."""
     restarts = {r for r in _check_restart(restart) if 0 < r < steps}
     method = resolve_method(rows, cols, method, steps=steps, restart=tuple(restarts))
     it_dtype = iteration_dtype(method, device, dtype)
     ops = get_ops(torch.empty((), dtype=it_dtype, device=device).expand(min(rows, cols), max(rows, cols)),
                   kernels)
-    return method, restarts, it_dtype, ops, method == "standard" and ops is torch_ops
+    return method, restarts, it_dtype, ops, ops is torch_ops
 
 
 def iterates_tall_as_is(rows: int, cols: int, device, *, method: str = "auto", coefficients="jordan",
@@ -294,12 +305,12 @@ def orthogonalize(G: torch.Tensor, *, method: str = "auto", coefficients="jordan
     lead = G.shape[:-2]
     x = G.reshape(-1, rows, cols) if G.dim() > 3 else G
     norm_dtype = torch.promote_types(torch.promote_types(G.dtype, torch.float32), it_dtype)
-    # tall matrices: standard NS with torch ops iterates on X itself; else on X^T, transposed once when
-    # normalized and once back at the end
+    # tall matrices: with torch ops NS iterates on X itself; else on X^T, transposed once when normalized
+    # and once back at the end
     flip = rows > cols and not tall_as_is
     x = normalize(x.to(norm_dtype), dtype=it_dtype, transpose=flip)
     if method == "gram":
-        x = _gram_ns(x, triples, ops, restarts)
+        x = _gram_ns(x, triples, ops, restarts, tall=rows > cols and not flip)
     elif rows > cols and not flip:
         x = _standard_ns_tall(x, triples)
     else:

@@ -40,14 +40,16 @@ def load_cost(names: tuple[str, ...] | str):
 
 def plan_for(matrices, world_size: int, cost, *, balancer: str, method: str, dtype: str, batching: bool,
              max_batch: int, bucket_numel: int, time_limit_s: float, max_split: int = 1, links=None,
-             ep: int = 1, owner_momentum: bool = True):
+             ep: int = 1, owner_momentum: bool = True, orientation=False):
     """build_plan once per distinct input (cached in this process). links (max_split > 1): a
-    `simulator.split_links.SimulatorLinks`, keyed by its network, node size and ring choice."""
+    `simulator.split_links.SimulatorLinks`, keyed by its network, node size and ring choice.
+    orientation: build_plan's (`simulator.setup.orientation_of`; not with ep > 1, as the runtime)."""
     link_key = None
     if max_split > 1 and links is not None:
         link_key = (id(links.net), links.gpus_per_node, links.hierarchical)
     key = (tuple(matrices), world_size, id(cost), balancer, method, dtype, batching, max_batch, bucket_numel,
-           time_limit_s, max_split, link_key, owner_momentum) + ((ep,) if ep > 1 else ())
+           time_limit_s, max_split, link_key, owner_momentum) + ((ep,) if ep > 1 else ()) + (
+               (orientation,) if orientation else ())
     if key not in _PLANS and ep > 1:  # expert parallelism: experts owned in their replica group
         from dmuon.plan.ep import build_ep_plan
 
@@ -61,7 +63,8 @@ def plan_for(matrices, world_size: int, cost, *, balancer: str, method: str, dty
         plan = build_plan(matrices, world_size, cost, balancer=balancer, method=method, dtype=dtype,
                           batching=batching, max_batch=max_batch, bucket_numel=bucket_numel,
                           time_limit_s=time_limit_s, max_split=max_split,
-                          links=links if max_split > 1 else None, owner_momentum=owner_momentum)
+                          links=links if max_split > 1 else None, owner_momentum=owner_momentum,
+                          orientation=orientation)
         # holding the cost (and the links' network) keeps their ids from being reused while cached
         _PLANS[key] = (cost, links, plan)
     return _PLANS[key][-1]

@@ -37,6 +37,25 @@ def ns_method_of(cfg, profile) -> str:
     return ("gram" if cfg.gram else "standard") + ("_sym" if sym else "")
 
 
+def orientation_of(muon, profile, method: str) -> bool | frozenset:
+    """The NS shapes whose tall and wide matrices the plan keeps in batches of their own, as the runtime's
+    plan does on that device (`dmuon.runtime.planning.tall_as_is_shapes`: where its NS iterates tall
+    matrices as they are, so a mixed batch would run as two calls). CPU profiles: the runtime's NS runs
+    torch ops there, which iterate every tall matrix as it is (standard and Gram NS; method 'auto' may
+    pick either per shape), so the shapes where every method the plan may pick does. GPU profiles:
+    none (False), the simulator's long-standing convention: the Triton kernels take the wide
+    orientation, and which shapes the runtime's 'auto' kernels leave to torch is not modelled."""
+    if not profile.cpu_cores:
+        return False
+    from dmuon.newton_schulz import iterates_tall_as_is
+
+    methods = ("standard", "gram") if method == "auto" else (method.removesuffix("_sym"),)
+    kernels = "triton" if method.endswith("_sym") else "torch"
+    shapes = {(min(m.rows, m.cols), max(m.rows, m.cols)) for m in muon}
+    return frozenset(s for s in shapes
+                     if all(iterates_tall_as_is(*s, "cpu", method=x, kernels=kernels) for x in methods))
+
+
 def elementwise_pricer(priced, profile, scale: float, answers: dict | None = None):
     """The simulator's price of one elementwise pass, `elementwise_s(numel, op, tensors=1) -> seconds`:
     the cost table's fp32 pass of `op` over `numel` elements in `tensors` tensors
@@ -149,11 +168,13 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
 
                 links = SimulatorLinks(network, per_node, hierarchical=cfg.hierarchical,
                                        source=f"simulator profile {profile.name} network")
-            plan = plan_for(muon, world, priced, balancer=cfg.balancer, method=ns_method_of(cfg, profile),
+            method = ns_method_of(cfg, profile)
+            plan = plan_for(muon, world, priced, balancer=cfg.balancer, method=method,
                             dtype=ns_dtype, batching=cfg.batching, max_batch=cfg.max_batch,
                             bucket_numel=cfg.bucket_numel, time_limit_s=cfg.milp_time_limit_s,
                             max_split=cfg.max_split, links=links, ep=cfg.ep,
-                            owner_momentum=cfg.layout != "sharded")  # sharded: momentum on shards
+                            owner_momentum=cfg.layout != "sharded",  # sharded: momentum on shards
+                            orientation=orientation_of(muon, profile, method) if cfg.ep == 1 else False)
         info.update(ns_makespan_s=max(plan.ns_loads_s) * ns_stretch, balancer=plan.balancer,
                     method=plan.method)  # the plan's NS part (its batch times less their momentum)
         info["notes"] += list(plan.notes)

@@ -62,13 +62,17 @@ def test_several_threads_are_priced_from_the_cost_table_measured_at_that_thread_
 
     from dmuon.runtime.planning import default_profile
     from simulator.costs import load_cost, plan_for
+    from simulator.setup import orientation_of
 
     w = _bench_workload()
     res = simulate(SimConfig(workload=w, gpus=1, strategy="dmuon", cpu_threads=2, **BENCH))
     # one rank on every core: no oversubscription or co-run; the plan is built and priced from the
-    # two-thread table (as the runtime plans on 2 threads), not one-thread times over a scalar speedup
+    # two-thread table (as the runtime plans on 2 threads), not one-thread times over a scalar speedup;
+    # tall and wide matrices apart, as the runtime's plan on a CPU
+    orientation = orientation_of(w.muon_matrices, load_profile("cpu"), "auto")
+    assert orientation == {(min(m.shape), max(m.shape)) for m in w.muon_matrices}
     plan = plan_for(w.muon_matrices, 1, load_cost("cpu-t2"), balancer="lpt", method="auto", dtype="fp32",
-                    batching=True, max_batch=8, bucket_numel=0, time_limit_s=10.0)
+                    batching=True, max_batch=8, bucket_numel=0, time_limit_s=10.0, orientation=orientation)
     assert res.ns_makespan_s == pytest.approx(max(plan.ns_loads_s), rel=1e-9)  # the NS part
     assert plan.makespan_s > res.ns_makespan_s  # the plan's batch times also carry the owner's momentum
     assert "measured at this thread count" in res.provenance["ns_plan"]

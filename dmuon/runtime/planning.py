@@ -12,11 +12,11 @@
   CUDA: kernels='triton', or 'auto' with n > 1024 (the dispatch's rule for unmeasured shapes).
 - Orientation: the plan keeps tall and wide matrices of a shape in batches of their own (build_plan's
   `orientation`, `dmuon.plan.orientation`) exactly for the shapes whose NS the runtime runs on tall
-  matrices as they are (`tall_as_is_shapes`: standard NS with torch ops), where a mixed batch would run
-  as two calls (`own_orientation_stacks`); with method 'auto' the method asked about is the one the config
-  resolves for that shape (the only one the plan may price there). Elsewhere (Gram NS, Triton kernels) a
-  mixed batch is one call and may still form. Not with ep > 1 (build_ep_plan): the expert runtime stacks
-  every batch in one call, transposing its tall members.
+  matrices as they are (`tall_as_is_shapes`: standard and Gram NS with torch ops), where a mixed batch
+  would run as two calls (`own_orientation_stacks`); with method 'auto' the method asked about is the one
+  the config resolves for that shape (the only one the plan may price there). Elsewhere (the Triton
+  kernels) a mixed batch is one call and may still form. Not with ep > 1 (build_ep_plan): the expert
+  runtime stacks every batch in one call, transposing its tall members.
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ def own_orientation_stacks(plan: Plan, batch, ns, device) -> bool:
     """Whether a plan batch's members of the other orientation (tall ones of a wide batch) get an NS
     stack of their own shape: where the NS settings `ns` iterate them as they are
     (`dmuon.newton_schulz.iterates_tall_as_is`), so a shared stack would only add transposed copies.
-    Elsewhere (Gram NS, the Triton kernels) they are transposed either way, and one stack of the batch's
+    Elsewhere (the Triton kernels) they are transposed either way, and one stack of the batch's
     shape makes one call, as the plan prices it. Never for a split batch (its group splits one stack's
     columns)."""
     if len(batch.group) > 1:

@@ -73,7 +73,7 @@ class OwnerLayout:
             flips = {i: (opt.params[i].shape[0], geo.cols[i]) != (bt.rows, bt.cols) for i in members}
             # tall members of a wide batch (or the other way round) get a stack of their own shape where
             # the NS iterates them as they are: their rows are copied straight, never through a transposed
-            # view; else (a split batch: its group splits that stack's columns; Gram NS or Triton kernels)
+            # view; else (a split batch: its group splits that stack's columns; Triton kernels)
             # one stack, the flipped members through a transposed view
             own = own_orientation_stacks(opt.plan, bt, opt.ns, opt.params[members[0]].device)
             parts = [[i for i in members if flips[i] == f] for f in (False, True)] if own else [members]
