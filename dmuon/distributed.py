@@ -206,9 +206,9 @@ class ShardedDMuon(ShardedDMuonSteps, DMuon):
         finally:
             self._split_now = None
 
-    def _ns(self, stack, method):
+    def _ns(self, stack, method, out_dtype=None):
         if self._split_now is None:
-            return super()._ns(stack, method)
+            return super()._ns(stack, method, out_dtype)
         bt, members = self._split_now
         return self._split_run(bt, stack, members)
 

@@ -268,6 +268,13 @@ def _call_setup(rows: int, cols: int, device, method: str, steps: int, restart, 
     return method, restarts, it_dtype, ops, ops is torch_ops
 
 
+def lossless_narrower(narrow: torch.dtype, wide: torch.dtype) -> bool:
+    """Whether every `narrow` value is exactly a `wide` value and `narrow` takes fewer bytes (bf16 or fp16
+    into fp32 or fp64): a result computed in `narrow` may stay there and travel or be stored that way, its
+    conversion to `wide` later giving the same bits as converting it first."""
+    return narrow in (torch.bfloat16, torch.float16) and wide in (torch.float32, torch.float64)
+
+
 def iterates_tall_as_is(rows: int, cols: int, device, *, method: str = "auto", coefficients="jordan",
                         steps: int = 5, dtype=None, restart=(2,), kernels: str = "auto") -> bool:
     """True where `orthogonalize` with these arguments (those of `NSConfig`; the coefficients do not
@@ -283,7 +290,7 @@ def iterates_tall_as_is(rows: int, cols: int, device, *, method: str = "auto", c
 
 
 def orthogonalize(G: torch.Tensor, *, method: str = "auto", coefficients="jordan", steps: int = 5,
-                  dtype=None, restart=(2,), kernels: str = "auto") -> torch.Tensor:
+                  dtype=None, restart=(2,), kernels: str = "auto", out_dtype=None) -> torch.Tensor:
     """Approximate polar factor (U V^T of G = U S V^T) of each matrix in G by Newton-Schulz.
 
     G: (rows, cols) or (..., rows, cols), any floating dtype; the result has G's shape and dtype.
@@ -293,11 +300,16 @@ def orthogonalize(G: torch.Tensor, *, method: str = "auto", coefficients="jordan
     dtype: iteration dtype (None = bf16 standard / fp16 gram on CUDA, fp32 elsewhere).
     restart: Gram NS restart step indices; indices 0 and >= steps are no-ops; () = never restart.
     kernels: 'auto' | 'torch' | 'triton', passed to `dmuon.kernels.get_ops`.
-    Tall matrices (rows > cols) are iterated transposed. A zero matrix gives a zero result.
+    out_dtype: the result's dtype (None: G's). The iteration dtype where that is narrower than G's keeps
+        the result as the iteration left it, without the conversion pass: converting it later (a copy, an
+        apply) gives the same bits (`lossless_narrower`).
+    Tall matrices (rows > cols) are iterated transposed, or as they are with torch ops. A zero matrix
+    gives a zero result.
     """
     _check_input(G)
     _check_method(method)
     _check_kernels(kernels)
+    target = parse_dtype(out_dtype) or G.dtype
     triples = coefficient_schedule(coefficients, steps)
     rows, cols = G.shape[-2], G.shape[-1]
     method, restarts, it_dtype, ops, tall_as_is = _call_setup(rows, cols, G.device, method, steps, restart,
@@ -316,8 +328,8 @@ def orthogonalize(G: torch.Tensor, *, method: str = "auto", coefficients="jordan
     else:
         x = _standard_ns(x, triples, ops)
 
-    if flip or x.dtype != G.dtype:  # one pass: converted and transposed back into a contiguous result
-        res = torch.empty((*x.shape[:-2], rows, cols), dtype=G.dtype, device=x.device)
+    if flip or x.dtype != target:  # one pass: converted and transposed back into a contiguous result
+        res = torch.empty((*x.shape[:-2], rows, cols), dtype=target, device=x.device)
         x = res.copy_(x.mT if flip else x)
     return x.reshape(*lead, rows, cols)
 

@@ -12,6 +12,8 @@ import torch
 from dist_utils import run_distributed, scratch_dir
 from test_fsdp_cases import reference, run_cases
 
+from dmuon import NSConfig
+
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
 REL_TOL = 1e-5
@@ -57,6 +59,12 @@ W2 = [
     case("sharded_comm_bf16", **SHARDED, opts={"comm_dtype": "bf16"}, tol=5e-2),
     case("naive_comm_bf16", **SHARDED, cls="NaiveMuon", opts={"comm_dtype": "bf16"}, tol=5e-2),
     case("owner_comm_bf16", **OWNER, opts={"comm_dtype": "bf16"}, tol=5e-2),
+    # bf16 NS of fp32 matrices: the updates come back in bf16 (lossless), or in fp32 as before
+    case("sharded_ns_bf16", **SHARDED, opts={"ns": NSConfig(dtype="bf16")}, tol=5e-2),
+    case("sharded_ns_bf16_fp32_returns", runner="wire_returns", **SHARDED,
+         opts={"ns": NSConfig(dtype="bf16")}),
+    case("bytes_sharded_ns_bf16", runner="bytes", reshard=False, **SHARDED,
+         opts={"ns": NSConfig(dtype="bf16")}),
     *BYTES,
     case("errors", runner="errors"),
     *[case(f"nonfinite_{c['name']}", runner="nonfinite", **{k: v for k, v in c.items() if k != "name"})
@@ -128,6 +136,18 @@ def test_bf16_wire_rounds_the_sharded_exchange_like_the_baseline():
     fp32 = results(2, "sharded")[0]["params"]
     assert max(((dm[k] - fp32[k]).norm() / fp32[k].norm()).item() for k in dm) > 1e-6
     assert_close(dm, nv, "sharded DMuon vs NaiveMuon, both with comm_dtype='bf16'", 1e-3)
+
+
+def test_bf16_ns_updates_come_back_in_bf16_with_the_same_bits():
+    """bf16 NS of fp32 matrices: the owners send the updates back in bf16 (the NS result as it is, half the
+    bytes) and every rank ends with the bits of the fp32 return (which converted the same bf16 values)."""
+    narrow = results(2, "sharded_ns_bf16")
+    wide = results(2, "sharded_ns_bf16_fp32_returns")
+    fp32 = results(2, "sharded")[0]["params"]
+    for rank in range(2):
+        for k, v in wide[rank]["params"].items():
+            assert torch.equal(narrow[rank]["params"][k], v), f"rank {rank}: {k}"
+    assert max(((narrow[0]["params"][k] - fp32[k]).norm() / fp32[k].norm()).item() for k in fp32) > 1e-6
 
 
 def test_layouts_are_detected_and_dispatched():
@@ -233,6 +253,21 @@ def test_sharded_layout_all_to_all_bytes(world):
     owner_shards = sum(chunk_rows(s[0], world)[o] * s[1] * b
                        for (s, b), o in zip(per_rank[0]["muon"], per_rank[0]["owners"], strict=True))
     assert total == pytest.approx(2 * (muon_bytes(per_rank[0]) - owner_shards))
+
+
+def test_sharded_bf16_ns_returns_carry_two_bytes_per_element():
+    """With bf16 NS the inputs travel in the matrices' dtype (fp32, some fp64) and the updates come back in
+    bf16 (2 bytes)."""
+    from dmuon.runtime.fsdp import chunk_rows
+
+    for rank, res in enumerate(results(2, "bytes_sharded_ns_bf16")):
+        want = 0
+        for (shape, b), o in zip(res["muon"], res["owners"], strict=True):
+            rows, cols = shape
+            mine = chunk_rows(rows, 2)[rank] * cols
+            want += mine * b if o != rank else (rows * cols - mine) * 2
+        got = res["summary"].get(("dmuon", "all_to_all"), 0)
+        assert got == pytest.approx(want), f"rank {rank}"
 
 
 @pytest.mark.parametrize("world,name,n_gathers", [(2, "bytes_naive", 1), (2, "bytes_naive_z3", 2),

@@ -319,8 +319,22 @@ def run_errors(case: dict, rank: int, world: int) -> dict:
     return out
 
 
+def run_wire_returns(case: dict, rank: int, world: int) -> dict:
+    """run_plain with ShardedDMuon's updates travelling in the wire's dtype, never the NS iteration's (as
+    before the narrowing; `sharded_layout.lossless_narrower` answers False while it runs)."""
+    import dmuon.runtime.sharded_layout as sl
+
+    real = sl.lossless_narrower
+    sl.lossless_narrower = lambda narrow, wide: False
+    try:
+        return run_plain(case, rank, world)
+    finally:
+        sl.lossless_narrower = real
+
+
 RUNNERS = {"plain": run_plain, "bytes": run_bytes, "checkpoint": run_checkpoint, "resume": run_resume,
-           "errors": run_errors, "bad_load": run_bad_load, "nonfinite": run_nonfinite}
+           "errors": run_errors, "bad_load": run_bad_load, "nonfinite": run_nonfinite,
+           "wire_returns": run_wire_returns}
 
 
 def run_cases(rank: int, world: int, cases: list[dict], runners: dict | None = None) -> dict:

@@ -390,10 +390,11 @@ class DistributedMuonBase(torch.optim.Optimizer):
     def _muon_update(self, has_any: torch.Tensor, pending) -> None:
         raise NotImplementedError
 
-    def _ns(self, stack: torch.Tensor, method: str) -> torch.Tensor:
-        """One (batched) NS call with this optimizer's settings, timed into comm_stats.ns_s."""
+    def _ns(self, stack: torch.Tensor, method: str, out_dtype=None) -> torch.Tensor:
+        """One (batched) NS call with this optimizer's settings, timed into comm_stats.ns_s (the result in
+        `out_dtype`, None: the stack's)."""
         start = time.perf_counter()
-        out = orthogonalize(stack, **{**self.ns.kwargs(), "method": method})
+        out = orthogonalize(stack, **{**self.ns.kwargs(), "method": method}, out_dtype=out_dtype)
         self.comm_stats.ns_s += time.perf_counter() - start
         self.comm_stats.ns_calls += 1
         return out

@@ -20,7 +20,8 @@ of every Nesterov input, every rank orthogonalizes every matrix and keeps its ro
 Bytes per step, P = elements of the Muon matrices, N = shard ranks (see docs/fsdp.md): FSDP2 moves
 (N-1)/N P per all-gather (forward; again in backward with reshard_after_forward) and (N-1)/N P per
 gradient reduce-scatter; ShardedDMuon adds 2 (N-1)/N^2 P on average (each rank sends the shards it does
-not own and, as an owner, the rows it computed for the others); ShardedNaiveMuon adds (N-1)/N P.
+not own and, as an owner, the rows it computed for the others; those in the NS iteration dtype where
+that narrows the wire's without loss, see `sharded_layout`); ShardedNaiveMuon adds (N-1)/N P.
 """
 
 from __future__ import annotations
@@ -279,12 +280,12 @@ class ShardedDMuonSteps(_ShardedMixin):
                 self._bcast[k] = self._broadcast_replicas(k, ms, lay.dtypes[k])
 
     def _return(self, k: int, lay, updates, group):
-        """Bucket k's rows of the update to their shards (the handle, or None where nothing travels);
-        apply my own rows (in the wire's dtype, contiguous: the bits of the round trip)."""
+        """Bucket k's rows of the update to their shards (the handle, or None where nothing travels), in
+        `lay.ret_dtypes[k]`; apply my own rows (in that dtype, contiguous: the bits of the round trip)."""
         rt = lay.returns[k]
         if rt is None:
             return None
-        geo, dtype, handle = self.geo, lay.dtypes[k], None
+        geo, dtype, handle = self.geo, lay.ret_dtypes[k], None
         sp = lay.sends[k]
         if sp["moves"]:
             back = torch.empty(sum(sp["out_splits"]), dtype=dtype, device=self.device)
@@ -358,7 +359,7 @@ class ShardedDMuonSteps(_ShardedMixin):
                     full, cols = (slot.mT if sl["flip"] else slot), geo.cols[sl["index"]]
                     for pos, row, r in sl["pieces"]:
                         full.narrow(0, row, r).copy_(recv.narrow(0, pos, r * cols).view(r, cols))
-            out = self._ns(stack, batch_method(self.plan, bt))
+            out = self._ns(stack, batch_method(self.plan, bt), fill["out_dtype"])
             self.ns_matrices += len(fill["members"])
             for sl, u in zip(fill["slots"], out.unbind(0), strict=True):
                 updates[sl["index"]] = u.mT if sl["flip"] else u

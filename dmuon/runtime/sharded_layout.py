@@ -12,13 +12,20 @@ computes the same answer from the geometry.
 Pieces keep the copy they had before (same source layout, same kernels), so the results are bitwise
 those of a round trip through the all-to-alls: an own piece goes through a contiguous buffer first where
 the stack slot is transposed (a tall member of a wide batch) or of another dtype than the wire's.
+
+The updates go back in the NS iteration dtype where every batch of the bucket iterates in the same one
+and it is a lossless narrowing of the wire's (bf16 or fp16 NS of fp32 matrices: `ret_dtypes`; the NS
+result is kept in it, `fills[...]["out_dtype"]`): the same bits arrive as in the wire's dtype, in half the
+bytes, and the NS call skips its conversion pass. The inputs keep the wire's dtype (rounding them would
+change the NS input's normalization).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .planning import own_orientation_stacks
+from ..newton_schulz import iteration_dtype, lossless_narrower
+from .planning import batch_method, own_orientation_stacks
 
 
 class OwnerLayout:
@@ -38,6 +45,14 @@ class OwnerLayout:
                       for ms in self.buckets]
         self.dtypes = [opt._dtype(ms) for ms in self.buckets]
         self.bucket_of = {i: k for k, ms in enumerate(self.buckets) for i in ms}
+        it_dtype = {i: iteration_dtype(batch_method(plan, bt), opt.device, opt.ns.dtype)
+                    for bt in plan.batches for i in bt.members}  # the same answer on every rank
+        self.ret_dtypes = []  # per bucket: what its updates travel in (see the module docstring)
+        for k, ms in enumerate(self.buckets):
+            its = {it_dtype[i] for i in ms if i not in rows_split}
+            narrow = its.pop() if len(its) == 1 else None
+            self.ret_dtypes.append(narrow if narrow is not None and lossless_narrower(narrow, self.dtypes[k])
+                                   else self.dtypes[k])
         self.sends = []  # per bucket: None (no members in my replica) or the exchange's tables
         for k, ms in enumerate(self.mine):
             if not ms:
@@ -94,7 +109,9 @@ class OwnerLayout:
                                       rows=geo.rows[i][me], direct=not flip and dtype == self.dtypes[k]))
                 shape = (bt.cols, bt.rows) if own and flips[ms[0]] else (bt.rows, bt.cols)
                 key = (id(bt), part)
-                self.fills[key] = dict(members=ms, dtype=dtype, shape=(len(ms), *shape), slots=slots)
+                it = it_dtype[ms[0]]  # the NS result kept in the iteration dtype where that loses nothing
+                self.fills[key] = dict(members=ms, dtype=dtype, shape=(len(ms), *shape), slots=slots,
+                                       out_dtype=it if lossless_narrower(it, dtype) else None)
                 self.parts[id(bt)].append(key)
         stacked = {sl["index"] for f in self.fills.values() for sl in f["slots"]}
         missing = [i for ms in self.owned for i in ms if i not in stacked]
