@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import dmuon
+from dmuon.errors import InputError
 from dmuon.newton_schulz import (
     JORDAN,
     POLAR_EXPRESS_RAW,
@@ -305,3 +306,22 @@ def test_iterates_tall_as_is_says_what_orthogonalize_does(monkeypatch, method, k
         answers.add(as_is)
     torch_here = kernels != "triton"  # 'auto' keeps torch on a CPU: both methods iterate tall as it is
     assert answers == {torch_here}
+
+
+@pytest.mark.parametrize("method", ["standard", "gram"])
+def test_out_dtype_keeps_the_iteration_result_with_the_same_bits(method):
+    """out_dtype = the iteration dtype: the result as the iteration left it, whose conversion gives the
+    default result's bits (what the fsdp2-sharded owners send back); tall and wide inputs alike."""
+    import dmuon.newton_schulz as ns
+
+    for shape in [(3, 40, 20), (3, 20, 40)]:
+        g = randn(*shape, dtype=torch.float32)
+        full = ns.orthogonalize(g, method=method, dtype="bf16")
+        kept = ns.orthogonalize(g, method=method, dtype="bf16", out_dtype=torch.bfloat16)
+        assert full.dtype == torch.float32 and kept.dtype == torch.bfloat16
+        assert torch.equal(kept.float(), full)
+    assert ns.lossless_narrower(torch.bfloat16, torch.float32)
+    assert not ns.lossless_narrower(torch.bfloat16, torch.float16)
+    assert not ns.lossless_narrower(torch.float32, torch.float32)
+    with pytest.raises(InputError, match="accepted: 'bf16', 'fp16', 'fp32', 'fp64'"):
+        ns.orthogonalize(randn(4, 6, dtype=torch.float32), out_dtype="int8")
