@@ -325,3 +325,24 @@ def test_out_dtype_keeps_the_iteration_result_with_the_same_bits(method):
     assert not ns.lossless_narrower(torch.float32, torch.float32)
     with pytest.raises(InputError, match="accepted: 'bf16', 'fp16', 'fp32', 'fp64'"):
         ns.orthogonalize(randn(4, 6, dtype=torch.float32), out_dtype="int8")
+
+
+def test_normalize_takes_the_plain_formula_on_a_cpu_where_the_norm_is_safe():
+    """On a CPU, X / (||X|| + eps) in one division where every norm is finite and >= DIRECT_NORM_MIN;
+    overflowing, underflowing and zero matrices go the scaled way (and still give the formula's value)."""
+    import dmuon.newton_schulz as ns
+
+    x = randn(3, 20, 30, dtype=torch.float32)
+    plain = x / (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) + ns.NORM_EPS)
+    assert torch.equal(ns.normalize(x), plain)
+    assert torch.equal(ns.normalize(x, dtype=torch.bfloat16, transpose=True), plain.mT.bfloat16())
+    for factor in (1e25, 1e-25):  # the norm overflows to inf / the squares underflow to (near) zero
+        y = x * factor
+        assert not bool((torch.isfinite(torch.linalg.vector_norm(y, dim=(-2, -1)))
+                         & (torch.linalg.vector_norm(y, dim=(-2, -1)) >= ns.DIRECT_NORM_MIN)).all())
+        exact = y.double() / (torch.linalg.vector_norm(y.double(), dim=(-2, -1), keepdim=True) + ns.NORM_EPS)
+        torch.testing.assert_close(ns.normalize(y), exact.float(), rtol=1e-5, atol=0)
+    z = torch.cat([x, torch.zeros(1, 20, 30)])  # a zero matrix in the batch: scaled way, zero result
+    out = ns.normalize(z)
+    assert not out[3].any()
+    torch.testing.assert_close(out[:3], plain, rtol=1e-6, atol=1e-8)
