@@ -210,6 +210,7 @@ def run_variant(cfg: StepConfig, variant: tuple, rank: int, world: int, device, 
                                 optimizer_s=t3 - t2,
                                 exposed_comm_s=opt.comm_stats.wait_s, optimizer_cpu_s=c3 - c2,
                                 optimizer_ns_s=opt.comm_stats.ns_s, optimizer_wait_s=w3 - w2,
+                                optimizer_ns_cpu_s=opt.comm_stats.ns_cpu_s,
                                 optimizer_runq_s=q3 - q2,
                                 ns_calls=opt.comm_stats.ns_calls,
                                 peak_mem_bytes=(torch.cuda.max_memory_allocated(device) if cuda
@@ -284,7 +285,7 @@ def aggregate(cfg: StepConfig, variant: tuple, per_rank: list[list[dict]],
     row = dict(ranks=world, strategy=strategy, overlap=overlap, exchange=exchange, layout=cfg.layout,
                memory=cfg.memory, ns_method=ns_method, ns_dtype=ns_dtype, comm_dtype=cfg.comm_dtype or "",
                max_split=max_split, wide_matrix="x".join(map(str, cfg.wide)) if cfg.wide else "")
-    for key in ("optimizer_ns_s", "optimizer_wait_s", "ns_calls", "optimizer_runq_s"):
+    for key in ("optimizer_ns_s", "optimizer_wait_s", "ns_calls", "optimizer_runq_s", "optimizer_ns_cpu_s"):
         row[key] = statistics.median(max(r[i].get(key, math.nan) for r in per_rank) for i in range(steps))
     accounted = []
     for i in range(steps):

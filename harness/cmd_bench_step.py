@@ -18,6 +18,8 @@ Per timed step (after --warmup steps) each rank records, on its compute thread:
   optimizer_runq_s time the compute thread was runnable inside step() but waited for a CPU (Linux
                   schedstat; NaN elsewhere): the oversubscription the wall time contains
   optimizer_ns_s  the compute thread's time inside NS calls during step() (`CommStats.ns_s`), and
+  optimizer_ns_cpu_s the compute thread's CPU time inside those NS calls (`CommStats.ns_cpu_s`; on a CPU
+                  their compute whatever else shares the cores; on CUDA their launch cost)
   optimizer_wait_s its waits for communication inside step(); optimizer_over_ns_comm = optimizer_s /
                   (the two) on the slowest rank: 1.0 means the step is nothing but NS and collectives
 --ns-method / --ns-dtype (comma lists: one variant each, for dmuon and naive) set NSConfig; --comm-dtype
@@ -86,8 +88,8 @@ def _div(a: float, b: float) -> float:
 def ratios(rows: list[dict]) -> dict[str, float]:
     """Side-by-side ratios of this run (same ranks, same model). Keys name the DMuon exchange mode and
     the NS method / dtype only when several were run; naive is compared at the same NS settings.
-    ns_<d1>_over_<d2>_...: the same strategy's NS time (optimizer_ns_s) and optimizer time in two NS
-    dtypes. A ratio whose denominator is 0 (e.g. bytes at 1 rank) is NaN."""
+    ns_<d1>_over_<d2>_...: the same strategy's NS time (optimizer_ns_s), NS CPU time (optimizer_ns_cpu_s)
+    and optimizer time in two NS dtypes. A ratio whose denominator is 0 (e.g. bytes at 1 rank) is NaN."""
     out = {}
     several = len({r["exchange"] for r in rows if r["strategy"] == "dmuon"}) > 1
     several_ns = len({_ns_key(r) for r in rows if r["strategy"] != "adamw"}) > 1
@@ -141,6 +143,8 @@ def ratios(rows: list[dict]) -> dict[str, float]:
                 tag = f"{r['strategy']}_{r.get('ns_method', 'auto')}"
                 pair = f"{other}_over_{r['ns_dtype']}"
                 out[f"ns_{pair}_ns_s_{tag}"] = _div(o["optimizer_ns_s"], r["optimizer_ns_s"])
+                out[f"ns_{pair}_ns_cpu_s_{tag}"] = _div(o.get("optimizer_ns_cpu_s", math.nan),
+                                                        r.get("optimizer_ns_cpu_s", math.nan))
                 out[f"ns_{pair}_optimizer_s_{tag}"] = _div(o["optimizer_s"], r["optimizer_s"])
     for r in rows:
         if r["overlap"]:

@@ -59,9 +59,11 @@ def test_bench_step_ns_settings_side_by_side():
         ("naive", "standard", "fp32", "bf16"), ("naive", "standard", "bf16", "bf16")]
     for r in rows:
         assert r["optimizer_ns_s"] > 0 and r["ns_calls"] >= 1
+        assert 0 < r["optimizer_ns_cpu_s"] <= r["optimizer_cpu_s"]  # CPU inside NS calls, inside step()
         assert 0 <= r["optimizer_wait_s"] <= r["optimizer_s"]
         assert r["optimizer_over_ns_comm"] >= 1.0  # NS and waits happen inside step()
     for key in ("ns_fp32_over_bf16_ns_s_dmuon_standard", "ns_fp32_over_bf16_optimizer_s_naive_standard",
+                "ns_fp32_over_bf16_ns_cpu_s_dmuon_standard",
                 "naive_over_dmuon_optimizer_s_overlap_on_ns_standard_bf16",
                 "dmuon_optimizer_over_ns_comm_overlap_on_ns_standard_fp32"):
         assert out["ratios"][key] > 0, key

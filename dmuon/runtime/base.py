@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 import warnings
 import weakref
 
@@ -393,19 +392,13 @@ class DistributedMuonBase(torch.optim.Optimizer):
     def _ns(self, stack: torch.Tensor, method: str, out_dtype=None) -> torch.Tensor:
         """One (batched) NS call with this optimizer's settings, timed into comm_stats.ns_s (the result in
         `out_dtype`, None: the stack's)."""
-        start = time.perf_counter()
-        out = orthogonalize(stack, **{**self.ns.kwargs(), "method": method}, out_dtype=out_dtype)
-        self.comm_stats.ns_s += time.perf_counter() - start
-        self.comm_stats.ns_calls += 1
-        return out
+        with self.comm_stats.ns_call():
+            return orthogonalize(stack, **{**self.ns.kwargs(), "method": method}, out_dtype=out_dtype)
 
     def _ns_many(self, matrices: list[torch.Tensor]) -> list[torch.Tensor]:
         """`orthogonalize_many` (one call per shape) with this optimizer's settings, timed likewise."""
-        start = time.perf_counter()
-        out = orthogonalize_many(matrices, **self.ns.kwargs())
-        self.comm_stats.ns_s += time.perf_counter() - start
-        self.comm_stats.ns_calls += len({(tuple(m.shape), m.dtype) for m in matrices})
-        return out
+        with self.comm_stats.ns_call(len({(tuple(m.shape), m.dtype) for m in matrices})):
+            return orthogonalize_many(matrices, **self.ns.kwargs())
 
     def _adamw_update(self, has_any: torch.Tensor) -> None:
         """AdamW on what this rank updates: whole parameters (replicated or owned), its 1/N pieces, or the

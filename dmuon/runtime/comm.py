@@ -33,12 +33,14 @@ class CommError(RuntimeError):
 class CommStats:
     """Counters since the last `reset()`: exposed wait, jobs run, payload bytes by kind, and the compute
     thread's time inside NS calls (`ns_s`: with wait_s, what a step's time is made of; the rest is the
-    optimizer's own overhead. CPU: wall time of the calls; CUDA: their launch time only)."""
+    optimizer's own overhead. CPU: wall time of the calls; CUDA: their launch time only) and its CPU time
+    there (`ns_cpu_s`: on a CPU the calls' compute, whatever else shares the cores)."""
 
     wait_s: float = 0.0  # time the compute thread spent blocked on communication handles
     jobs: int = 0  # communication jobs finished (each is one or a few collectives)
     payload_bytes: dict = field(default_factory=dict)  # kind -> estimated bytes this rank sent (see units.py)
     ns_s: float = 0.0  # compute-thread seconds inside orthogonalize calls
+    ns_cpu_s: float = 0.0  # the compute thread's CPU seconds inside them (time.thread_time)
     ns_calls: int = 0
 
     def reset(self) -> None:
@@ -46,7 +48,19 @@ class CommStats:
         self.jobs = 0
         self.payload_bytes = {}
         self.ns_s = 0.0
+        self.ns_cpu_s = 0.0
         self.ns_calls = 0
+
+    @contextlib.contextmanager
+    def ns_call(self, calls: int = 1):
+        """Time the NS call(s) of the block into ns_s / ns_cpu_s and count them."""
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self.ns_s += time.perf_counter() - wall
+            self.ns_cpu_s += time.thread_time() - cpu
+            self.ns_calls += calls
 
     def add_bytes(self, kind: str, n: int) -> None:
         self.payload_bytes[kind] = self.payload_bytes.get(kind, 0) + int(n)

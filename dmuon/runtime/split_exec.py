@@ -29,6 +29,7 @@ one-line InputError before any collective.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 
@@ -105,12 +106,10 @@ class SplitExecutor:
     def run_rows(self, batch, block: torch.Tensor, ns_kwargs: dict) -> torch.Tensor:
         """A row-split batch (`row_split_batches`): this rank's rows (count, rows_s, cols) of the stacked
         members in, its rows of their polar factors out; one `orthogonalize_distributed` on the group."""
-        start = time.perf_counter()
-        out = orthogonalize_distributed(block, group=self.pg[tuple(batch.group)], tall=True,
-                                        timeout_s=self.timeout_s, check=False, **ns_kwargs)
+        with self.stats.ns_call() if self.stats is not None else contextlib.nullcontext():
+            out = orthogonalize_distributed(block, group=self.pg[tuple(batch.group)], tall=True,
+                                            timeout_s=self.timeout_s, check=False, **ns_kwargs)
         if self.stats is not None:
-            self.stats.ns_s += time.perf_counter() - start
-            self.stats.ns_calls += 1
             self._count_gram(batch, block.shape[0], len(batch.group), ns_kwargs)
         return out
 
@@ -134,7 +133,7 @@ class SplitExecutor:
         sizes = split_sizes(m, k)
         starts = [sum(sizes[:j]) for j in range(k)]
         name = f"split batch {batch.rows}x{batch.cols} x{count} on ranks {list(group)}"
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         if lead:
             if stack.shape != (count, n, m):
                 raise AssertionError(f"{name}: stack {tuple(stack.shape)}, expected {(count, n, m)}")
@@ -157,6 +156,7 @@ class SplitExecutor:
             self._wait(dist.isend(out, group_dst=pos[0], group=pg), f"{name}: block to the lead")
         if self.stats is not None:
             self.stats.ns_s += time.perf_counter() - start
+            self.stats.ns_cpu_s += time.thread_time() - cpu
             self.stats.ns_calls += 1
             item = torch.empty(0, dtype=dtype).element_size()
             mine = count * n * sizes[me] * item
