@@ -13,8 +13,10 @@ NAME = "torch"
 
 
 def syrk(x: torch.Tensor) -> torch.Tensor:
-    """x @ x^T (symmetric (..., n, n) output)."""
-    return x @ x.mT
+    """x @ x^T (symmetric (..., n, n) output). Batched: torch.bmm, which passes the transposed operand to
+    the BLAS as it is; `@` (matmul) copies it contiguous for bf16 stacks of one matrix on the CPU
+    (a 1 x 1184 x 224 stack's Gram 0.72 -> 0.57 ms, its bf16 Gram NS 5.8 -> 4.9 ms)."""
+    return torch.bmm(x, x.mT) if x.dim() == 3 else x @ x.mT
 
 
 def sym_poly(r: torch.Tensor, b: float, c: float) -> torch.Tensor:
