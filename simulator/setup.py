@@ -42,18 +42,18 @@ def orientation_of(muon, profile, method: str) -> bool | frozenset:
     plan does on that device (`dmuon.runtime.planning.tall_as_is_shapes`: where its NS iterates tall
     matrices as they are, so a mixed batch would run as two calls). CPU profiles: the runtime's NS runs
     torch ops there, which iterate every tall matrix as it is (standard and Gram NS; method 'auto' may
-    pick either per shape), so the shapes where every method the plan may pick does. GPU profiles:
-    none (False), the simulator's long-standing convention: the Triton kernels take the wide
-    orientation, and which shapes the runtime's 'auto' kernels leave to torch is not modelled."""
-    if not profile.cpu_cores:
+    pick either per shape), so the shapes where every method the plan may pick does. GPU profiles, and
+    the '_sym' methods (the Triton kernels, which take the wide orientation): none (False), the
+    simulator's long-standing convention (which shapes the runtime's 'auto' kernels leave to torch on a
+    GPU is not modelled)."""
+    if not profile.cpu_cores or method.endswith("_sym"):
         return False
     from dmuon.newton_schulz import iterates_tall_as_is
 
-    methods = ("standard", "gram") if method == "auto" else (method.removesuffix("_sym"),)
-    kernels = "triton" if method.endswith("_sym") else "torch"
+    methods = ("standard", "gram") if method == "auto" else (method,)
     shapes = {(min(m.rows, m.cols), max(m.rows, m.cols)) for m in muon}
     return frozenset(s for s in shapes
-                     if all(iterates_tall_as_is(*s, "cpu", method=x, kernels=kernels) for x in methods))
+                     if all(iterates_tall_as_is(*s, "cpu", method=x, kernels="torch") for x in methods))
 
 
 def elementwise_pricer(priced, profile, scale: float, answers: dict | None = None):

@@ -71,6 +71,12 @@ def test_several_threads_are_priced_from_the_cost_table_measured_at_that_thread_
     # tall and wide matrices apart, as the runtime's plan on a CPU
     orientation = orientation_of(w.muon_matrices, load_profile("cpu"), "auto")
     assert orientation == {(min(m.shape), max(m.shape)) for m in w.muon_matrices}
+    # the Triton kernels ('_sym') and GPU profiles keep both orientations in one class (and a CPU
+    # profile simulated with a '_sym' method runs: it used to ask for the Triton kernels on a CPU)
+    assert orientation_of(w.muon_matrices, load_profile("cpu"), "gram_sym") is False
+    assert orientation_of(w.muon_matrices, load_profile("a800"), "auto") is False
+    sym = SimConfig(workload=w, gpus=2, strategy="dmuon", **{**BENCH, "ns_method": "gram_sym"})
+    assert simulate(sym).step_s > 0
     plan = plan_for(w.muon_matrices, 1, load_cost("cpu-t2"), balancer="lpt", method="auto", dtype="fp32",
                     batching=True, max_batch=8, bucket_numel=0, time_limit_s=10.0, orientation=orientation)
     assert res.ns_makespan_s == pytest.approx(max(plan.ns_loads_s), rel=1e-9)  # the NS part
