@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import time
 
 import torch
 import torch.distributed as dist
@@ -133,31 +132,28 @@ class SplitExecutor:
         sizes = split_sizes(m, k)
         starts = [sum(sizes[:j]) for j in range(k)]
         name = f"split batch {batch.rows}x{batch.cols} x{count} on ranks {list(group)}"
-        start, cpu = time.perf_counter(), time.thread_time()
-        if lead:
-            if stack.shape != (count, n, m):
-                raise AssertionError(f"{name}: stack {tuple(stack.shape)}, expected {(count, n, m)}")
-            sends = [dist.isend(stack[:, :, starts[j]:starts[j] + sizes[j]].contiguous(), group_dst=pos[j],
-                                group=pg) for j in range(1, k)]
-            block = stack[:, :, :sizes[0]]  # a view: orthogonalize_distributed copies what it needs
-        else:
-            block = torch.empty((count, n, sizes[me]), dtype=dtype, device=device)
-            self._wait(dist.irecv(block, group_src=pos[0], group=pg), f"{name}: block from the lead")
-        out = orthogonalize_distributed(block, group=pg, tall=False, timeout_s=self.timeout_s, check=False,
-                                        **ns_kwargs)
-        if lead:
-            parts = [torch.empty((count, n, w), dtype=dtype, device=device) for w in sizes[1:]]
-            recvs = [dist.irecv(t, group_src=pos[j + 1], group=pg) for j, t in enumerate(parts)]
-            for w in sends:
-                self._wait(w, f"{name}: blocks to the members")
-            for w in recvs:
-                self._wait(w, f"{name}: blocks from the members")
-        else:
-            self._wait(dist.isend(out, group_dst=pos[0], group=pg), f"{name}: block to the lead")
+        with self.stats.ns_call() if self.stats is not None else contextlib.nullcontext():
+            if lead:
+                if stack.shape != (count, n, m):
+                    raise AssertionError(f"{name}: stack {tuple(stack.shape)}, expected {(count, n, m)}")
+                sends = [dist.isend(stack[:, :, starts[j]:starts[j] + sizes[j]].contiguous(),
+                                    group_dst=pos[j], group=pg) for j in range(1, k)]
+                block = stack[:, :, :sizes[0]]  # a view: orthogonalize_distributed copies what it needs
+            else:
+                block = torch.empty((count, n, sizes[me]), dtype=dtype, device=device)
+                self._wait(dist.irecv(block, group_src=pos[0], group=pg), f"{name}: block from the lead")
+            out = orthogonalize_distributed(block, group=pg, tall=False, timeout_s=self.timeout_s,
+                                            check=False, **ns_kwargs)
+            if lead:
+                parts = [torch.empty((count, n, w), dtype=dtype, device=device) for w in sizes[1:]]
+                recvs = [dist.irecv(t, group_src=pos[j + 1], group=pg) for j, t in enumerate(parts)]
+                for w in sends:
+                    self._wait(w, f"{name}: blocks to the members")
+                for w in recvs:
+                    self._wait(w, f"{name}: blocks from the members")
+            else:
+                self._wait(dist.isend(out, group_dst=pos[0], group=pg), f"{name}: block to the lead")
         if self.stats is not None:
-            self.stats.ns_s += time.perf_counter() - start
-            self.stats.ns_cpu_s += time.thread_time() - cpu
-            self.stats.ns_calls += 1
             item = torch.empty(0, dtype=dtype).element_size()
             mine = count * n * sizes[me] * item
             self.stats.add_bytes("split_blocks", count * n * (m - sizes[0]) * item if lead else mine)
