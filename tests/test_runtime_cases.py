@@ -246,6 +246,7 @@ def run_resume(case: dict, rank: int, world_size: int) -> dict:
     model = make_model(case)
     opt = build(case, model)
     train(case, rank, model, opt, [0, 1, 2])
+    opt.synchronize()  # before a checkpoint (docs/runtime.md): the publications may still be in flight
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}
     saved_opt = opt.state_dict()
     saved_opt = {**saved_opt, "state": {n: {k: (v.clone() if torch.is_tensor(v) else v)

@@ -148,6 +148,7 @@ def run_case(rank: int, world: int, ep: int, case: dict) -> dict:
     for s in range(STEPS - 1):
         train_step(model, opt, s, rank, ep)
     if case.get("resume"):  # a fresh model and optimizer from the per-rank state dicts take the last step
+        opt.synchronize()  # before a checkpoint (docs/runtime.md): the publications may still be in flight
         msd = {k: v.detach().clone() for k, v in model.state_dict().items()}
         osd = opt.state_dict()
         model2, opt2 = setup(rank, world, ep, case)
