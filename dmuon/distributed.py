@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from .newton_schulz import as_matrix
 from .optim import momentum_update, muon_ns_input
 from .runtime.base import BALANCERS, STATE_FORMAT, DistributedMuonBase
 from .runtime.fsdp_sharded import ShardedDMuonSteps, ShardedNaiveSteps
@@ -119,37 +118,44 @@ class DMuon(DistributedMuonBase):
                 self._absorb(self._where[i][0])
             members = [self.params[i] for i in batch.members]
             dtype = self._stack_dtype(batch.members)
-            flips = [tuple(as_matrix(p).shape) != (batch.rows, batch.cols) for p in members]
-            # the NS input of each member is written straight into its slot of a stack: members of the
-            # other orientation (tall ones of a wide batch) in a stack of their own shape where the NS
-            # iterates them as they are, so no slot is a transposed view; else (a split batch: its group
-            # splits the columns; Triton kernels) one stack, the flipped members through a
-            # transposed view. No separate copy of the buffer or the inputs.
+            lays = [self.layouts[i] for i in batch.members]
+            c = lays[0].count  # matrices per member (the plan batches one count together)
+            flips = [lay.piece_shape(0) != (batch.rows, batch.cols) for lay in lays]
+            # the NS input of each member is written straight into its slot(s) of a stack (c slots: the
+            # parameter's matrices, `dmuon.matrices`): members of the other orientation (tall ones of a
+            # wide batch) in a stack of their own shape where the NS iterates them as they are, so no slot
+            # is a transposed view; else (a split batch: its group splits the columns; Triton kernels) one
+            # stack, the flipped members through a transposed view. No separate copy of the buffer or the
+            # inputs.
             one = not own_orientation_stacks(self.plan, batch, self.ns, members[0].device)
             parts = [range(len(members))] if one else [[k for k in range(len(members)) if flips[k] == f]
                                                        for f in (False, True)]
             for ks in (ks for ks in parts if ks):
                 turned = not one and flips[ks[0]]  # this stack holds the members' own orientation
                 shape = (batch.cols, batch.rows) if turned else (batch.rows, batch.cols)
-                stack = torch.empty((len(ks), *shape), dtype=dtype, device=members[0].device)
+                stack = torch.empty((len(ks) * c, *shape), dtype=dtype, device=members[0].device)
                 buffers = []
-                for slot, k in zip(stack.unbind(0), ks, strict=True):
-                    i, p = batch.members[k], members[k]
+                for n, k in enumerate(ks):
+                    i, p, lay = batch.members[k], members[k], lays[k]
                     old = self.state[p].get("momentum_buffer")
                     if old is None:
                         old = torch.zeros_like(p, memory_format=torch.preserve_format)
                     g = self._grad(i).to(p.dtype)
                     buf = momentum_update(g, old, group["momentum"])
-                    view = slot.mT if flips[k] and not turned else slot
-                    muon_ns_input(as_matrix(g), as_matrix(buf), group["momentum"], group["nesterov"],
+                    slots = stack[n * c:(n + 1) * c]
+                    view = slots.mT if flips[k] and not turned else slots
+                    muon_ns_input(lay.stack(g), lay.stack(buf), group["momentum"], group["nesterov"],
                                   out=view)
                     buffers.append(buf)
                 if split:
                     out = self._split_run(batch, stack, batch.members)
                 else:
                     out = self._ns(stack, batch_method(self.plan, batch))
-                updates = [u.mT if flips[k] and not turned else u
-                           for u, k in zip(out.unbind(0), ks, strict=True)]
+                updates = []
+                for n, k in enumerate(ks):
+                    u = out[n * c:(n + 1) * c]
+                    u = u.mT if flips[k] and not turned else u
+                    updates.append(u[0] if lays[k].is_whole else u)
                 pending += list(zip([batch.members[k] for k in ks], buffers, updates, strict=True))
             self._absorb_ready()
         return pending
@@ -182,7 +188,7 @@ class NaiveMuon(DistributedMuonBase):
         if not idx:
             return
         inputs = self._muon_inputs(idx, group)
-        self._apply(idx, self._ns_many(inputs), group)
+        self._apply_matrices(idx, self._ns_many(inputs), group)
 
 
 class ShardedDMuon(ShardedDMuonSteps, DMuon):

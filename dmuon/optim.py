@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InputError
-from .newton_schulz import ITERATION_DTYPES, NSConfig, as_matrix, orthogonalize_many
+from .matrices import MatrixLayout
+from .newton_schulz import ITERATION_DTYPES, NSConfig, orthogonalize_many
 from .params import route
 
 ADJUST_LR = ("match_rms_adamw", "original")
@@ -254,6 +255,17 @@ class MuonWork:
     param: torch.Tensor
     grad: torch.Tensor
     group: dict
+    layout: MatrixLayout | None = None
+
+
+def apply_matrices_(param: torch.Tensor, layout: MatrixLayout, updates, lr: float, weight_decay: float,
+                    adjust_lr: str) -> None:
+    """The orthogonalized updates of a parameter's matrices (one per matrix of `layout`, in order): weight
+    decay once on the whole parameter, then each matrix's step with its own learning-rate scale."""
+    if weight_decay != 0:
+        param.mul_(1 - lr * weight_decay)
+    for view, u in zip(layout.pieces(param), updates, strict=True):
+        view.add_(u.to(param.dtype), alpha=-lr * lr_scale(view.shape, adjust_lr))
 
 
 # ---- the optimizer -------------------------------------------------------------------------------
@@ -279,7 +291,7 @@ class Muon(torch.optim.Optimizer):
                  weight_decay: float = 0.0, adjust_lr: str = "match_rms_adamw", ns: NSConfig | None = None,
                  adamw_lr: float = 1e-3, adamw_betas: tuple[float, float] = (0.9, 0.999),
                  adamw_eps: float = 1e-8, adamw_weight_decay: float = 0.01, muon_predicate=None,
-                 nonfinite: str = "raise", max_batch: int | None = None):
+                 nonfinite: str = "raise", max_batch: int | None = None, per_head: bool = False):
         ns = NSConfig() if ns is None else ns
         if not isinstance(ns, NSConfig):
             raise TypeError(f"ns must be a dmuon.NSConfig, got {type(ns).__name__}")
@@ -300,7 +312,9 @@ class Muon(torch.optim.Optimizer):
         self.skipped_steps = 0
         self._hparams = hparams
         self._predicate = muon_predicate
-        groups = self._initial_groups(params, muon_predicate)
+        self.per_head = per_head
+        self._given_layouts: dict = {}  # id(param) -> a module's Route (module kinds, attention shape)
+        groups = self._initial_groups(params, muon_predicate, per_head, self._given_layouts)
         user_chose = not isinstance(params, torch.nn.Module) and all("use_muon" in g for g in groups)
         super().__init__(groups, dict(hparams))
         if not user_chose and not any(g["use_muon"] for g in self.param_groups):
@@ -310,9 +324,11 @@ class Muon(torch.optim.Optimizer):
                           UserWarning, stacklevel=2)
 
     @staticmethod
-    def _initial_groups(params, predicate) -> list[dict]:
+    def _initial_groups(params, predicate, per_head=False, layouts=None) -> list[dict]:
         if isinstance(params, torch.nn.Module):
-            routes = route(params, predicate)
+            routes = route(params, predicate, per_head=per_head)
+            if layouts is not None:  # add_param_group takes these routes as they are
+                layouts.update({id(r.param): r for r in routes})
             groups = [{"params": [(r.name, r.param) for r in routes if r.use_muon == flag], "use_muon": flag}
                       for flag in (True, False)]
             groups = [g for g in groups if g["params"]]
@@ -350,7 +366,14 @@ class Muon(torch.optim.Optimizer):
                 raise InputError(f"param group with use_muon={flag} got {wrong}, which apply only to "
                                  f"{'AdamW' if flag else 'Muon'} params")
         h = {**self._hparams, **{k: v for k, v in param_group.items() if k in MUON_KEYS + ADAMW_KEYS}}
-        routes = route(param_group["params"], None if use_muon is not None else self._predicate)
+        given = getattr(self, "_given_layouts", {})
+        items = param_group["params"]
+        items = list(items) if isinstance(items, (list, tuple)) else items
+        if given and isinstance(items, list) and all(isinstance(x, tuple) and len(x) == 2 and id(x[1]) in given
+                                                     for x in items):
+            routes = [given[id(x[1])] for x in items]  # a module's own routes (module kinds, attention)
+        else:
+            routes = route(items, None if use_muon is not None else self._predicate, per_head=self.per_head)
         existing = {id(p) for g in self.param_groups for p in g["params"]}
         devices = {p.device for g in self.param_groups for p in g["params"]}
         devices |= {r.param.device for r in routes}
@@ -380,6 +403,9 @@ class Muon(torch.optim.Optimizer):
                                      f"parameters with at least 2 dims; {r.name} has shape "
                                      f"{tuple(r.param.shape)} and dtype {r.param.dtype}")
             group.update({k: h[k] for k in MUON_KEYS})
+            # as which matrices (dmuon.params.decide): the rule's where it is Muon's, else one matrix
+            group["layouts"] = [r.layout if r.use_muon and r.layout is not None
+                                else MatrixLayout.whole(r.param.shape) for r in routes]
         else:
             _check_adamw_hparams(h)
             group.update(lr=h["adamw_lr"], betas=tuple(h["adamw_betas"]), eps=h["adamw_eps"],
@@ -387,7 +413,8 @@ class Muon(torch.optim.Optimizer):
         return group
 
     # ---- state -------------------------------------------------------------------------------
-    _EXTRA_ATTRS = ("ns", "nonfinite", "max_batch", "skipped_steps", "_hparams", "_predicate")
+    _EXTRA_ATTRS = ("ns", "nonfinite", "max_batch", "skipped_steps", "_hparams", "_predicate", "per_head",
+                    "_given_layouts")
 
     def __getstate__(self) -> dict:
         """torch's pickled state plus this optimizer's settings (so copy / pickle keep them)."""
@@ -423,7 +450,8 @@ class Muon(torch.optim.Optimizer):
                     raise RuntimeError(f"Muon does not support sparse gradients ({name})")
                 with_grad.append((name, p))
             if group["use_muon"]:
-                muon_work += [MuonWork(name, p, p.grad, group) for name, p in with_grad]
+                layout_of = {id(p): lay for p, lay in zip(group["params"], group["layouts"], strict=True)}
+                muon_work += [MuonWork(name, p, p.grad, group, layout_of[id(p)]) for name, p in with_grad]
             elif with_grad:
                 adamw_work.append((group, with_grad))
         return muon_work, adamw_work
@@ -469,14 +497,18 @@ class Muon(torch.optim.Optimizer):
     def _muon_step(self, work: list[MuonWork]) -> None:
         """Momentum -> one batched NS call per shape -> apply, for the Muon params that have a grad.
         The hook a distributed optimizer overrides (it runs the same pieces on its owned matrices)."""
-        inputs = []
+        inputs, counts = [], []
         for w in work:
             st = self.state[w.param]
             if "momentum_buffer" not in st:
                 st["momentum_buffer"] = torch.zeros_like(w.param, memory_format=torch.preserve_format)
             inp = muon_momentum_(w.grad, st["momentum_buffer"], w.group["momentum"], w.group["nesterov"])
-            inputs.append(as_matrix(inp))
+            pieces = w.layout.pieces(inp)  # the parameter's matrices (one, or its experts / blocks)
+            inputs += pieces
+            counts.append(len(pieces))
         updates = orthogonalize_many(inputs, max_batch=self.max_batch, **self.ns.kwargs())
-        for w, u in zip(work, updates, strict=True):
+        pos = 0
+        for w, k in zip(work, counts, strict=True):
             g = w.group
-            muon_apply_(w.param, u, g["lr"], g["weight_decay"], lr_scale(w.param.shape, g["adjust_lr"]))
+            apply_matrices_(w.param, w.layout, updates[pos:pos + k], g["lr"], g["weight_decay"], g["adjust_lr"])
+            pos += k

@@ -73,6 +73,7 @@ class ShapeClass:
     state_bytes: int  # owned state of one matrix of this class
     momentum_s: dict[int, float] = field(default_factory=dict)  # batch size -> owner momentum in times_s
     tall: bool | None = None  # orientation kept apart: True = rows > cols, False = rows <= cols; None = both
+    k: int = 1  # matrices per member (MatrixSpec.count): a batch of b members is one call of b x k matrices
 
     @property
     def label(self) -> str:
@@ -259,14 +260,19 @@ def build_work_model(
         dup = sorted({x for x in names if names.count(x) > 1})
         raise InputError(f"matrix names must be unique; repeated: {dup[:5]}")
     classes = []
-    for (n, m, tall), members in sorted(shape_groups(matrices, orientation).items()):
+    # a class per (NS shape, orientation, matrices per member): members of one count batch together
+    groups = {}
+    for (n, m, tall), all_members in shape_groups(matrices, orientation).items():
+        for i in all_members:
+            groups.setdefault((n, m, tall, matrices[i].count), []).append(i)
+    for (n, m, tall, k), members in sorted(groups.items()):
         top = min(max_batch, len(members)) if batching else 1
         times, meths, moms = {}, {}, {}
         for b in range(1, top + 1):
             cands = getattr(cost, "runnable_methods", METHODS) if method == AUTO_METHOD else (method,)
-            priced = [(cost.ns_time(n, m, b, mt, dtype).time_s, METHODS.index(mt), mt) for mt in cands]
+            priced = [(cost.ns_time(n, m, b * k, mt, dtype).time_s, METHODS.index(mt), mt) for mt in cands]
             t, _, mt = min(priced)
-            moms[b] = momentum_time(cost, n * m, b) if owner_momentum else 0.0
+            moms[b] = momentum_time(cost, n * m, b * k) if owner_momentum else 0.0
             times[b], meths[b] = t + moms[b], mt
         usable = [1] + [b for b in range(2, top + 1) if times[b] < b * times[1]]
         sizes = tuple(
@@ -277,8 +283,9 @@ def build_work_model(
                 for b1 in range(1, b // 2 + 1)
             )
         )
-        classes.append(ShapeClass(n, m, tuple(members), times, meths, sizes, n * m * STATE_BYTES_PER_ELEMENT,
-                                  moms, None if tall == BOTH else bool(tall)))
+        classes.append(ShapeClass(n, m, tuple(members), times, meths, sizes,
+                                  n * m * k * STATE_BYTES_PER_ELEMENT, moms, None if tall == BOTH else bool(tall),
+                                  k))
     check_max_split(max_split)
     pieces: tuple[PieceType, ...] = ()
     links_source = ""
@@ -299,6 +306,8 @@ def _price_pieces(classes, cost, method, dtype, max_split, world_size, links) ->
     out = []
     cands = getattr(cost, "runnable_methods", METHODS) if method == AUTO_METHOD else (method,)
     for s, cls in enumerate(classes):
+        if cls.k > 1:  # a parameter of several matrices is never split (the runtime's split NS takes one
+            continue   # matrix per member)
         for b in cls.times_s:
             beat = cls.times_s[b]  # the unsplit call of the same b matrices
             for k in split_levels(max_split, world_size, cls.m):

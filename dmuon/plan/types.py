@@ -39,18 +39,25 @@ class MatrixSpec:
     layer: forward-order index of the block the matrix belongs to (0 = first used in forward);
         communication buckets follow this order so their exchange can overlap compute.
     name: unique name (a module parameter name, or "<component>.<layer>.<matrix>" for workloads).
+    count: how many matrices of (rows, cols) this entry holds: one parameter that holds several
+        (`dmuon.matrices.MatrixLayout`: fused experts, fused QKV / gate-up, per-head blocks), owned by one
+        rank and orthogonalized each alone in the owner's batched call (a batch of b entries is one call
+        of b x count matrices); 1 (the default) = one matrix.
     """
 
     name: str
     rows: int
     cols: int
     layer: int = 0
+    count: int = 1
 
     def __post_init__(self) -> None:
         for attr in ("rows", "cols"):
             v = getattr(self, attr)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"MatrixSpec {self.name!r}: {attr} must be a positive integer, got {v!r}")
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
+            raise ValueError(f"MatrixSpec {self.name!r}: count must be a positive integer, got {self.count!r}")
         if isinstance(self.layer, bool) or not isinstance(self.layer, int) or self.layer < 0:
             raise ValueError(f"MatrixSpec {self.name!r}: layer must be a non-negative integer, "
                              f"got {self.layer!r}")
@@ -61,7 +68,7 @@ class MatrixSpec:
 
     @property
     def numel(self) -> int:
-        return self.rows * self.cols
+        return self.rows * self.cols * self.count
 
 
 @dataclass(frozen=True)

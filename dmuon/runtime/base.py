@@ -16,7 +16,7 @@ import weakref
 import torch
 
 from ..errors import InputError, choice_error
-from ..newton_schulz import NSConfig, as_matrix, orthogonalize, orthogonalize_many
+from ..newton_schulz import NSConfig, orthogonalize, orthogonalize_many
 from ..optim import (
     NONFINITE,
     Muon,
@@ -27,6 +27,7 @@ from ..optim import (
     nonfinite_names,
     suspect_indices,
 )
+from ..matrices import MatrixLayout
 from ..params import route
 from ..plan.ep import dense_part
 from ..plan.types import MatrixSpec, Plan
@@ -54,6 +55,19 @@ from .units import OwnerUnit, build_units
 BALANCERS = ("lpt", "round_robin", "milp")
 
 
+def check_uniform(r):
+    """A Muon route's layout, where the distributed optimizers can run it: every matrix of the parameter one
+    shape (they own and batch a parameter's matrices as one stack)."""
+    lay = r.layout if r.layout is not None else MatrixLayout.whole(r.param.shape)
+    if not lay.uniform:
+        shapes = ", ".join(f"{a}x{b}" for a, b in sorted(set(lay.shapes)))
+        raise InputError(f"{r.name}: its matrices have different shapes ({shapes}; {r.reason}); DMuon and "
+                         "NaiveMuon take parameters whose matrices share one shape. Accepted: per_head=True "
+                         "(one head per matrix), a muon_predicate that routes it to AdamW, or dmuon.Muon on one "
+                         "device")
+    return lay
+
+
 class DistributedMuonBase(torch.optim.Optimizer):
     """Shared machinery of DMuon and NaiveMuon; see the module docstring and `dmuon.DMuon`."""
 
@@ -78,7 +92,8 @@ class DistributedMuonBase(torch.optim.Optimizer):
                  node_size: int | None = None, bucket_numel: int = 0, nonfinite: str = "raise",
                  check_consistency_every: int = 0, timeout_s: float = 600.0, exchange: str = "auto",
                  max_batch: int = 8, shard_adamw: bool | None = None, warn_no_muon: bool = True,
-                 layout: str = "auto", memory: str = "keep", comm_dtype=None, ep: int = 1):
+                 layout: str = "auto", memory: str = "keep", comm_dtype=None, ep: int = 1,
+                 per_head: bool = False):
         if not isinstance(model, torch.nn.Module):
             raise InputError(f"{type(self).__name__} takes the model (an nn.Module) itself, got "
                              f"{type(model).__name__}; it installs hooks on it (do not wrap it in DDP)")
@@ -99,7 +114,8 @@ class DistributedMuonBase(torch.optim.Optimizer):
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise InputError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.comm_dtype = parse_comm_dtype(comm_dtype)
-        routes = route(model, muon_predicate)
+        routes = route(model, muon_predicate, per_head=per_head)
+        self.per_head = per_head
         if not routes:
             raise InputError("the model has no trainable parameters (all frozen?)")
         check_int("ep", ep, 1)
@@ -123,6 +139,11 @@ class DistributedMuonBase(torch.optim.Optimizer):
                        adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay)
         muon_routes = [r for r in routes if r.use_muon]
         adamw_routes = [r for r in routes if not r.use_muon]
+        if warn_no_muon:
+            for r in adamw_routes:
+                if r.param.dim() >= 3:
+                    warnings.warn(f"{type(self).__name__}: {r.name} {tuple(r.param.shape)} goes to AdamW "
+                                  f"({r.reason}); pass a muon_predicate to give it to Muon", stacklevel=2)
         if not muon_routes and not expert_routes and warn_no_muon:
             warnings.warn(f"{type(self).__name__}: the model has no matrices routed to Muon; every parameter "
                           "is trained with AdamW", stacklevel=2)
@@ -152,8 +173,10 @@ class DistributedMuonBase(torch.optim.Optimizer):
         layer_of = dict(zip([n for n, _ in model.named_parameters()],
                             forward_layers([n for n, _ in model.named_parameters()]), strict=True))
         self.layers = [layer_of.get(n, 0) for n in self.names]
-        specs = tuple(MatrixSpec(r.name, r.param.shape[0], math.prod(r.param.shape[1:]), self.layers[i])
-                      for i, r in enumerate(muon_routes))
+        # as which matrices (dmuon.params.decide): one, or a parameter's experts / blocks, owned together
+        self.layouts = [check_uniform(r) for r in muon_routes]
+        specs = tuple(MatrixSpec(r.name, *lay.piece_shape(0), self.layers[i], lay.count)
+                      for i, (r, lay) in enumerate(zip(muon_routes, self.layouts, strict=True)))
         experts = expert_matrices(self.names[self.expert_first:], self.params[self.expert_first:],
                                   self.layers[self.expert_first:], self.ep) if expert_routes else []
         # ep > 1, owner-centric: the EP plan (dense matrices, then experts); this class runs its dense part.
@@ -369,6 +392,8 @@ class DistributedMuonBase(torch.optim.Optimizer):
         return unit.grad(k).view(self.params[i].shape)
 
     def _muon_inputs(self, indices, group) -> list[torch.Tensor]:
+        """Momentum, then the NS inputs of these Muon parameters: every matrix of each (its layout's), in
+        order (`_apply_matrices` takes the updates back in the same order)."""
         out = []
         for i in indices:
             p = self.params[i]
@@ -377,14 +402,30 @@ class DistributedMuonBase(torch.optim.Optimizer):
                 st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             g = self._grad(i).to(p.dtype)
             inp = muon_momentum_(g, st["momentum_buffer"], group["momentum"], group["nesterov"])
-            out.append(as_matrix(inp))
+            out += self.layouts[i].pieces(inp)
         return out
 
+    def _apply_matrices(self, indices, updates, group) -> None:
+        """`_apply` from one update per matrix (the order `_muon_inputs` gives)."""
+        whole, pos = [], 0
+        for i in indices:
+            lay = self.layouts[i]
+            whole.append(updates[pos] if lay.is_whole else lay.join(updates[pos:pos + lay.count]))
+            pos += lay.count
+        self._apply(indices, whole, group)
+
+    def _lr_scale(self, i: int, adjust_lr: str) -> float:
+        """Muon parameter i's learning-rate scale: its matrices' (one shape per parameter here)."""
+        return lr_scale(self.layouts[i].piece_shape(0), adjust_lr)
+
     def _apply(self, indices, updates, group) -> None:
-        """The updates of these Muon matrices, one foreach call per learning-rate scale."""
+        """The updates of these Muon parameters (each the parameter's shape, or one (out, -1) matrix, or its
+        matrices' (count, rows, cols) stack), one foreach call per learning-rate scale."""
         params = [self.params[i] for i in indices]
-        muon_apply_many_(params, list(updates), group["lr"], group["weight_decay"],
-                         [lr_scale(p.shape, group["adjust_lr"]) for p in params])
+        updates = [u if u.dim() != 3 or self.layouts[i].is_whole else self.layouts[i].unstack(u)
+                   for i, u in zip(indices, updates, strict=True)]
+        muon_apply_many_(params, updates, group["lr"], group["weight_decay"],
+                         [self._lr_scale(i, group["adjust_lr"]) for i in indices])
 
     def _muon_update(self, has_any: torch.Tensor, pending) -> None:
         raise NotImplementedError

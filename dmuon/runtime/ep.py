@@ -85,13 +85,20 @@ def check_ep(ep, world_size: int, *, process_group) -> int:
 
 def take_experts(routes, ep: int):
     """(the other routes, the expert routes) of a model under expert parallelism of degree ep (ep = 1:
-    no expert routes; 3-D parameters stay with AdamW as before). One-line errors for what EP cannot run."""
+    no expert routes: 3-D expert parameters are dense Muon parameters of E matrices each, `dmuon.params`).
+    One-line errors for what EP cannot run."""
     if ep == 1:
         return list(routes), []
     experts = [r for r in routes if is_expert_param(r.name, r.param)]
     if not experts:
         raise InputError(f"ep={ep}: the model has no expert parameters (3-D, a name holding '.experts.', "
                          "shaped (E_local, out, in)); accepted: ep=1 for a dense model")
+    fused = [r for r in experts if r.layout is not None and len(r.layout.sizes) > 1]
+    if fused:
+        raise InputError(f"{fused[0].name}: a fused expert parameter of several matrices per expert "
+                         f"({fused[0].reason}) is not run under ep > 1 yet; accepted: ep=1 (its matrices are "
+                         "then orthogonalized each alone, the parameter owned whole), or experts stored one "
+                         "matrix per expert slice")
     sharded = [r.name for r in experts if is_dtensor(r.param)]
     if sharded:
         raise InputError(f"{sharded[0]}: expert parameters are FSDP2-sharded; with ep > 1 each rank holds "

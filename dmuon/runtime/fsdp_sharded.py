@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError
-from ..optim import lr_scale, momentum_update, muon_apply_many_, muon_momentum_, muon_ns_input
+from ..optim import momentum_update, muon_apply_many_, muon_momentum_, muon_ns_input
 from .bytecount import label
 from .fsdp import chunk_rows, fsdp_owner_module, local_tensor, mesh_of
 from .guards import submit_flags
@@ -128,7 +128,7 @@ class _ShardedMixin:
             if mine.numel():
                 params.append(mine)
                 updates.append(rows_update.reshape(mine.shape))
-                scales.append(lr_scale(p.shape, group["adjust_lr"]))
+                scales.append(self._lr_scale(i, group["adjust_lr"]))
         if params:
             muon_apply_many_(params, updates, group["lr"], group["weight_decay"], scales)
 
@@ -359,10 +359,29 @@ class ShardedDMuonSteps(_ShardedMixin):
                     full, cols = (slot.mT if sl["flip"] else slot), geo.cols[sl["index"]]
                     for pos, row, r in sl["pieces"]:
                         full.narrow(0, row, r).copy_(recv.narrow(0, pos, r * cols).view(r, cols))
+            if self.plan.matrices[bt.members[0]].count > 1:  # parameters of several matrices
+                self._orthogonalize_several(bt, stack, fill, updates)
+                continue
             out = self._ns(stack, batch_method(self.plan, bt), fill["out_dtype"])
             self.ns_matrices += len(fill["members"])
             for sl, u in zip(fill["slots"], out.unbind(0), strict=True):
                 updates[sl["index"]] = u.mT if sl["flip"] else u
+
+    def _orthogonalize_several(self, bt, stack, fill, updates) -> None:
+        """One batched NS call over every matrix of the stack's parameters (each slot a whole parameter as
+        (rows, cols); its layout cuts the matrices), the updates back as (rows, cols) per parameter."""
+        lays = [self.layouts[sl["index"]] for sl in fill["slots"]]
+        c = lays[0].count
+        flips = [lay.piece_shape(0) != (bt.rows, bt.cols) for lay in lays]
+        ns_in = torch.empty((len(lays) * c, bt.rows, bt.cols), dtype=stack.dtype, device=stack.device)
+        for n, (slot, lay) in enumerate(zip(stack.unbind(0), lays, strict=True)):
+            dst = ns_in[n * c:(n + 1) * c]
+            (dst.mT if flips[n] else dst).copy_(lay.stack(slot))
+        out = self._ns(ns_in, batch_method(self.plan, bt), fill["out_dtype"])
+        self.ns_matrices += len(lays) * c
+        for n, (sl, lay) in enumerate(zip(fill["slots"], lays, strict=True)):
+            u = out[n * c:(n + 1) * c]
+            updates[sl["index"]] = lay.unstack(u.mT if flips[n] else u).reshape(stack.shape[1:])
 
     def _broadcast_replicas(self, k: int, members, dtype):
         """New local shards of bucket k's matrices from the replica that owns them to the others."""
@@ -418,8 +437,13 @@ class ShardedNaiveSteps(_ShardedMixin):
                                        shape=torch.Size((p.shape[0], self.geo.cols[i])),
                                        stride=(self.geo.cols[i], 1))
                 fulls.append(d.full_tensor().to(p.dtype))
-        updates = self._ns_many(fulls)
-        self.ns_matrices = getattr(self, "ns_matrices", 0) + len(fulls)
+        pieces = [m for i, f in zip(idx, fulls, strict=True) for m in self.layouts[i].pieces(f)]
+        out, updates, pos = self._ns_many(pieces), [], 0
+        for i, f in zip(idx, fulls, strict=True):  # each parameter's matrices back as its (rows, cols)
+            lay = self.layouts[i]
+            updates.append(out[pos] if lay.is_whole else lay.join(out[pos:pos + lay.count]).reshape(f.shape))
+            pos += lay.count
+        self.ns_matrices = getattr(self, "ns_matrices", 0) + len(pieces)
         s = self.geo.s
         self._apply_local([(i, u.narrow(0, sum(self.geo.rows[i][:s]), self.geo.rows[i][s]))
                            for i, u in zip(idx, updates, strict=True)], group)

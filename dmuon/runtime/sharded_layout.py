@@ -85,12 +85,15 @@ class OwnerLayout:
             dtype = opt.params[members[0]].dtype
             for i in members[1:]:
                 dtype = torch.promote_types(dtype, opt.params[i].dtype)
-            flips = {i: (opt.params[i].shape[0], geo.cols[i]) != (bt.rows, bt.cols) for i in members}
+            several = opt.plan.matrices[members[0]].count > 1  # parameters of several matrices: each slot
+            # holds its parameter as the rows arrive, (rows, cols); `_orthogonalize` cuts its matrices
+            flips = {i: not several and (opt.params[i].shape[0], geo.cols[i]) != (bt.rows, bt.cols)
+                     for i in members}
             # tall members of a wide batch (or the other way round) get a stack of their own shape where
             # the NS iterates them as they are: their rows are copied straight, never through a transposed
             # view; else (a split batch: its group splits that stack's columns; Triton kernels)
             # one stack, the flipped members through a transposed view
-            own = own_orientation_stacks(opt.plan, bt, opt.ns, opt.params[members[0]].device)
+            own = not several and own_orientation_stacks(opt.plan, bt, opt.ns, opt.params[members[0]].device)
             parts = [[i for i in members if flips[i] == f] for f in (False, True)] if own else [members]
             self.parts[id(bt)] = []
             for part, ms in enumerate(p for p in parts if p):
@@ -108,6 +111,8 @@ class OwnerLayout:
                     slots.append(dict(index=i, bucket=k, flip=flip, pieces=pieces, lo=sum(geo.rows[i][:me]),
                                       rows=geo.rows[i][me], direct=not flip and dtype == self.dtypes[k]))
                 shape = (bt.cols, bt.rows) if own and flips[ms[0]] else (bt.rows, bt.cols)
+                if several:
+                    shape = (opt.params[ms[0]].shape[0], geo.cols[ms[0]])
                 key = (id(bt), part)
                 it = it_dtype[ms[0]]  # the NS result kept in the iteration dtype where that loses nothing
                 self.fills[key] = dict(members=ms, dtype=dtype, shape=(len(ms), *shape), slots=slots,
