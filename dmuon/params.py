@@ -96,6 +96,7 @@ class AttentionShape:
     heads: int
     kv_heads: int
     head_dim: int
+    mla: bool = False  # multi-head latent attention (DeepSeek): its projections are not cut per head
 
 
 def attention_shape(config) -> AttentionShape | None:
@@ -115,7 +116,7 @@ def attention_shape(config) -> AttentionShape | None:
         if not isinstance(hidden, int) or hidden % heads:
             return None
         head_dim = hidden // heads
-    return AttentionShape(heads, kv, head_dim)
+    return AttentionShape(heads, kv, head_dim, get("kv_lora_rank") is not None)
 
 
 def _leaf(name: str) -> tuple[str, str]:
@@ -199,7 +200,7 @@ def decide(name: str, shape, kind: str | None = None, *, per_head: bool = False,
         return True, "fused QKV: q, k, v", MatrixLayout(shape, 1, axis, sizes, ("q", "k", "v"))
     if leaf in EXPERT_GATE_UP and rows % 2 == 0:
         return True, "fused gate / up", MatrixLayout(shape, 1, 0, (rows // 2,) * 2, ("gate", "up"))
-    if per_head:
+    if per_head and not (attention is not None and attention.mla):
         attn_out = leaf in PER_HEAD_COLS or (conv and leaf == "c_proj" and parent == "attn")
         if leaf in PER_HEAD_ROWS or attn_out:
             rows_cut = leaf in PER_HEAD_ROWS or conv  # a Conv1D stores (in, out): its input side is rows

@@ -378,6 +378,8 @@ def register(app, bench) -> None:
         if ep != 1:
             from dmuon.plan.ep import build_ep_plan
 
+            wl = wl.experts_apart()  # each expert matrix placed on its EP rank (dmuon.plan.ep)
+
             if max_split != 1 or cap is not None or anti_affinity:
                 raise InputError("--ep does not combine with --max-split, --memory-cap-gb or --anti-affinity")
             plan_fn = partial(build_ep_plan, ep=ep)

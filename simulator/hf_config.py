@@ -52,6 +52,7 @@ families and the key. The workload is cached per (path, modification time).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -62,7 +63,7 @@ from .workload_spec import MAX_COUNT, MAX_DIM, ParamSpec, Workload, WorkloadErro
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "experiments" / "models"
 FAMILIES = ("llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3",
-            "gemma")
+            "gemma", "phi3", "gpt2")
 ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi K2's config names its own type; the architecture is DeepSeek-V3's
 _TIED_DEFAULT = {"gemma": True}  # transformers' defaults for tie_word_embeddings (others: false)
 _COMMON = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -92,19 +93,20 @@ def model_path(text: str | Path) -> Path | None:
     return None
 
 
-def load_model(text: str | Path) -> Workload:
-    """The Workload of a Hugging Face config.json (see the module docstring)."""
+def load_model(text: str | Path, per_head: bool = False) -> Workload:
+    """The Workload of a Hugging Face config.json (see the module docstring); per_head: attention matrices
+    cut per head, as `DMuon(model, per_head=True)` runs them."""
     path = model_path(text)
     if path is None:
         raise WorkloadError(f"model {str(text)!r} is not a config.json, a folder holding one, or a shipped "
                             f"model; shipped: {', '.join(model_names()) or 'none'}")
     if not path.is_file():
         raise WorkloadError(f"model config {str(path)!r} does not exist")
-    return _load_cached(str(path.resolve()), path.stat().st_mtime_ns)
+    return _load_cached(str(path.resolve()), path.stat().st_mtime_ns, bool(per_head))
 
 
 @lru_cache(maxsize=8)
-def _load_cached(path: str, _mtime_ns: int) -> Workload:
+def _load_cached(path: str, _mtime_ns: int, per_head: bool = False) -> Workload:
     try:
         cfg = json.loads(Path(path).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -113,7 +115,7 @@ def _load_cached(path: str, _mtime_ns: int) -> Workload:
         raise WorkloadError(f"{path}: a config.json must hold one JSON object, got {type(cfg).__name__}")
     p = Path(path)
     name = p.parent.name if p.name == "config.json" else p.stem
-    return workload_from_config(cfg, name=name, source=path)
+    return workload_from_config(cfg, name=name, source=path, per_head=per_head)
 
 
 # ---- reading keys ----------------------------------------------------------------------------------
@@ -167,18 +169,49 @@ class _Dims:
 
 # ---- building ----------------------------------------------------------------------------------------
 class _Builder:
-    def __init__(self):
+    """Adds the model's parameters by their transformers 5 names and shapes; each becomes one ParamSpec as
+    the one routing rule (`dmuon.params.decide`) routes it: Muon or AdamW, and as which matrices (a fused
+    expert parameter is E (or 2E: gate, up) matrices owned together, as the runtime owns it)."""
+
+    def __init__(self, per_head: bool = False, attention=None):
         self.params: list[ParamSpec] = []
         self.layer = 0
+        self.per_head, self.attention = per_head, attention
+
+    def param(self, name: str, shape: tuple, matrix: str, *, kind: str | None = None, block: int | None = None,
+              uses: float = 1.0, attn: float = 0.0, note: str = "") -> None:
+        """A parameter named `name` (transformers' name less '.weight'), routed by `decide`."""
+        from dmuon.params import decide
+
+        full = name if len(shape) > 2 or name.endswith(".bias") else f"{name}.weight"
+        use_muon, reason, layout = decide(full, shape, kind, per_head=self.per_head, attention=self.attention)
+        if use_muon and not layout.uniform:
+            shapes = ", ".join(f"{a}x{b}" for a, b in sorted(set(layout.shapes)))
+            raise WorkloadError(f"{full}: its matrices have different shapes ({shapes}; {reason}); the runtime "
+                                "owns a parameter's matrices as one stack, so it takes only parameters whose "
+                                "matrices share one shape: accepted: per_head (--per-head)")
+        if use_muon:
+            (rows, cols), count = layout.piece_shape(0), layout.count
+            pieces = tuple(layout.matrix_names(full)) if count > 1 else ()
+        else:
+            rows, cols = (1, shape[0]) if len(shape) == 1 else (shape[0], math.prod(shape[1:]))
+            count, pieces = 1, ()
+            if kind is None and len(shape) >= 2 and "router" in reason:
+                note = note or "MoE router: AdamW"
+        self.params.append(ParamSpec(name, COMPONENT, matrix, rows, cols, self.layer,
+                                     "muon" if use_muon else "adamw", block, note, uses, attn, count, pieces))
 
     def add(self, name: str, matrix: str, rows: int, cols: int, optimizer: str, *, block: int | None = None,
-            uses: float = 1.0, attn: float = 0.0, note: str = "") -> None:
-        self.params.append(ParamSpec(name, COMPONENT, matrix, rows, cols, self.layer, optimizer, block,
-                                     note, uses, attn))
+            uses: float = 1.0, attn: float = 0.0, note: str = "", kind: str | None = None) -> None:
+        """A 2-D weight (rows x cols); `optimizer` is what the rule must say (checked)."""
+        self.param(name, (rows, cols), matrix, kind=kind, block=block, uses=uses, attn=attn, note=note)
+        got = self.params[-1].optimizer
+        if got != optimizer:
+            raise AssertionError(f"{name}: the routing rule says {got}, the reader expected {optimizer}")
 
     def vector(self, name: str, matrix: str, n: int, block: int | None = None) -> None:
         """A norm weight or a bias: AdamW, not a matmul."""
-        self.add(name, matrix, 1, n, "adamw", block=block, uses=0.0)
+        self.param(name, (n,), matrix, block=block, uses=0.0)
 
     def mlp(self, prefix: str, inter: int, hidden: int, block: int, *, uses: float = 1.0,
             names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), kind: str = "mlp") -> None:
@@ -186,6 +219,12 @@ class _Builder:
         self.add(f"{prefix}.{gate}", f"{kind}.{gate}", inter, hidden, "muon", block=block, uses=uses)
         self.add(f"{prefix}.{up}", f"{kind}.{up}", inter, hidden, "muon", block=block, uses=uses)
         self.add(f"{prefix}.{down}", f"{kind}.{down}", hidden, inter, "muon", block=block, uses=uses)
+
+    def experts(self, prefix: str, n: int, inter: int, hidden: int, block: int, uses: float) -> None:
+        """transformers 5's fused experts: gate_up_proj (E, 2I, H), down_proj (E, H, I)."""
+        self.param(f"{prefix}.gate_up_proj", (n, 2 * inter, hidden), "experts.gate_up_proj", block=block,
+                   uses=uses)
+        self.param(f"{prefix}.down_proj", (n, hidden, inter), "experts.down_proj", block=block, uses=uses)
 
 
 def _family(raw: dict, where: str) -> str:
@@ -216,10 +255,17 @@ def _dims(c: _Cfg, needs_dense: bool) -> _Dims:
                  c.int("intermediate_size") if needs_dense else None)
 
 
+def _expert_key(c: _Cfg, family: str) -> str:
+    """The key holding the routed-expert count: the family's, or transformers 5's `num_local_experts` (what
+    its Qwen3-MoE config writes for `num_experts`)."""
+    key = _MOE_KEYS[family]
+    return key if key in c.raw or "num_local_experts" not in c.raw else "num_local_experts"
+
+
 def _moe_layers(c: _Cfg, family: str, n_layers: int) -> list[bool]:
     if family not in _MOE_KEYS:
         return [False] * n_layers
-    experts = c.int(_MOE_KEYS[family], minimum=0)
+    experts = c.int(_expert_key(c, family), minimum=0)
     if experts == 0:
         return [False] * n_layers
     if family == "mixtral":
@@ -258,6 +304,10 @@ def _attention(b: _Builder, c: _Cfg, family: str, d: _Dims, i: int, prefix: str)
             b.vector(f"{prefix}.o_proj.bias", "o_proj.bias", h, i)
         return
     q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    if family == "phi3":  # fused qkv_proj: rows [q | k | v], cut into its matrices by the routing rule
+        b.add(f"{prefix}.qkv_proj", "qkv_proj", q + 2 * kv, h, "muon", block=i, attn=q)
+        b.add(f"{prefix}.o_proj", "o_proj", h, q, "muon", block=i)
+        return
     b.add(f"{prefix}.q_proj", "q_proj", q, h, "muon", block=i, attn=q)
     b.add(f"{prefix}.k_proj", "k_proj", kv, h, "muon", block=i)
     b.add(f"{prefix}.v_proj", "v_proj", kv, h, "muon", block=i)
@@ -275,22 +325,18 @@ def _attention(b: _Builder, c: _Cfg, family: str, d: _Dims, i: int, prefix: str)
 
 def _moe(b: _Builder, c: _Cfg, family: str, d: _Dims, i: int, prefix: str) -> None:
     h = d.hidden
-    n = c.int(_MOE_KEYS[family])
+    n = c.int(_expert_key(c, family))
     top_k = c.int("num_experts_per_tok")
     if top_k > n:
         raise c._fail(f"num_experts_per_tok {top_k} exceeds the {n} experts")
     if n > MAX_COUNT:
-        raise c._fail(f"{_MOE_KEYS[family]} must be <= {MAX_COUNT}, got {n}")
+        raise c._fail(f"{_expert_key(c, family)} must be <= {MAX_COUNT}, got {n}")
     share = top_k / n
-    if family == "mixtral":
-        inter, mod, names = c.int("intermediate_size"), "block_sparse_moe", ("w1", "w3", "w2")
-    else:
-        inter, mod, names = c.int("moe_intermediate_size"), "mlp", ("gate_proj", "up_proj", "down_proj")
+    inter = c.int("intermediate_size" if family == "mixtral" else "moe_intermediate_size")
+    mod = "mlp"  # transformers 5 names every family's MoE block `mlp` (Mixtral's was block_sparse_moe)
+    # the router; DeepSeek-V3's e_score_correction_bias is a buffer (no optimizer updates it)
     b.add(f"{prefix}.{mod}.gate", "router", n, h, "adamw", block=i, note="MoE router: AdamW")
-    if family == "deepseek_v3" and c.raw.get("topk_method", "noaux_tc") == "noaux_tc":
-        b.vector(f"{prefix}.{mod}.gate.e_score_correction_bias", "router.bias", n, i)
-    for e in range(n):
-        b.mlp(f"{prefix}.{mod}.experts.{e}", inter, h, i, uses=share, names=names, kind="experts")
+    b.experts(f"{prefix}.{mod}.experts", n, inter, h, i, share)
     if family == "deepseek_v3":
         shared = c.int("n_shared_experts", 0, minimum=0)
         if shared:
@@ -309,6 +355,9 @@ def _decoder_layer(b: _Builder, c: _Cfg, family: str, d: _Dims, i: int, moe: boo
     b.vector(f"{prefix}.post_attention_layernorm", "post_attention_layernorm", d.hidden, i)
     if moe:
         _moe(b, c, family, d, i, prefix)
+    elif family == "phi3":  # fused gate_up_proj: rows [gate | up]
+        b.add(f"{prefix}.mlp.gate_up_proj", "mlp.gate_up_proj", 2 * d.intermediate, d.hidden, "muon", block=i)
+        b.add(f"{prefix}.mlp.down_proj", "mlp.down_proj", d.hidden, d.intermediate, "muon", block=i)
     else:
         b.mlp(f"{prefix}.mlp", d.intermediate, d.hidden, i)
         if family == "llama" and c.bool("mlp_bias", False):
@@ -317,10 +366,46 @@ def _decoder_layer(b: _Builder, c: _Cfg, family: str, d: _Dims, i: int, moe: boo
                 b.vector(f"{prefix}.mlp.{proj}.bias", f"mlp.{proj}.bias", n, i)
 
 
-def workload_from_config(raw: dict, *, name: str = "model", source: str = "config.json") -> Workload:
-    """The Workload of a parsed config.json dict (see the module docstring)."""
+def _gpt2(b: _Builder, c: _Cfg) -> int:
+    """GPT-2: Conv1D weights stored (in, out); c_attn a fused QKV (column blocks q, k, v); tied head."""
+    h, n, heads, vocab = c.int("n_embd"), c.int("n_layer"), c.int("n_head"), c.int("vocab_size")
+    if h % heads:
+        raise c._fail(f"n_embd {h} is not a multiple of n_head {heads}")
+    inner = c.int("n_inner", 4 * h)
+    b.param("transformer.wte", (vocab, h), "embed_tokens", kind="embedding")
+    b.param("transformer.wpe", (c.int("n_positions", 1024), h), "embed_positions", kind="embedding", uses=0.0)
+    for i in range(n):
+        b.layer += 1
+        p = f"transformer.h.{i}"
+        for ln in ("ln_1", "ln_2"):
+            b.vector(f"{p}.{ln}", ln, h, i)
+            b.vector(f"{p}.{ln}.bias", f"{ln}.bias", h, i)
+        for mod, (rows, cols), attn in (("attn.c_attn", (h, 3 * h), h), ("attn.c_proj", (h, h), 0.0),
+                                        ("mlp.c_fc", (h, inner), 0.0), ("mlp.c_proj", (inner, h), 0.0)):
+            b.param(f"{p}.{mod}", (rows, cols), mod, kind="conv1d", block=i, attn=attn)
+            b.vector(f"{p}.{mod}.bias", f"{mod}.bias", cols, i)
+    b.layer += 1
+    b.vector("transformer.ln_f", "norm", h)
+    b.vector("transformer.ln_f.bias", "norm.bias", h)
+    if not c.bool("tie_word_embeddings", True):
+        b.param("lm_head", (vocab, h), "lm_head", kind="head")
+    return n
+
+
+def workload_from_config(raw: dict, *, name: str = "model", source: str = "config.json",
+                         per_head: bool = False) -> Workload:
+    """The Workload of a parsed config.json dict (see the module docstring); per_head: attention matrices
+    cut per head (`dmuon.params.decide`, as DMuon(model, per_head=True) runs them)."""
+    from dmuon.params import attention_shape
+
     family = _family(raw, source)
     c = _Cfg(raw, source, family)
+    if family == "gpt2":
+        b = _Builder(per_head, attention_shape(raw))
+        _gpt2(b, c)
+        params = tuple(b.params)
+        return Workload(name=name, params=params, notes=(_summary(family, params, sum(p.numel for p in params),
+                                                                  0, True),), source=source)
     mtp = c.int("num_nextn_predict_layers", 0, minimum=0) if family == "deepseek_v3" else 0
     moe = _moe_layers(c, family, c.int("num_hidden_layers") + mtp)  # MTP layers follow the same rule
     d = _dims(c, needs_dense=not all(moe))
@@ -328,7 +413,7 @@ def workload_from_config(raw: dict, *, name: str = "model", source: str = "confi
         for key in _MLA:
             c.int(key)
     tied = c.bool("tie_word_embeddings", _TIED_DEFAULT.get(family, False))
-    b = _Builder()
+    b = _Builder(per_head, attention_shape(raw))
     b.add("model.embed_tokens", "embed_tokens", d.vocab, d.hidden, "adamw",
           note="tied with lm_head" if tied else "untied")
     for i in range(d.layers):
@@ -384,14 +469,26 @@ def matrix_table(workload: Workload) -> list[dict]:
     in the catalog: a config's E experts of one shape are one row with count E x layers)."""
     rows: dict[tuple, dict] = {}
     for p in workload.params:
-        key = (p.matrix, p.rows, p.cols, p.optimizer)
-        r = rows.get(key)
-        if r is None:
-            rows[key] = {"matrix": p.matrix, "rows": p.rows, "cols": p.cols, "count": 1,
-                         "optimizer": p.optimizer, "matmuls_per_token": p.matmuls_per_token}
-        else:
-            r["count"] += 1
+        for kind in _piece_kinds(p):
+            key = (kind, p.rows, p.cols, p.optimizer)
+            r = rows.get(key)
+            if r is None:
+                rows[key] = {"matrix": kind, "rows": p.rows, "cols": p.cols, "count": 1,
+                             "optimizer": p.optimizer, "matmuls_per_token": p.matmuls_per_token}
+            else:
+                r["count"] += 1
     return list(rows.values())
+
+
+def _piece_kinds(p: ParamSpec) -> list[str]:
+    """The matrix kind of each matrix a parameter holds: its own, or for a fused one each piece's
+    ('experts.gate_up_proj' -> 'experts.gate_proj', 'experts.up_proj', ...; 'qkv_proj' -> 'qkv_proj:q' ...)."""
+    if p.count == 1:
+        return [p.matrix]
+    if ".experts." in (p.pieces[0] if p.pieces else ""):
+        kinds = p.matrix.rsplit(".", 1)[0]
+        return [f"{kinds}.{n.rsplit('.', 1)[-1]}" for n in p.pieces]
+    return [f"{p.matrix}:{n.split(':')[-1]}" for n in p.pieces]
 
 
 def flops_per_token(workload: Workload, seq_len: int) -> float:

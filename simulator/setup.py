@@ -93,6 +93,8 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
     returning the provenance dict once the step programs have been built. thread_cost: a cost table
     measured at cfg.cpu_threads threads (CPU profiles): it replaces `cost` (the plan is built from it, as
     the runtime plans with the table of its thread count, and it prices the elementwise passes)."""
+    if cfg.ep > 1:  # expert parallelism places each expert matrix on its EP rank: every one its own entry
+        workload = workload.experts_apart()
     priced = thread_cost or cost  # what NS calls and elementwise passes cost at this thread count
     measured = thread_cost is not None
     k = cfg.speed_scale  # the device's speed now vs when profiled
@@ -125,9 +127,9 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
         naive_methods = ["standard", "gram"] + (["standard_sym", "gram_sym"] if sym else [])
     # one call per matrix, or (naive_batching) one batched call per shape as dmuon.NaiveMuon's
     # orthogonalize_many makes, its time shared evenly by its members
-    same_shape: dict[tuple[int, int], int] = {}
+    same_shape: dict[tuple[int, int], int] = {}  # matrices per shape (a parameter's count of them each)
     for m in muon:
-        same_shape[(m.rows, m.cols)] = same_shape.get((m.rows, m.cols), 0) + 1
+        same_shape[(m.rows, m.cols)] = same_shape.get((m.rows, m.cols), 0) + m.count
     for m in muon:
         key = (m.rows, m.cols)
         if key not in ns_answers:
@@ -135,7 +137,8 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
             ns_answers[key] = min((priced.ns_time(m.rows, m.cols, b, meth, ns_dtype)
                                    for meth in naive_methods), key=lambda a: a.time_s)
     per_member = {k: (same_shape[k] if cfg.naive_batching else 1) for k in ns_answers}
-    ns_naive = [ns_answers[(m.rows, m.cols)].time_s / per_member[(m.rows, m.cols)] * ns_stretch for m in muon]
+    ns_naive = [ns_answers[(m.rows, m.cols)].time_s / per_member[(m.rows, m.cols)] * m.count * ns_stretch
+                for m in muon]
 
     ew_answers: dict = {}
     elementwise_s = elementwise_pricer(priced, profile, profile.elementwise_scale * ew_stretch, ew_answers)

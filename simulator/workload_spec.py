@@ -42,10 +42,21 @@ class ParamSpec:
     # the attention width an attention's query projection prices its score and value products with
     # (simulator.compute); 0: derived from the matrix name (q_proj: rows), as for catalog workloads
     attn_width: float = 0.0
+    # a Muon parameter that holds several matrices (`dmuon.params.decide`: fused experts, fused QKV /
+    # gate-up, per-head blocks): `count` matrices of rows x cols, named `pieces` (the runtime's
+    # `Route.matrices` names), owned together as the runtime owns the parameter (MatrixSpec.count)
+    count: int = 1
+    pieces: tuple[str, ...] = ()
 
     @property
     def numel(self) -> int:
-        return self.rows * self.cols
+        return self.rows * self.cols * self.count
+
+    def matrices(self) -> list[tuple[str, int, int]]:
+        """(name, rows, cols) of each matrix Muon runs for this parameter ([] for AdamW)."""
+        if self.optimizer != "muon":
+            return []
+        return [(n, self.rows, self.cols) for n in (self.pieces or (self.name,))]
 
 
 @dataclass(frozen=True)
@@ -60,8 +71,22 @@ class Workload:
     @property
     def muon_matrices(self) -> tuple[MatrixSpec, ...]:
         """The Muon-managed matrices as planner input (name, shape, layer)."""
-        return tuple(MatrixSpec(p.name, p.rows, p.cols, p.layer) for p in self.params
+        return tuple(MatrixSpec(p.name, p.rows, p.cols, p.layer, p.count) for p in self.params
                      if p.optimizer == "muon")
+
+    def experts_apart(self) -> Workload:
+        """This workload with every expert matrix its own ParamSpec (named `...experts.<e>....`), as expert
+        parallelism places them (`dmuon.plan.ep`: each EP rank holds its experts; the simulator's EP
+        programs); everything else as it is."""
+        out = []
+        for p in self.params:
+            if p.count == 1 or ".experts." not in p.name:
+                out.append(p)
+                continue
+            kinds = p.matrix.rsplit(".", 1)[0]
+            for n in p.pieces:
+                out.append(replace(p, name=n, matrix=f"{kinds}.{n.rsplit('.', 1)[-1]}", count=1, pieces=()))
+        return replace(self, params=tuple(out))
 
     @property
     def adamw_params(self) -> tuple[ParamSpec, ...]:

@@ -59,8 +59,9 @@ def test_runtime_routing_equals_simulator_routing(family, per_head):
     routes = route(model, per_head=per_head)
     runtime = [m for r in routes for m in r.matrices]
     runtime_adamw = sorted(r.name.removesuffix(".weight") for r in routes if not r.use_muon)
-    wl = workload_from_config(cfg.to_dict(), name=family, per_head=per_head)
-    sim = [(p.name, p.rows, p.cols) for p in wl.params if p.optimizer == "muon"]
+    raw = cfg.to_dict()
+    raw["num_nextn_predict_layers"] = 0  # transformers builds no MTP modules; the simulator can add them
+    wl = workload_from_config(raw, name=family, per_head=per_head)
     sim = [m for p in wl.params if p.optimizer == "muon" for m in p.matrices()]
     sim_adamw = sorted(p.name for p in wl.params if p.optimizer == "adamw")
     assert sorted(runtime) == sorted(sim)
@@ -226,6 +227,16 @@ def rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
+def compared(name: str, t: torch.Tensor) -> torch.Tensor:
+    """What a parameter is compared on. GPT-2's key bias (the middle third of c_attn.bias) is left out: the
+    softmax is invariant to it, so its exact gradient is 0 and what the ranks sum is rounding noise, which
+    AdamW normalizes to steps of lr size in an order-dependent direction (9.5e-5 apart in every layout and
+    in NaiveMuon alike)."""
+    if name.endswith("attn.c_attn.bias"):
+        return torch.cat([t[:H], t[2 * H:]])
+    return t
+
+
 LAYOUTS = ["replicated", "fsdp2-owner", "fsdp2-sharded"]
 ALL = [(lay, s) for lay in LAYOUTS for s in ("dmuon", "naive")]
 RUNS = [  # (family, ranks, cases, checkpoint): every family on 2 ranks, the MoE on 4 too
@@ -249,5 +260,5 @@ def test_hf_model_distributed_equals_single_process_muon(family, world, cases, c
         for case, weights in got.items():
             resumed = weights.pop("__resume_bitwise__", None)
             assert resumed in (None, True), f"{family} {case} rank {rank}: resumed training differs"
-            worst = max(rel(weights[n], want[n]) for n in want)
+            worst = max(rel(compared(n, weights[n]), compared(n, want[n])) for n in want)
             assert worst < 1e-5, f"{family} {case} rank {rank}: {worst:.2e} from single-process Muon"
