@@ -55,7 +55,8 @@ def test_experts_are_one_matrix_each_for_batched_ns():
     assert gate["matmuls_per_token"] == pytest.approx(8 / 384)
     assert rows[("experts.down_proj", 7168, 2048)]["count"] == 384 * 60
     assert rows[("router", 384, 7168)]["optimizer"] == "adamw"
-    assert len(w.muon_matrices) == 61 * 5 + 3 + 60 * (384 + 1) * 3  # MLA 5, dense MLP, experts + shared
+    assert sum(m.count for m in w.muon_matrices) == 61 * 5 + 3 + 60 * (384 + 1) * 3  # MLA 5, dense MLP, experts + shared
+    assert len(w.muon_matrices) == 61 * 5 + 3 + 60 * (2 + 3)  # each fused expert parameter one entry (owned whole)
     # loading .json paths and folders through the workload loader, cached per file
     assert load_workload("experiments/models/kimi-k2-like") is w
 
@@ -66,7 +67,10 @@ TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, 
 
 
 def _shapes(w):
-    return {p.name: (p.rows, p.cols, p.optimizer) for p in w.params}
+    """name -> (rows, cols, optimizer) of every parameter and of every matrix a fused one holds."""
+    out = {p.name: (p.rows, p.cols, p.optimizer) for p in w.params}
+    out.update({n: (r, c, "muon") for p in w.params for n, r, c in p.matrices() if p.count > 1})
+    return out
 
 
 def test_gqa_head_dim_and_tied_embeddings_by_hand():
@@ -98,10 +102,13 @@ def test_family_specifics_by_hand():
     assert "lm_head" in _shapes(workload_from_config({**g, "model_type": "mistral"}))
     mix = workload_from_config({**TINY_LLAMA, "model_type": "mixtral", "num_local_experts": 4,
                                 "num_experts_per_tok": 2})
-    m = {p.name: p for p in mix.params}
-    w2, w1 = (m[f"model.layers.1.block_sparse_moe.experts.3.{k}"] for k in ("w2", "w1"))
-    assert (w2.rows, w2.cols) == (64, 96) and w1.matmuls_per_token == 0.5
-    assert m["model.layers.0.block_sparse_moe.gate"].optimizer == "adamw"
+    m = {p.name: p for p in mix.params}  # transformers 5: Mixtral's experts fused in `mlp.experts`
+    ms = _shapes(mix)
+    assert ms["model.layers.1.mlp.experts.3.down_proj"] == (64, 96, "muon")
+    assert ms["model.layers.1.mlp.experts.3.gate_proj"] == (96, 64, "muon")
+    assert m["model.layers.1.mlp.experts.gate_up_proj"].matmuls_per_token == 0.5
+    assert m["model.layers.1.mlp.experts.gate_up_proj"].count == 2 * 4
+    assert m["model.layers.0.mlp.gate"].optimizer == "adamw"
     qm = _shapes(workload_from_config({**TINY_LLAMA, "model_type": "qwen3_moe", "num_experts": 4,
                                        "num_experts_per_tok": 1, "moe_intermediate_size": 8,
                                        "mlp_only_layers": [0]}))
@@ -138,9 +145,10 @@ def test_mla_moe_dense_first_layers_by_hand():
     assert s["model.layers.1.mlp.gate"] == (4, 32, "adamw")  # the router
     attn = 512 + 16 + 192 + 320 + 8 + 128 + 256
     dense = 64 + attn + 3 * 48 * 32
-    moe = 64 + attn + 4 * 32 + 4 + 4 * 3 * 12 * 32 + 3 * 12 * 32
+    moe = 64 + attn + 4 * 32 + 4 * 3 * 12 * 32 + 3 * 12 * 32  # e_score_correction_bias: a buffer in transformers 5
     assert w.n_params == 50 * 32 + dense + moe + 32 + 50 * 32
-    assert len(w.muon_matrices) == 8 + 5 + 12 + 3
+    assert sum(m.count for m in w.muon_matrices) == 8 + 5 + 12 + 3
+    assert len(w.muon_matrices) == 8 + 5 + 2 + 3  # the fused gate_up (8 matrices) and down_proj (4) one entry each
     q_b = next(p for p in w.params if p.name == f"{a}.q_b_proj")
     assert q_b.attn_width == 2 * (4 + 2 + 4) / 2  # scores on the qk width, values on the v width
     with_mtp = workload_from_config({**TINY_MLA, "num_nextn_predict_layers": 1})
@@ -151,7 +159,7 @@ def test_mla_moe_dense_first_layers_by_hand():
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported families: llama, mistral"),
+    ({"model_type": "falcon"}, "model_type 'falcon' is not supported; supported families: llama, mistral"),
     ({"model_type": None}, "missing key 'model_type'; supported families: llama"),
     ({"hidden_size": None}, "missing key 'hidden_size' .*supported families: llama"),
     ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
