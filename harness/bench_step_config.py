@@ -53,6 +53,12 @@ class StepConfig:
     comm_dtype: str | None = None  # DMuon / NaiveMuon comm_dtype
     max_splits: tuple[int, ...] = (1,)  # DMuon max_split, one variant each
     wide: tuple[int, int] | None = None  # (rows, cols) of the bench model's extra matrix (WideMix)
+    model: str | None = None  # a Hugging Face config.json (harness.hf_model) instead of the bench model
+    hidden: int | None = None  # --model: hidden size (harness.hf_model.shrink)
+    vocab: int | None = None  # --model: vocabulary size
+    model_raw: dict | None = None  # --model: the shrunk config dict every rank builds (set by check_config)
+    model_path: str = ""  # --model: the config.json it names (set by check_config)
+    model_name: str = ""  # --model: its folder's name (set by check_config)
     notes: list[str] = field(default_factory=list)
 
     def variants(self) -> list[tuple[str, bool, str, str, str, int]]:
@@ -142,7 +148,14 @@ def check_config(cfg: StepConfig) -> None:
         raise InputError("--memory free needs an FSDP2 layout; accepted with --layout ddp: keep")
     if cfg.layout != "ddp" and cfg.node_size is not None:
         raise InputError("--node-size is for --layout ddp (FSDP2 layouts use a 1-D mesh here)")
-    decoder_spec(load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers))
+    if cfg.model is not None:
+        check_model(cfg)
+    else:
+        for name, v in (("hidden", cfg.hidden), ("vocab", cfg.vocab)):
+            if v is not None:
+                raise InputError(f"{name} is for a Hugging Face model (--model path/to/config.json); the bench "
+                                 "model's size is set by --workload, --width-scale and --layers")
+        decoder_spec(load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers))
     if isinstance(cfg.timeout_s, bool) or not isinstance(cfg.timeout_s, (int, float)) \
             or not math.isfinite(cfg.timeout_s) or cfg.timeout_s <= 0:
         raise InputError(f"timeout_s must be a finite number of seconds > 0, got {cfg.timeout_s!r}")
@@ -160,6 +173,20 @@ def check_config(cfg: StepConfig) -> None:
             raise InputError(f"--profile-trace {cfg.profile_trace!r} is not writable; give a writable folder")
 
 
+def check_model(cfg: StepConfig) -> None:
+    """--model: read and shrink the config.json and let transformers check it (no weights allocated);
+    the shrunk dict goes to every rank in cfg.model_raw."""
+    from .hf_model import model_name, shrunk_config
+
+    if cfg.wide is not None:
+        raise InputError("--wide-matrix adds a matrix to the bench model; it cannot be used with --model")
+    if cfg.speed_probe:
+        raise InputError("--speed-probe prices the bench model's workload; it cannot be used with --model")
+    path, cfg.model_raw = shrunk_config(cfg.model, layers=cfg.layers, hidden=cfg.hidden, vocab=cfg.vocab)
+    cfg.model_path = str(path)
+    cfg.model_name = model_name(path)
+
+
 def use_cuda(cfg: StepConfig) -> bool:
     import torch
 
@@ -173,4 +200,4 @@ def threads_for(cfg: StepConfig, local_world: int) -> int:
 
 
 __all__ = ["LAYOUTS", "MEMORY", "METRICS", "NS_DTYPES", "OVERLAP", "STRATEGIES", "StepConfig", "check_config",
-           "parse_scale", "threads_for", "use_cuda"]
+           "check_model", "parse_scale", "threads_for", "use_cuda"]

@@ -56,7 +56,7 @@ def _peak_rss() -> int:
     return _rss_bytes()
 
 
-def _count_step(cfg: StepConfig, model, opt, rank: int, device, it: int) -> dict:
+def _count_step(cfg: StepConfig, built: Built, opt, rank: int, device, it: int) -> dict:
     """One more (untimed) iteration with every collective counted (see the module docstring)."""
     from dmuon.runtime.bytecount import CollectiveBytes
     from simulator.benchmodel import synthetic_batch
@@ -66,11 +66,11 @@ def _count_step(cfg: StepConfig, model, opt, rank: int, device, it: int) -> dict
     opt.synchronize_exchanges()
     for w in workers:
         w.counter = counter
-    x, y = synthetic_batch(model.vocab, cfg.seq_len, cfg.micro_batch, seed=cfg.seed, step=it, rank=rank,
+    x, y = synthetic_batch(built.vocab, cfg.seq_len, cfg.micro_batch, seed=cfg.seed, step=it, rank=rank,
                            device=device)
     try:
         with counter.active():
-            model(x, y).backward()
+            built.loss(x, y).backward()
             opt.step()
             opt.synchronize_exchanges()
     finally:
@@ -80,6 +80,35 @@ def _count_step(cfg: StepConfig, model, opt, rank: int, device, it: int) -> dict
     own = counter.bytes(label="dmuon") + counter.bytes(label="optimizer")
     return dict(comm_bytes_per_step=counter.bytes(), opt_comm_bytes_per_step=own,
                 fsdp_comm_bytes_per_step=counter.bytes(label="main"))
+
+
+class Built:
+    """The model a block trains: the bench model (simulator.benchmodel, forward(tokens, targets) -> loss)
+    or a Hugging Face causal LM (--model: harness.hf_model, labels = input_ids, its output's .loss)."""
+
+    def __init__(self, cfg: StepConfig, device, dtype):
+        if cfg.model_raw is not None:
+            from .hf_model import build_model, vocab_size
+
+            self.workload = None
+            self.model = build_model(cfg.model_raw, seed=cfg.seed, device=device, dtype=dtype)
+            self.vocab = vocab_size(cfg.model_raw)
+        else:
+            from simulator.benchmodel import build_bench_model
+            from simulator.workload import load_workload
+
+            self.workload = load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers)
+            self.model = build_bench_model(self.workload, seed=cfg.seed, device=device, dtype=dtype,
+                                           wide=cfg.wide)
+            self.vocab = self.model.vocab
+        self.hf = cfg.model_raw is not None
+
+    def loss(self, tokens, targets):
+        if self.hf:
+            from .hf_model import causal_lm_loss
+
+            return causal_lm_loss(self.model, tokens)
+        return self.model(tokens, targets)
 
 
 PROBE_REPEATS = 3
@@ -146,8 +175,7 @@ def run_variant(cfg: StepConfig, variant: tuple, rank: int, world: int, device, 
     import torch
     import torch.distributed as dist
 
-    from simulator.benchmodel import bench_optimizer, build_bench_model, synthetic_batch
-    from simulator.workload import load_workload
+    from simulator.benchmodel import bench_optimizer, synthetic_batch
 
     strategy, overlap, exchange, ns_method, ns_dtype, max_split = variant
     cuda = device.type == "cuda"
@@ -155,9 +183,9 @@ def run_variant(cfg: StepConfig, variant: tuple, rank: int, world: int, device, 
     _trim_heap()
     base_rss = _rss_bytes()
     _reset_peak_rss()
-    workload = load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers)
-    model = build_bench_model(workload, seed=cfg.seed, device=device, dtype=dtype, wide=cfg.wide)
-    probe_s, probe_ns_s, probe_ew_s = (_speed_probe(model, workload, cfg, device) if cfg.speed_probe
+    built = Built(cfg, device, dtype)
+    model = built.model
+    probe_s, probe_ns_s, probe_ew_s = (_speed_probe(model, built.workload, cfg, device) if cfg.speed_probe
                                        else (float("nan"),) * 3)
     opt = bench_optimizer(strategy, model, overlap=overlap, exchange=exchange, layout=cfg.layout,
                           memory=cfg.memory, node_size=cfg.node_size, timeout_s=min(cfg.timeout_s, 600.0),
@@ -187,11 +215,11 @@ def run_variant(cfg: StepConfig, variant: tuple, rank: int, world: int, device, 
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
                                           + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
             prof.__enter__()
-        x, y = synthetic_batch(model.vocab, cfg.seq_len, cfg.micro_batch, seed=cfg.seed, step=it, rank=rank,
+        x, y = synthetic_batch(built.vocab, cfg.seq_len, cfg.micro_batch, seed=cfg.seed, step=it, rank=rank,
                                device=device)
         opt.comm_stats.reset()
         t0 = now()
-        loss = model(x, y)
+        loss = built.loss(x, y)
         t1 = now()
         loss.backward()
         t2 = now()
@@ -217,7 +245,7 @@ def run_variant(cfg: StepConfig, variant: tuple, rank: int, world: int, device, 
                                                 else _peak_rss() - base_rss),
                                 loss=float(loss.detach()), load_1m=os.getloadavg()[0], probe_s=probe_s,
                                 probe_ns_s=probe_ns_s, probe_ew_s=probe_ew_s))
-    counted = _count_step(cfg, model, opt, rank, device, cfg.warmup + timed)
+    counted = _count_step(cfg, built, opt, rank, device, cfg.warmup + timed)
     for r in records:
         r.update(counted)
     if prof is not None:
@@ -238,7 +266,7 @@ def run_variant(cfg: StepConfig, variant: tuple, rank: int, world: int, device, 
                 split_groups=" ".join("-".join(map(str, b.group)) for b in opt.plan.split_batches)
                 if opt.plan is not None else "")
     opt.close()
-    del model, opt
+    del model, opt, built
     for r in records:
         r.update(info)
     return records
@@ -271,6 +299,22 @@ def rank_main(cfg: StepConfig, rank: int, world: int, local_rank: int) -> list[d
     if rank != 0:
         return None
     return [aggregate(cfg, v, [g[k] for g in gathered], world, device) for k, v in enumerate(variants)]
+
+
+def _model_columns(cfg: StepConfig) -> dict:
+    """--model: the model's name (in workload, as `harness simulate --model` names it), its config.json,
+    type, size and the hidden size over the config's (width_scale); the bench model: no extra columns."""
+    if cfg.model_raw is None:
+        return {}
+    from .hf_model import read_config
+
+    raw = cfg.model_raw
+    _, original = read_config(cfg.model_path)
+    hidden = raw.get("hidden_size", raw.get("n_embd"))
+    return dict(workload=cfg.model_name, model_config=cfg.model_path, model_type=raw["model_type"],
+                width_scale=hidden / original.get("hidden_size", original.get("n_embd", hidden)),
+                layers=raw.get("num_hidden_layers", raw.get("n_layer")), hidden=hidden,
+                vocab=raw["vocab_size"])
 
 
 def aggregate(cfg: StepConfig, variant: tuple, per_rank: list[list[dict]],
@@ -320,6 +364,7 @@ def aggregate(cfg: StepConfig, variant: tuple, per_rank: list[list[dict]],
                threads_per_rank=torch.get_num_threads(), cpu_cores=os.cpu_count(),
                torch_version=torch.__version__,
                measured_at=datetime.datetime.now().isoformat(timespec="seconds"))
+    row.update(_model_columns(cfg))
     return row
 
 

@@ -1,8 +1,12 @@
 """`harness bench step`: real training steps of DMuon, NaiveMuon and replicated AdamW on N processes.
 
 Spawns N ranks (gloo on the CPU, nccl on CUDA) -- or runs as one rank under torchrun (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT, LOCAL_RANK set) -- builds `simulator.benchmodel` for the workload, and trains
+MASTER_ADDR, MASTER_PORT, LOCAL_RANK set) -- builds `simulator.benchmodel` for the workload (or, with
+--model, a Hugging Face causal LM from a config.json with transformers, shrunk by --layers / --hidden /
+--vocab as harness.hf_model says; trained with labels = input_ids and the model's own loss), and trains
 every requested variant (strategy x overlap) in turn on seeded synthetic data, in the same processes.
+With --model the rows also hold model_config, model_type, hidden and vocab; workload is the model's
+name and width_scale its hidden size over the config's.
 Per timed step (after --warmup steps) each rank records, on its compute thread:
 
   forward_s       forward + loss (includes waiting for published weights: overlap=True)
@@ -175,7 +179,10 @@ def print_table(rows: list[dict]) -> None:
     from rich.table import Table
 
     r0 = rows[0]
-    t = Table(title=f"bench step: {r0['workload']} x{r0['width_scale']:g}, {r0['layers']} layers, seq "
+    what = (f"{r0['workload']} x{r0['width_scale']:g}" if not r0.get("model_config") else
+            f"{r0['workload']} ({r0['model_type']}, hidden {r0['hidden']}, vocab {r0['vocab']}, "
+            f"{r0['n_params'] / 1e6:.2f}M parameters)")
+    t = Table(title=f"bench step: {what}, {r0['layers']} layers, seq "
                     f"{r0['seq_len']}, micro-batch {r0['micro_batch']}, {r0['ranks']} ranks "
                     f"({r0['backend']}, "
                     f"{r0['threads_per_rank']} threads/rank, {r0['cpu_cores']} cores); medians of "
@@ -241,9 +248,26 @@ def register(app, bench) -> None:
         ranks: int = typer.Option(2, help="Processes to spawn (ignored under torchrun: WORLD_SIZE)."),
         strategy: str = typer.Option("dmuon", help="dmuon | naive | adamw, or a comma-separated list run "
                                      "side by side in the same processes."),
-        workload: str = typer.Option("qwen2.5-7b", help="Catalog name or .toml/.csv (decoder LLM)."),
-        width_scale: str = typer.Option("1/16", help="Multiply every dimension (e.g. 1/16 or 0.0625)."),
-        layers: int = typer.Option(4, help="Keep the first L blocks."),
+        workload: str = typer.Option(None, help="Catalog name or .toml/.csv (decoder LLM) of the bench "
+                                     "model (default: qwen2.5-7b)."),
+        width_scale: str = typer.Option(None, help="Multiply every dimension of the bench model (e.g. 1/16 "
+                                        "or 0.0625) (default: 1/16)."),
+        layers: int = typer.Option(None, help="Keep the first L blocks (default: 4); with --model: "
+                                   "num_hidden_layers = L, default the config's; DeepSeek's "
+                                   "first_k_dense_replace capped at L-1, num_nextn_predict_layers, "
+                                   "max_window_layers, mlp_only_layers and layer_types cut to L."),
+        model: str = typer.Option(None, help="A Hugging Face config.json (or a folder holding one, or a model "
+                                  "in experiments/models/) built with transformers (pip install "
+                                  "transformers; nothing downloaded) instead of the bench model; trained "
+                                  "on random tokens, labels = input_ids, the model's own loss."),
+        hidden: int = typer.Option(None, help="With --model: hidden_size = H; intermediate sizes (dense, MoE, "
+                                   "shared expert) and MLA ranks scaled by H / hidden_size (intermediate "
+                                   "sizes to a multiple of 8), head counts and expert counts kept, head_dim "
+                                   "= H / num_attention_heads (H a multiple of 2 x heads) or, where the "
+                                   "config sets head_dim / MLA head dims, those scaled too (to even "
+                                   "numbers) (default: the config's)."),
+        vocab: int = typer.Option(None, help="With --model: vocab_size = V (a smaller embedding and head; "
+                                  "token ids outside it dropped) (default: the config's)."),
         seq_len: int = typer.Option(128, help="Tokens per sequence."),
         micro_batch: int = typer.Option(2, help="Sequences per rank per step."),
         steps: int = typer.Option(8, help="Timed steps per variant (medians reported)."),
@@ -290,10 +314,17 @@ def register(app, bench) -> None:
                                          "one NS call and one AdamW pass before each block (columns probe_s, "
                                          "probe_ns_s, probe_ew_s: the machine's speed then)."),
     ):
-        """Measure training steps of DMuon / NaiveMuon / AdamW on N real processes (see docs/runtime.md)."""
+        """Measure training steps of DMuon / NaiveMuon / AdamW on N real processes (see docs/runtime.md), on
+        the bench model or (--model) a Hugging Face model built from its config.json."""
+        if model is not None and (workload is not None or width_scale is not None):
+            from dmuon.errors import InputError
+
+            raise InputError("--model replaces the bench model: drop --workload / --width-scale (shrink the "
+                             "model with --layers, --hidden, --vocab)")
         cfg = StepConfig(ranks=ranks, strategies=_split(strategy),
-                         overlap=overlap or ("off" if no_overlap else "on"), workload=workload,
-                         width_scale=parse_scale(width_scale), layers=layers, seq_len=seq_len,
+                         overlap=overlap or ("off" if no_overlap else "on"), workload=workload or "qwen2.5-7b",
+                         width_scale=parse_scale(width_scale or "1/16"),
+                         layers=layers if layers is not None or model is not None else 4, seq_len=seq_len,
                          micro_batch=micro_batch, steps=steps, warmup=warmup, rounds=rounds,
                          phase_barrier=phase_barrier, rank_sessions=rank_sessions, balancer=balancer,
                          exchanges=_split(exchange),
@@ -301,7 +332,8 @@ def register(app, bench) -> None:
                          timeout_s=timeout_s, profile_trace=profile_trace, layout=layout, memory=memory,
                          exact_memory=exact_memory, speed_probe=speed_probe, ns_methods=_split(ns_method),
                          ns_dtypes=_split(ns_dtype), comm_dtype=comm_dtype,
-                         max_splits=_ints("--max-split", max_split), wide=_shape(wide_matrix))
+                         max_splits=_ints("--max-split", max_split), wide=_shape(wide_matrix), model=model,
+                         hidden=hidden, vocab=vocab)
         if under_torchrun():
             cfg.ranks, cfg.rank_sessions = int(os.environ["WORLD_SIZE"]), False  # torchrun starts the ranks
             check_config(cfg)
