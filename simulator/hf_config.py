@@ -448,11 +448,13 @@ def _summary(family: str, params: tuple[ParamSpec, ...], n_main: int, mtp: int, 
     active = active_params(Workload("summary", params))
     muon = [p for p in params if p.optimizer == "muon"]
     shapes = len({(p.rows, p.cols) for p in muon})
+    n_matrices = sum(p.count for p in muon)
+    fused = sum(1 for p in muon if p.count > 1)
     extra = (f" + {total - n_main:,} in {mtp} MTP module(s) (num_nextn_predict_layers; set it to 0 in "
              "the file to leave them out)") if mtp else ""
     return (f"from a Hugging Face config.json ({family}): {n_main:,} parameters{extra}; {active:,.0f} "
-            f"active per token (embedding and head included, as model cards count them); {len(muon):,} "
-            f"Muon matrices in {shapes} shapes; embeddings, {'tied ' if tied else ''}head, norms, biases "
+            f"active per token (embedding and head included, as model cards count them); {n_matrices:,} "
+            f"Muon matrices in {shapes} shapes ({fused:,} parameters hold several, each owned whole); embeddings, {'tied ' if tied else ''}head, norms, biases "
             "and routers: AdamW")
 
 

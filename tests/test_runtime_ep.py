@@ -321,7 +321,7 @@ def run_errors(rank: int, world: int) -> dict:
     attempt("dense", lambda: dmuon.DMuon(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), ep=2,
                                          profile="a800"))
     attempt("split", lambda: dmuon.DMuon(local_model(rank % 2, E // 2), ep=2, max_split=2, profile="a800"))
-    sharded = dmuon.shard_model(local_model(rank % 2, E // 2), "fsdp2-owner")  # experts sharded too
+    sharded = dmuon.shard_model(local_model(rank % 2, E // 2), "fsdp2-sharded")  # experts sharded too
     attempt("experts_sharded", lambda: dmuon.DMuon(sharded, ep=2, profile="a800"))
     # a NaN in one rank's expert gradient stops the step on every rank, nothing updated
     model, opt = setup(rank, world, 2, {"layout": "fsdp2-owner"})

@@ -36,7 +36,11 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def detect_layout(routes) -> str:
-    """The layout of a model from its routed parameters (see the module docstring)."""
+    """The layout of a model from its routed parameters (see the module docstring). Expert parameters left
+    out of FSDP2 (plain tensors: each EP rank's own experts, `dmuon.runtime.ep`) say nothing about it."""
+    from ..params import is_expert_param
+
+    routes = [r for r in routes if not (is_expert_param(r.name, r.param) and not is_dtensor(r.param))]
     muon = [is_dtensor(r.param) for r in routes if r.use_muon]
     other = [is_dtensor(r.param) for r in routes if not r.use_muon]
     if not any(muon) and not any(other):
