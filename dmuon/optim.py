@@ -422,9 +422,18 @@ class Muon(torch.optim.Optimizer):
         state.update({k: getattr(self, k) for k in self._EXTRA_ATTRS})
         return state
 
+    def state_dict(self) -> dict:
+        """torch's state dict, less each group's matrix layouts (the routing's, rebuilt from the model:
+        `torch.load(weights_only=True)` reads what is left)."""
+        sd = super().state_dict()
+        sd["param_groups"] = [{k: v for k, v in g.items() if k != "layouts"} for g in sd["param_groups"]]
+        return sd
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, after checking each group is the same kind (Muon / AdamW); the loaded state
-        tensors are copied, so the optimizer never shares buffers with `state_dict`."""
+        tensors are copied, so the optimizer never shares buffers with `state_dict`. The matrix layouts
+        stay this optimizer's (the routing of its own parameters)."""
+        layouts = [g.get("layouts") for g in self.param_groups]
         saved = state_dict.get("param_groups", [])
         if len(saved) == len(self.param_groups):
             for i, (cur, old) in enumerate(zip(self.param_groups, saved, strict=True)):
@@ -433,6 +442,9 @@ class Muon(torch.optim.Optimizer):
                                      f"use_muon={old.get('use_muon')!r} in the loaded state dict; the "
                                      "optimizer must be built with the same parameter routing")
         super().load_state_dict(state_dict)
+        for g, lay in zip(self.param_groups, layouts, strict=False):
+            if lay is not None:
+                g["layouts"] = lay
         for st in self.state.values():
             for k, v in st.items():
                 if isinstance(v, torch.Tensor):
