@@ -28,14 +28,28 @@ class Experts(nn.Module):
         return (torch.einsum("tei,edi->ted", h, self.w_down[lo:lo + count]) * gate.unsqueeze(-1)).sum(1)
 
 
-class Layer(nn.Module):
+class FusedExperts(nn.Module):
+    """transformers 5's layout: gate and up of each expert fused in one (count, 2 INTER, HID) parameter."""
+
     def __init__(self, count: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(count, 2 * INTER, HID) * 0.3)
+        self.down_proj = nn.Parameter(torch.randn(count, HID, INTER) * 0.3)
+
+    def forward(self, x, gate, lo: int, count: int):
+        gu = torch.einsum("td,eid->tei", x, self.gate_up_proj[lo:lo + count])
+        h = torch.relu(gu[..., :INTER]) * gu[..., INTER:]
+        return (torch.einsum("tei,edi->ted", h, self.down_proj[lo:lo + count]) * gate.unsqueeze(-1)).sum(1)
+
+
+class Layer(nn.Module):
+    def __init__(self, count: int, fused: bool = False):
         super().__init__()
         self.norm = nn.LayerNorm(HID)
         self.q = nn.Linear(HID, HID, bias=False)
         self.router = nn.Linear(HID, E, bias=False)
         self.mlp = nn.Module()
-        self.mlp.experts = Experts(count)
+        self.mlp.experts = (FusedExperts if fused else Experts)(count)
 
     def forward(self, x, first: int, lo: int, count: int):
         h = self.norm(x)
@@ -47,10 +61,10 @@ class TinyMoE(nn.Module):
     """`count` experts per layer; forward runs the global experts first .. first + count_used - 1, stored
     at lo .. of its expert parameters (the EP rank's own: lo = 0; the full reference model: lo = first)."""
 
-    def __init__(self, count: int):
+    def __init__(self, count: int, fused: bool = False):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HID)
-        self.layers = nn.ModuleList(Layer(count) for _ in range(LAYERS))
+        self.layers = nn.ModuleList(Layer(count, fused) for _ in range(LAYERS))
         self.probe = None  # called when backward reaches the embedding's output (every layer's is done)
 
     def forward(self, tokens, first: int, lo: int, count: int):
@@ -62,18 +76,18 @@ class TinyMoE(nn.Module):
         return x.pow(2).mean()
 
 
-def full_model() -> TinyMoE:
+def full_model(fused: bool = False) -> TinyMoE:
     torch.manual_seed(1234)
-    return TinyMoE(E)
+    return TinyMoE(E, fused)
 
 
 def tokens(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(1000 * step + rank))
 
 
-def local_model(k: int, e_local: int) -> TinyMoE:
+def local_model(k: int, e_local: int, fused: bool = False) -> TinyMoE:
     """EP rank k's model: the full model's dense parameters, its experts k E_local .. (k + 1) E_local - 1."""
-    full, model = full_model(), TinyMoE(e_local)
+    full, model = full_model(fused), TinyMoE(e_local, fused)
     with torch.no_grad():
         for p, q in zip(model.parameters(), full.parameters(), strict=True):
             p.copy_(q[k * e_local:(k + 1) * e_local] if p.dim() == 3 else q)
@@ -84,7 +98,7 @@ def setup(rank: int, world: int, ep: int, case: dict):
     import dmuon
 
     e_local, k = E // ep, rank % ep
-    model = local_model(k, e_local)
+    model = local_model(k, e_local, case.get("fused", False))
     layout = case.get("layout", "replicated")
     if layout != "replicated":
         from torch.distributed.device_mesh import init_device_mesh
@@ -175,18 +189,23 @@ def run_case(rank: int, world: int, ep: int, case: dict) -> dict:
     return out
 
 
-def reference(world: int, ep: int, schedule=None) -> dict[str, torch.Tensor]:
-    """Single-process Muon: every expert its own matrix; the dense gradient is the mean over the ranks'
-    losses, an expert's the mean over its replica group's (the ranks whose EP rank holds it). schedule:
-    (world, ep) of each step (default: (world, ep) for all STEPS)."""
+def _blocks(name: str, t: torch.Tensor) -> list[torch.Tensor]:
+    """One expert slice's matrices: a fused gate / up is two (rows [0, INTER) and [INTER, 2 INTER))."""
+    return [t[:INTER], t[INTER:]] if name.endswith("gate_up_proj") else [t]
+
+
+def reference(world: int, ep: int, schedule=None, fused: bool = False) -> dict[str, torch.Tensor]:
+    """Single-process Muon: every expert matrix its own (a fused gate / up two); the dense gradient is the
+    mean over the ranks' losses, an expert's the mean over its replica group's (the ranks whose EP rank holds
+    it). schedule: (world, ep) of each step (default: (world, ep) for all STEPS)."""
     import dmuon
 
     schedule = schedule or [(world, ep)] * STEPS
-    model = full_model()
+    model = full_model(fused)
     params = dict(model.named_parameters())
     routes = {r.name: r.use_muon for r in dmuon.route(model)}
-    experts = {n: [nn.Parameter(p[e].detach().clone()) for e in range(E)] for n, p in params.items()
-               if p.dim() == 3}
+    experts = {n: [nn.Parameter(b.detach().clone()) for e in range(E) for b in _blocks(n, p[e])]
+               for n, p in params.items() if p.dim() == 3}
     muon = [(n, p) for n, p in params.items() if p.dim() != 3 and routes[n]]
     muon += [(f"{n}.{e}", t) for n, ts in experts.items() for e, t in enumerate(ts)]
     adamw = [(n, p) for n, p in params.items() if p.dim() != 3 and not routes[n]]
@@ -202,14 +221,15 @@ def reference(world: int, ep: int, schedule=None) -> dict[str, torch.Tensor]:
                 grads[n] += g / (replicas if p.dim() == 3 else world)
         for n, p in params.items():
             if p.dim() == 3:
-                for e, t in enumerate(experts[n]):
-                    t.grad = grads[n][e].clone()
+                gs = [b for e in range(E) for b in _blocks(n, grads[n][e])]
+                for t, g in zip(experts[n], gs, strict=True):
+                    t.grad = g.clone()
             else:
                 p.grad = grads[n]
         opt.step()
         with torch.no_grad():
             for n, ts in experts.items():
-                params[n].copy_(torch.stack([t.detach() for t in ts]))
+                params[n].copy_(torch.cat([t.detach() for t in ts]).view(params[n].shape))
     return {n: p.detach().clone() for n, p in params.items()}
 
 
@@ -232,25 +252,27 @@ CASES = [  # (world, ep, case)
     (4, 2, {"layout": "fsdp2-owner", "hsdp": True}),
     (4, 2, {"layout": "fsdp2-owner", "opts": {"comm_dtype": "bf16"}, "tol": 5e-2}),  # bf16 on the wire
     (4, 2, {"layout": "replicated", "accumulate": True}),  # the last step's gradient in two halves
+    (4, 2, {"layout": "fsdp2-owner", "fused": True}),  # a fused gate / up expert parameter: 2 matrices each
 ]
 
 
 def case_id(world: int, ep: int, case: dict) -> str:
-    extra = ["hsdp"] * bool(case.get("hsdp")) + [f"{k}={v}" for k, v in case.get("opts", {}).items()]
+    extra = ["hsdp"] * bool(case.get("hsdp")) + ["fused"] * bool(case.get("fused")) + [
+        f"{k}={v}" for k, v in case.get("opts", {}).items()]
     return "-".join([f"{world}r", f"ep{ep}", case["layout"], *extra])
 
 
 @pytest.mark.parametrize("world,ep,case", CASES, ids=[case_id(*c) for c in CASES])
 def test_dmuon_ep_equals_single_process_muon(world, ep, case):
     results = run_distributed(run_case, world, (ep, case), timeout_s=300)
-    want = reference(world, ep)
+    want = reference(world, ep, fused=case.get("fused", False))
     for rank, res in enumerate(results):
         assert res["layout"] == case["layout"] and res["plan_ep"] == ep
         assert worst_error(res["weights"], want, rank, ep) < case.get("tol", TOL), (rank, case)
         if case.get("resume"):  # resuming from the state dicts is the uninterrupted run
             assert max(rel(res["resumed"][n], w) for n, w in res["weights"].items()) < 1e-6
     # every expert matrix of every layer has exactly one owner, which alone holds its momentum
-    assert sum(r["owned"] for r in results) == LAYERS * 2 * E
+    assert sum(r["owned"] for r in results) == LAYERS * (3 if case.get("fused") else 2) * E
     assert [r["momentum_rows"] for r in results] == [r["owned"] for r in results]
     for r in results:  # per bucket one reduce and one broadcast per owner, together all the rank's experts
         colls = r["expert_colls"]
@@ -373,6 +395,7 @@ def run_naive(rank: int, world: int, ep: int, case: dict) -> dict:
 
 
 NAIVE_CASES = [(2, 2, {"layout": "replicated"}), (4, 2, {"layout": "replicated"}),
+               (2, 2, {"layout": "fsdp2-sharded", "fused": True}),
                (4, 2, {"layout": "fsdp2-owner"}), (4, 2, {"layout": "fsdp2-sharded"}),
                (4, 2, {"layout": "fsdp2-owner", "hsdp": True}),
                (4, 2, {"layout": "fsdp2-sharded", "hsdp": True})]
@@ -383,7 +406,7 @@ def test_naive_muon_ep_equals_single_process_muon(world, ep, case):
     """NaiveMuon(ep=2): each replica group all-reduces its experts' gradients (one all-reduce per layer,
     launched from backward), every rank runs momentum and NS on all of its local experts."""
     results = run_distributed(run_naive, world, (ep, case), timeout_s=300)
-    want = reference(world, ep)
+    want = reference(world, ep, fused=case.get("fused", False))
     for rank, res in enumerate(results):
         assert res["layout"] == case["layout"] and res["ep_plan"] is None
         assert worst_error(res["weights"], want, rank, ep) < TOL, (rank, case)

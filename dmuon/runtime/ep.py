@@ -93,12 +93,6 @@ def take_experts(routes, ep: int):
     if not experts:
         raise InputError(f"ep={ep}: the model has no expert parameters (3-D, a name holding '.experts.', "
                          "shaped (E_local, out, in)); accepted: ep=1 for a dense model")
-    fused = [r for r in experts if r.layout is not None and len(r.layout.sizes) > 1]
-    if fused:
-        raise InputError(f"{fused[0].name}: a fused expert parameter of several matrices per expert "
-                         f"({fused[0].reason}) is not run under ep > 1 yet; accepted: ep=1 (its matrices are "
-                         "then orthogonalized each alone, the parameter owned whole), or experts stored one "
-                         "matrix per expert slice")
     sharded = [r.name for r in experts if is_dtensor(r.param)]
     if sharded:
         raise InputError(f"{sharded[0]}: expert parameters are FSDP2-sharded; with ep > 1 each rank holds "
@@ -107,9 +101,27 @@ def take_experts(routes, ep: int):
     return [r for r in routes if not is_expert_param(r.name, r.param)], experts
 
 
+def expert_blocks(name: str, p: torch.Tensor) -> tuple[str, ...]:
+    """The matrices one expert slice of an expert parameter holds, by name (`dmuon.params.decide`): ('',) =
+    the slice is one matrix; ('gate_proj', 'up_proj') = a fused gate / up, its rows cut in two."""
+    from ..params import decide
+
+    use, _, layout = decide(name, p.shape)
+    return layout.names if use and layout is not None and layout.lead > 1 else ("",)
+
+
+def expert_stack(t: torch.Tensor, blocks: int) -> torch.Tensor:
+    """An expert parameter's tensor (E_local, out, in) as its matrices (E_local x blocks, out / blocks, in):
+    expert e's block b is row e * blocks + b (a view: consecutive rows of one expert slice)."""
+    if blocks == 1:
+        return t
+    return t.view(t.shape[0] * blocks, t.shape[1] // blocks, *t.shape[2:])
+
+
 def expert_matrices(names, params, layers, ep: int) -> list[tuple[MatrixSpec, int, int]]:
     """Every expert matrix of every EP rank, in parameter order: (its spec, the parameter's index in
-    `params`, the global expert number). One layer's expert parameters must hold as many experts."""
+    `params`, the global matrix number m: expert m // blocks, block m % blocks, `expert_stack`). One
+    layer's expert parameters must hold as many experts."""
     out = []
     per_layer: dict[int, tuple[str, int]] = {}
     for i, (name, p) in enumerate(zip(names, params, strict=True)):
@@ -119,8 +131,14 @@ def expert_matrices(names, params, layers, ep: int) -> list[tuple[MatrixSpec, in
             raise InputError(f"{name} holds {e_local} experts but {seen[0]} of the same layer holds "
                              f"{seen[1]}; accepted: the same number of local experts in every expert "
                              "parameter of a layer")
-        for e in range(e_local * ep):
-            out.append((MatrixSpec(expert_spec_name(name, e), p.shape[1], p.shape[2], layers[i]), i, e))
+        blocks = expert_blocks(name, p)
+        rows = p.shape[1] // len(blocks)
+        for m in range(e_local * ep * len(blocks)):
+            e, b = divmod(m, len(blocks))
+            spec_name = expert_spec_name(name, e)
+            if blocks[b]:  # the unfused model's name: <head>.experts.<e>.gate_proj
+                spec_name = f"{spec_name.rsplit('.', 1)[0]}.{blocks[b]}"
+            out.append((MatrixSpec(spec_name, rows, p.shape[2], layers[i]), i, m))
     return out
 
 
@@ -133,6 +151,8 @@ class _ExpertHalf:
     def __init__(self, opt, model: torch.nn.Module, first: int, ep: int, exchange: str = "auto"):
         self.opt = opt
         self.layout = EPLayout(opt.world_size, ep)
+        # matrices per expert slice of each expert parameter (a fused gate / up: 2; `expert_stack`)
+        self.blocks = {i: len(expert_blocks(opt.names[i], opt.params[i])) for i in range(first, len(opt.params))}
         self.k = self.layout.ep_rank(opt.rank)
         timeout = datetime.timedelta(seconds=opt.timeout_s)
         # every rank creates every replica group, in the same order (torch.distributed's rule): one set for
@@ -217,6 +237,11 @@ class _ExpertHalf:
                                   stride=torch.empty(shape, device="meta").stride())
 
 
+def _view(half, i: int, t: torch.Tensor) -> torch.Tensor:
+    """Parameter i's tensor `t` (its shape) as its matrices' stack (`expert_stack`)."""
+    return expert_stack(t, half.blocks[i])
+
+
 class ExpertMuon(_ExpertHalf):
     """The expert half of `DMuon(model, ep=E)` (module docstring). `opt`: the DMuon whose parameters
     `opt.params[first:]` are the expert parameters of `model`; `plan`: the EP plan over opt's dense Muon
@@ -234,7 +259,7 @@ class ExpertMuon(_ExpertHalf):
                                 [opt.layers[i] for i in idx], self.layout.ep)
         self.held: dict[int, tuple[int, int]] = {}  # plan index -> (param index, local slot): what I hold
         for j, (_, i, e) in enumerate(found, start=self.n_dense):
-            e_local = opt.params[idx[i]].shape[0]
+            e_local = opt.params[idx[i]].shape[0] * self.blocks[idx[i]]  # matrices per EP rank
             if e // e_local == self.k:
                 self.held[j] = (idx[i], e - self.k * e_local)
         # momentum only for the owned slices: per parameter a stack of them, in slot order
@@ -256,7 +281,7 @@ class ExpertMuon(_ExpertHalf):
             for j in b.members:
                 if j in self.held:
                     i, slot = self.held[j]
-                    numel = opt.params[i][slot].numel()
+                    numel = _view(self, i, opt.params[i])[slot].numel()
                     members.append(Member(j, plan.matrices[j].name, opt.params[i], owner_pos[plan.owners[j]],
                                           start=slot * numel, numel=numel))
             if members:
@@ -285,16 +310,16 @@ class ExpertMuon(_ExpertHalf):
         p = self.opt.params[i]
         if not self.units:
             g = p.grad if p.grad is not None else torch.zeros_like(p)
-            return g[slot:slot + len(members)]
+            return _view(self, i, g)[slot:slot + len(members)]
         unit, k = self.where[members[0]]
-        return unit.grad(k, len(members)).view(len(members), *p.shape[1:]).to(p.dtype)
+        return unit.grad(k, len(members)).view(len(members), *_view(self, i, p).shape[1:]).to(p.dtype)
 
     def _buffer(self, i: int) -> torch.Tensor:
         """Parameter i's momentum: a stack of its owned slices in slot order (created on first use)."""
         p, st = self.opt.params[i], self.opt.state[self.opt.params[i]]
         if "momentum_buffer" not in st:
-            st["momentum_buffer"] = torch.zeros((len(self.owned[i]), *p.shape[1:]), dtype=p.dtype,
-                                                device=p.device)
+            st["momentum_buffer"] = torch.zeros((len(self.owned[i]), *_view(self, i, p).shape[1:]),
+                                                dtype=p.dtype, device=p.device)
             st["momentum_slots"] = tuple(sorted(self.owned[i]))
         return st["momentum_buffer"]
 
@@ -315,7 +340,7 @@ class ExpertMuon(_ExpertHalf):
                                   hp["nesterov"]) for j, (i, s) in zip(members, where, strict=True)]
             stack = torch.stack([t if tuple(t.shape) == (batch.rows, batch.cols) else t.mT for t in ins])
         updates = opt._ns(stack, batch_method(self.plan, batch))
-        ws = [opt.params[i].data[s] for i, s in where]
+        ws = [_view(self, i, opt.params[i].data)[s] for i, s in where]
         muon_apply_many_(ws, [u if u.shape == w.shape else u.mT for w, u in zip(ws, updates, strict=True)],
                          hp["lr"], hp["weight_decay"], [lr_scale(w.shape, hp["adjust_lr"]) for w in ws])
 
@@ -326,7 +351,7 @@ class ExpertMuon(_ExpertHalf):
         full = torch.zeros_like(p)
         st = self.opt.state.get(p, {})
         if "momentum_buffer" in st:
-            full[list(st["momentum_slots"])] = st["momentum_buffer"]
+            _view(self, i, full)[list(st["momentum_slots"])] = st["momentum_buffer"]
         if self.layout.replicas > 1:
             dist.all_reduce(full, group=self.group)
         return full
@@ -336,7 +361,7 @@ class ExpertMuon(_ExpertHalf):
         slots = sorted(self.owned.get(i, ()))
         if slots:
             st = self.opt.state[self.opt.params[i]]
-            st["momentum_buffer"] = full[slots].clone()
+            st["momentum_buffer"] = _view(self, i, full)[slots].clone()
             st["momentum_slots"] = tuple(slots)
 
 
@@ -380,9 +405,9 @@ class NaiveExperts(_ExpertHalf):
             if "momentum_buffer" not in st:
                 st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             stack = muon_momentum_(self._grad(i), st["momentum_buffer"], hp["momentum"], hp["nesterov"])
-            update = opt._ns(stack, opt.ns.method)
-            muon_apply_many_([p.data], [update], hp["lr"], hp["weight_decay"],
-                             [lr_scale(p.shape[1:], hp["adjust_lr"])])
+            update = opt._ns(_view(self, i, stack), opt.ns.method)  # every matrix of every local expert
+            muon_apply_many_([p.data], [update.reshape(p.shape)], hp["lr"], hp["weight_decay"],
+                             [lr_scale(update.shape[1:], hp["adjust_lr"])])
 
     def full_momentum(self, i: int) -> torch.Tensor:
         """Parameter i's momentum for every local expert (zeros where none yet): every rank holds it."""
