@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: bad input -> one clear line on stderr and exit code 2 (a path that
     cannot be read or written counts as bad input); a run that failed (harness.errors.RunFailed) -> its
     message and exit code 1. Anything else is a bug and keeps its traceback."""
+    from . import provenance
+
+    provenance.ARGV = list(argv) if argv is not None else sys.argv[1:]  # the command line, as typed
     try:
         app(args=argv, prog_name="harness")
     except InputError as e:

@@ -52,7 +52,11 @@ def print_summary(exp_name: str, rows: list[dict]) -> None:
 
     con = Console(soft_wrap=True)
     df = pd.DataFrame(rows)
-    if exp_name == "paper" and {"strategy", "optimizer_s"} <= set(df.columns):
+    if (
+        exp_name == "paper"
+        and {"strategy", "optimizer_s"} <= set(df.columns)
+        and {"adamw", "naive", "dmuon"} <= set(df["strategy"])  # a --set strategy=... subset: no headline
+    ):
         from simulator.reference import claims
 
         from .figures.paper import headline
@@ -140,6 +144,7 @@ def register(app, bench) -> None:
         from rich.console import Console
 
         from .experiment import expand, experiment_names, load_experiment
+        from .provenance import VOLATILE_DIR
         from .sweep import run_sweep
 
         con = Console(soft_wrap=True)
@@ -176,9 +181,16 @@ def register(app, bench) -> None:
             summary = run_sweep(exp, out_dir, jobs=n_jobs, resume=resume, progress=update)
         con.print(
             f"{exp.name}: {summary.total} rows ({summary.ran} run, {summary.skipped} already done"
-            + (f"; {summary.stale} stored rows were from other code: run again" if summary.stale else "")
+            + (
+                f"; {summary.stale} stored rows were from other or unknown code: run again"
+                if summary.stale
+                else ""
+            )
             + (f", {summary.dropped} stored rows not in this sweep dropped" if summary.dropped else "")
             + f") in {summary.wall_s:.1f} s -> {out_dir / 'results.csv'}"
+        )
+        con.print(
+            f"wall times, commit, host: {out_dir / VOLATILE_DIR} (not tracked by git)", highlight=False
         )
         print_summary(exp.name, summary.rows)
         if figures:
@@ -250,7 +262,6 @@ def register(app, bench) -> None:
     ):
         """Simulator vs published (8 x A800 table, NS replay, headline) and vs real CPU runs; exit 1 if a
         bound breaks."""
-        import json
         import time
 
         from dmuon.errors import InputError
@@ -265,11 +276,11 @@ def register(app, bench) -> None:
 
         import pandas as pd
 
-        from dmuon.io import atomic_path, atomic_write_text
+        from dmuon.io import atomic_path
 
         from . import validation as v
         from .experiment import load_experiment
-        from .provenance import provenance
+        from .provenance import write_provenance
         from .sweep import run_sweep
 
         out_dir = Path(out)
@@ -312,10 +323,15 @@ def register(app, bench) -> None:
         class _Exp:  # provenance() only reads name and path
             name, path = VALIDATION, Path("harness validate")
 
-        prov = provenance(
-            _Exp, rows, kind="simulated vs published and measured", wall_s=time.perf_counter() - t0, jobs=1
+        write_provenance(
+            out_dir,
+            _Exp,
+            rows,
+            kind="simulated vs published and measured",
+            wall_s=time.perf_counter() - t0,
+            jobs=1,
+            command="harness validate" if measure else "harness validate --no-measure",
         )
-        atomic_write_text(out_dir / "provenance.json", json.dumps(prov, indent=1) + "\n")
         failed = print_validation(df)
         if figure:
             from .figures import render_experiment

@@ -1,15 +1,26 @@
 """Provenance of stored results: the code version (git commit, dirty or not), the host, the command.
 
-`code_version()` names the code a row was produced by (resume re-runs rows of other code);
-`provenance(...)` is the provenance.json written beside every results table; `cpu_name()` names this
-machine's CPU for measured rows; `shown_path` keeps stored paths relative to the project root.
+Two files beside every results table, so that a re-run that simulates the same numbers writes the same
+bytes into the tracked files (`git status` stays clean after `make run`):
+  provenance.json            tracked: only what the same code and inputs reproduce (experiment, kind,
+                             profiles, rows, the command that writes the table);
+  .provenance/run.json       not tracked (.gitignore): what changes from run to run (git commit and
+                             whether the tree was dirty, host, CPU, Python, date, the command line as
+                             typed, wall time, worker count, load average).
+
+`code_version()` names the code a row was produced by (resume re-runs rows of other code; the row's
+code version is kept in .provenance/rows.json by harness.store); `write_provenance(...)` writes both
+files; `cpu_name()` names this machine's CPU for measured rows; `shown_path` keeps stored paths relative
+to the project root.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -66,24 +77,27 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def provenance(
-    exp, rows: list[dict], *, kind: str, wall_s: float, jobs: int, command: str | None = None
-) -> dict:
-    """provenance.json of a results table; `exp` is anything with a name and a path (an Experiment)."""
+ARGV: list[str] | None = None  # the arguments harness.cli.main was called with (tests call it in-process)
+VOLATILE_DIR = ".provenance"  # beside results.csv; not tracked (.gitignore: results/**/.provenance/)
+RUN_FILE = "run.json"
+
+
+def provenance(exp, rows: list[dict], *, kind: str, command: str | None = None) -> dict:
+    """The tracked provenance.json of a results table: only fields the same code and inputs reproduce.
+
+    `exp` is anything with a name and a path (an Experiment); `command` the canonical command that writes
+    the table (default: `harness run <experiment>` plus its --set overrides)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         ver = version("dmuon-harness")
     except PackageNotFoundError:
         ver = "unknown"
-    status = _code_status()
     profiles = sorted({str(r.get("profile")) for r in rows if r.get("profile") not in (None, "")})
     return {
         "experiment": exp.name,
         "experiment_file": shown_path(exp.path),
         "project_version": ver,
-        "git_commit": _git("rev-parse", "HEAD"),
-        "git_dirty": None if status is None else bool(status),
         "kind": kind,
         "profiles": profiles,
         "profile_descriptions": sorted(
@@ -93,16 +107,86 @@ def provenance(
                 if r.get("profile_description") not in (None, "")
             }
         ),
+        "command": command if command is not None else canonical_command(exp),
+        "rows": len(rows),
+        "volatile": f"{VOLATILE_DIR}/{RUN_FILE} (not tracked): git commit, host, CPU, date, wall time",
+    }
+
+
+def canonical_command(exp) -> str:
+    """`harness run <name>` (or the experiment file's path) plus one --set per override, in key order."""
+    path = Path(exp.path)
+    in_project = path.resolve().parent == (ROOT / "experiments").resolve() and path.stem == exp.name
+    words = ["harness", "run", exp.name if in_project else shlex.quote(shown_path(path))]
+    from .experiment import parse_value
+
+    for key, value in sorted((getattr(exp, "overrides", None) or {}).items()):
+        text = json.dumps(value, separators=(",", ":"))
+        try:
+            if isinstance(value, str) and parse_value(value) == value:
+                text = value  # a bare word reads back as itself (--set workload=pi0)
+        except ValueError:  # InputError: not a bare word; the quoted form it is
+            pass
+        words += ["--set", shlex.quote(f"{key}={text}")]
+    return " ".join(words)
+
+
+def run_provenance(*, wall_s: float, jobs: int, command: str | None = None, **extra) -> dict:
+    """What changes from run to run (the untracked .provenance/run.json)."""
+    status = _code_status()
+    return {
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+        "code_version": code_version(),
         "host": platform.node(),
         "cpu": f"{cpu_name()} ({os.cpu_count()} cores)",
         "python": platform.python_version(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": command if command is not None else " ".join(["harness", *sys.argv[1:]]),
-        "rows": len(rows),
+        "command_line": command if command is not None else shlex.join(["harness", *(ARGV or sys.argv[1:])]),
         "wall_s": round(wall_s, 2),
         "jobs": jobs,
         "load_1m_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        **extra,
     }
 
 
-__all__ = ["GENERATED", "ROOT", "code_version", "cpu_name", "provenance", "shown_path"]
+def write_provenance(
+    out_dir: Path,
+    exp,
+    rows: list[dict],
+    *,
+    kind: str,
+    wall_s: float,
+    jobs: int,
+    command: str | None = None,
+    command_line: str | None = None,
+    **extra,
+) -> tuple[Path, Path]:
+    """provenance.json (tracked, reproducible) and .provenance/run.json (untracked, this run's)."""
+    from dmuon.io import atomic_write_text
+
+    out_dir = Path(out_dir)
+    tracked = out_dir / "provenance.json"
+    volatile = out_dir / VOLATILE_DIR / RUN_FILE
+    atomic_write_text(tracked, json.dumps(provenance(exp, rows, kind=kind, command=command), indent=1) + "\n")
+    volatile.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(
+        volatile,
+        json.dumps(run_provenance(wall_s=wall_s, jobs=jobs, command=command_line, **extra), indent=1) + "\n",
+    )
+    return tracked, volatile
+
+
+__all__ = [
+    "GENERATED",
+    "ROOT",
+    "RUN_FILE",
+    "VOLATILE_DIR",
+    "canonical_command",
+    "code_version",
+    "cpu_name",
+    "provenance",
+    "run_provenance",
+    "shown_path",
+    "write_provenance",
+]

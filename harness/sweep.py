@@ -5,11 +5,14 @@ groups the rest by the runner's `group_key` (harness.runners) and runs the group
 `jobs` spawned worker processes (one at a time for runners that measure).
 
 Output folder (default results/<name>): results.csv (one row per run: every setting, `run_id`, every
-metric; written atomically), config.json (the resolved experiment), provenance.json. While a sweep runs,
-finished rows are appended as whole JSON lines (flushed) to .journal.jsonl (harness.store); results.csv
-is rewritten from it atomically at the end, also when the sweep fails or is interrupted. With resume (the
-default) rows whose run_id is already in results.csv or the journal, stored by the same code version
-(column `code`: git commit, '+dirty' for a modified tree), are not run again; rows from other code are.
+metric; written atomically), config.json (the resolved experiment), provenance.json (what reproduces),
+and, not tracked by git, .provenance/ (run.json: commit, host, date, wall time of the last run;
+rows.json: each row's code version and wall time). While a sweep runs, finished rows are appended as
+whole JSON lines (flushed) to .journal.jsonl (harness.store); results.csv is rewritten from it atomically
+at the end, also when the sweep fails or is interrupted. With resume (the default) rows whose run_id is
+already in results.csv or the journal, stored by the same code version (`code` in .provenance/rows.json:
+git commit, '+dirty' for a modified tree), are not run again; rows from other code, or of unknown code (a
+fresh clone has no .provenance/), are, and an unchanged simulation then rewrites the same bytes.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .experiment import Experiment, expand, run_id
-from .provenance import code_version, provenance
+from .provenance import code_version, write_provenance
 from .runners import get_runner
 from .store import ResultStore, write_text_atomic
 
@@ -90,7 +93,7 @@ def run_sweep(
         groups.setdefault(runner.group_key(s), []).append({**s, "run_id": i})
     ordered = sorted(groups.values(), key=lambda g: -sum(runner.cost_hint(s) for s in g))
     ctx = {"out_dir": str(out_dir.resolve()), "traces": exp.traces}
-    columns = [*dict.fromkeys(k for s in points for k in s), "run_id", "code"]
+    columns = [*dict.fromkeys(k for s in points for k in s), "run_id"]
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(
         out_dir / "config.json",
@@ -140,10 +143,16 @@ def run_sweep(
         store.finalize(ids, columns)
     wall = time.perf_counter() - t0
     rows = store.read_rows()
-    write_text_atomic(
-        out_dir / "provenance.json",
-        json.dumps(provenance(exp, rows, kind=runner.kind, wall_s=wall, jobs=jobs, command=command), indent=1)
-        + "\n",
+    write_provenance(
+        out_dir,
+        exp,
+        rows,
+        kind=runner.kind,
+        wall_s=wall,
+        jobs=jobs,
+        command_line=command,
+        rows_run=len(todo),
+        rows_skipped=len(done),
     )
     return SweepSummary(
         out_dir=out_dir,

@@ -98,7 +98,9 @@ def _resume_and_check(exp: Path, out: Path, kept: set[str], reference: pd.DataFr
     assert len(df) == 12 and df["run_id"].is_unique and set(kept) <= set(df["run_id"])
     pd.testing.assert_frame_equal(df.set_index(KEY).sort_index()[METRICS], reference[METRICS])
     assert not (out / JOURNAL).exists()
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temp file left behind
+    # no temp file left behind (.provenance/ holds the untracked run and row provenance, nothing else)
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".") and p.name != ".provenance"]
+    assert sorted(p.name for p in (out / ".provenance").iterdir()) == ["rows.json", "run.json"]
 
 
 def test_sigkill_mid_sweep_keeps_the_finished_rows_and_resume_runs_the_rest(exp, tmp_path, reference,

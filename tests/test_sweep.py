@@ -1,6 +1,7 @@
 """The sweep: experiment files, expansion, --set overrides, resume, whole-row storage, the runners."""
 
 import json
+import shutil
 
 import pandas as pd
 import pytest
@@ -202,18 +203,15 @@ def test_results_schema_and_resume_skips_finished_rows(tiny, tmp_path, count_run
         assert col in df.columns
     assert df["step_s"].gt(0).all() and set(df["kind"]) == {"simulated"}
     prov = json.loads((out / "provenance.json").read_text())
-    for key in (
-        "project_version",
-        "git_commit",
-        "git_dirty",
-        "profiles",
-        "kind",
-        "host",
-        "date_utc",
-        "command",
-    ):
+    for key in ("project_version", "profiles", "kind", "command", "rows"):
         assert key in prov
     assert prov["profiles"] == ["a800"] and prov["kind"] == "simulated"
+    # what changes from run to run is kept out of the tracked files, in .provenance/ (not tracked)
+    assert not {"git_commit", "host", "date_utc", "wall_s"} & set(prov)
+    assert not {"code", "sim_wall_s"} & set(pd.read_csv(out / "results.csv").columns)
+    run = json.loads((out / ".provenance" / "run.json").read_text())
+    for key in ("git_commit", "git_dirty", "code_version", "host", "cpu", "date_utc", "wall_s", "jobs"):
+        assert key in run
     assert json.loads((out / "config.json").read_text())["rows"] == 6
     s = run_sweep(load_experiment(str(tiny)), out, jobs=1)
     assert (s.ran, s.skipped, len(count_runs)) == (0, 6, 6)
@@ -222,7 +220,7 @@ def test_results_schema_and_resume_skips_finished_rows(tiny, tmp_path, count_run
     assert len(pd.read_csv(out / "results.csv")) == 9
     s = run_sweep(load_experiment(str(tiny), ["gpus=[1, 2, 4]"]), out, jobs=1, resume=False)
     assert (s.ran, len(count_runs)) == (9, 18)
-    assert set(pd.read_csv(out / "results.csv")["code"]) == {sweep.code_version()}
+    assert {r["code"] for r in ResultStore(out).read_rows()} == {sweep.code_version()}
 
 
 def test_rows_stored_by_other_code_are_run_again(tiny, tmp_path, count_runs, monkeypatch):
@@ -231,7 +229,26 @@ def test_rows_stored_by_other_code_are_run_again(tiny, tmp_path, count_runs, mon
     monkeypatch.setattr(sweep, "code_version", lambda: "0123456789ab")
     s = run_sweep(load_experiment(str(tiny)), out, jobs=1)
     assert (s.ran, s.skipped, s.stale, len(count_runs)) == (6, 0, 6, 12)
-    assert set(pd.read_csv(out / "results.csv")["code"]) == {"0123456789ab"}
+    assert {r["code"] for r in ResultStore(out).read_rows()} == {"0123456789ab"}
+    assert all(r["sim_wall_s"] > 0 for r in ResultStore(out).read_rows())
+
+
+def test_rows_of_unknown_code_are_run_again_into_the_same_bytes(tiny, tmp_path, count_runs):
+    """A fresh clone has results.csv but no .provenance/: every row runs again, and results.csv and
+    provenance.json come out byte for byte as they were (git status stays clean)."""
+    out = tmp_path / "out"
+    run_sweep(load_experiment(str(tiny)), out, jobs=1)
+    tracked = {p: (out / p).read_bytes() for p in ("results.csv", "provenance.json", "config.json")}
+    shutil.rmtree(out / ".provenance")
+    s = run_sweep(load_experiment(str(tiny)), out, jobs=1)
+    assert (s.ran, s.skipped, s.stale, len(count_runs)) == (6, 0, 6, 12)
+    assert {p: (out / p).read_bytes() for p in tracked} == tracked
+    s = run_sweep(load_experiment(str(tiny)), out, jobs=1)  # the row provenance is back: resume skips
+    assert (s.ran, s.skipped) == (0, 6)
+    with open(out / "results.csv", "a") as f:  # results.csv changed without it (git pull): rows run again
+        f.write("\n")
+    s = run_sweep(load_experiment(str(tiny)), out, jobs=1)
+    assert (s.ran, s.stale) == (6, 6) and {p: (out / p).read_bytes() for p in tracked} == tracked
 
 
 def test_interrupted_sweep_leaves_only_whole_rows(tiny, tmp_path, monkeypatch):

@@ -11,7 +11,6 @@ validation (7), kernels (8), moe (9), moe_ep (10), sensitivity (11: the tornado 
 
 from __future__ import annotations
 
-import datetime
 import importlib
 import json
 from dataclasses import dataclass
@@ -163,7 +162,6 @@ def render(
             else f"harness run {spec.experiment}"
         ),
         "redraw": f"harness figures {spec.experiment}",
-        "generated_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     plt().close(fig)
     return entry

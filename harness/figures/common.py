@@ -64,15 +64,27 @@ def profile_caption(df) -> str:
     return "SIMULATED — profile " + "; ".join(parts)
 
 
-def save(fig, out_dir: Path, stem: str) -> list[Path]:
-    """PNG and PDF, each written to a temp file and renamed (`dmuon.io.atomic_path`)."""
+# No date and no tool version in the files: the same figure gives the same bytes, so redrawing an
+# unchanged figure leaves `git status` clean (tests/test_determinism.py).
+METADATA = {
+    "png": {"Software": None},
+    "pdf": {"Creator": None, "Producer": None, "CreationDate": None, "ModDate": None},
+    "svg": {"Creator": None, "Date": None},
+}
+
+
+def save(fig, out_dir: Path, stem: str, formats: tuple[str, ...] = ("png", "pdf")) -> list[Path]:
+    """PNG and PDF (deterministic bytes: METADATA), each written to a temp file and renamed
+    (`dmuon.io.atomic_path`)."""
+    import matplotlib
+
     from dmuon.io import atomic_path
 
     paths = []
-    for ext in ("png", "pdf"):
+    for ext in formats:
         path = Path(out_dir) / f"{stem}.{ext}"
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, format=ext, bbox_inches="tight")
+        with atomic_path(path) as tmp, matplotlib.rc_context({"svg.hashsalt": "dmuon"}):
+            fig.savefig(tmp, format=ext, bbox_inches="tight", metadata=METADATA.get(ext))
         paths.append(path)
     return paths
 
