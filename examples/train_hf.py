@@ -106,9 +106,10 @@ def main():
     resumed = [train_step(model, opt, batch(vocab, args, args.steps + i, device))
                for i in range(args.resume_steps)]
     opt.close()
-    same = all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6) for a, b in zip(continued, resumed))
+    same = all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)
+               for a, b in zip(continued, resumed, strict=True))
     if rank0:
-        for i, (a, b) in enumerate(zip(continued, resumed)):
+        for i, (a, b) in enumerate(zip(continued, resumed, strict=True)):
             print(f"step {args.steps + i} continued {a:.6f} resumed {b:.6f}", flush=True)
         print(f"resume {'matches' if same else 'DIFFERS'}: checkpoint in {args.ckpt}", flush=True)
     dist.destroy_process_group()

@@ -153,8 +153,8 @@ def check_config(cfg: StepConfig) -> None:
     else:
         for name, v in (("hidden", cfg.hidden), ("vocab", cfg.vocab)):
             if v is not None:
-                raise InputError(f"{name} is for a Hugging Face model (--model path/to/config.json); the bench "
-                                 "model's size is set by --workload, --width-scale and --layers")
+                raise InputError(f"{name} is for a Hugging Face model (--model path/to/config.json); the "
+                                 "bench model's size is set by --workload, --width-scale and --layers")
         decoder_spec(load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers))
     if isinstance(cfg.timeout_s, bool) or not isinstance(cfg.timeout_s, (int, float)) \
             or not math.isfinite(cfg.timeout_s) or cfg.timeout_s <= 0:

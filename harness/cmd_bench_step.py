@@ -256,16 +256,16 @@ def register(app, bench) -> None:
                                    "num_hidden_layers = L, default the config's; DeepSeek's "
                                    "first_k_dense_replace capped at L-1, num_nextn_predict_layers, "
                                    "max_window_layers, mlp_only_layers and layer_types cut to L."),
-        model: str = typer.Option(None, help="A Hugging Face config.json (or a folder holding one, or a model "
-                                  "in experiments/models/) built with transformers (pip install "
+        model: str = typer.Option(None, help="A Hugging Face config.json (or a folder holding one, or a "
+                                  "model in experiments/models/) built with transformers (pip install "
                                   "transformers; nothing downloaded) instead of the bench model; trained "
                                   "on random tokens, labels = input_ids, the model's own loss."),
-        hidden: int = typer.Option(None, help="With --model: hidden_size = H; intermediate sizes (dense, MoE, "
-                                   "shared expert) and MLA ranks scaled by H / hidden_size (intermediate "
-                                   "sizes to a multiple of 8), head counts and expert counts kept, head_dim "
-                                   "= H / num_attention_heads (H a multiple of 2 x heads) or, where the "
-                                   "config sets head_dim / MLA head dims, those scaled too (to even "
-                                   "numbers) (default: the config's)."),
+        hidden: int = typer.Option(None, help="With --model: hidden_size = H; intermediate sizes (dense, "
+                                   "MoE, shared expert: to a multiple of 8) and MLA ranks scaled by H / "
+                                   "hidden_size; head counts and expert counts kept; head_dim = H / "
+                                   "num_attention_heads (H a multiple of 2 x heads) or, where the config "
+                                   "sets head_dim / MLA head dims, those scaled by H / hidden_size too (to "
+                                   "even numbers) (default: the config's)."),
         vocab: int = typer.Option(None, help="With --model: vocab_size = V (a smaller embedding and head; "
                                   "token ids outside it dropped) (default: the config's)."),
         seq_len: int = typer.Option(128, help="Tokens per sequence."),
@@ -322,7 +322,8 @@ def register(app, bench) -> None:
             raise InputError("--model replaces the bench model: drop --workload / --width-scale (shrink the "
                              "model with --layers, --hidden, --vocab)")
         cfg = StepConfig(ranks=ranks, strategies=_split(strategy),
-                         overlap=overlap or ("off" if no_overlap else "on"), workload=workload or "qwen2.5-7b",
+                         overlap=overlap or ("off" if no_overlap else "on"),
+                         workload=workload or "qwen2.5-7b",
                          width_scale=parse_scale(width_scale or "1/16"),
                          layers=layers if layers is not None or model is not None else 4, seq_len=seq_len,
                          micro_batch=micro_batch, steps=steps, warmup=warmup, rounds=rounds,

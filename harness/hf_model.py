@@ -30,7 +30,7 @@ from pathlib import Path
 
 from dmuon.errors import InputError
 
-ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi K2's config names its own type; transformers knows the architecture
+ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi K2 names its own type; its architecture is DeepSeek-V3's
 INTERMEDIATE = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "n_inner")
 MLA_RANKS = ("q_lora_rank", "kv_lora_rank")
 HEAD_DIMS = ("head_dim", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -48,8 +48,8 @@ def read_config(text) -> tuple[Path, dict]:
 
     path = model_path(text)
     if path is None:
-        raise InputError(f"model {str(text)!r} is not a config.json, a folder holding one, or a shipped model; "
-                         f"shipped: {', '.join(model_names()) or 'none'}")
+        raise InputError(f"model {str(text)!r} is not a config.json, a folder holding one, or a shipped "
+                         f"model; shipped: {', '.join(model_names()) or 'none'}")
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -57,8 +57,8 @@ def read_config(text) -> tuple[Path, dict]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InputError(f"model config {str(path)!r} cannot be read as JSON ({e})") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
-        raise InputError(f"model config {str(path)!r} has no model_type; a Hugging Face config.json names one "
-                         "(e.g. \"model_type\": \"llama\")")
+        raise InputError(f"model config {str(path)!r} has no model_type; a Hugging Face config.json names "
+                         "one (e.g. \"model_type\": \"llama\")")
     return path, raw
 
 
@@ -143,9 +143,9 @@ def hf_config(raw: dict):
     kw = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "transformers_version")}
     model_type = ALIASES.get(raw["model_type"], raw["model_type"])
     if model_type not in CONFIG_MAPPING_NAMES:
-        raise InputError(f"unknown model_type {raw['model_type']!r}: transformers {transformers.__version__} has "
-                         "no such model; accepted: a causal LM it knows, e.g. llama, qwen2, qwen3, qwen3_moe, "
-                         "mixtral, deepseek_v3, gemma, gpt2, phi3")
+        raise InputError(f"unknown model_type {raw['model_type']!r}: transformers {transformers.__version__} "
+                         "has no such model; accepted: a causal LM it knows, e.g. llama, qwen2, qwen3, "
+                         "qwen3_moe, mixtral, deepseek_v3, gemma, gpt2, phi3")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise InputError(f"model_type {raw['model_type']!r} has no causal-LM class in transformers "
                          "(AutoModelForCausalLM); accepted: a decoder LM such as llama, qwen3_moe, gpt2")

@@ -114,5 +114,6 @@ def test_shrink_keeps_configs_valid():
               v_head_dim=128, kv_lora_rank=512, q_lora_rank=1536, moe_intermediate_size=2048)
     out = shrink(ds, layers=2, hidden=256)
     assert (out["first_k_dense_replace"], out["num_nextn_predict_layers"]) == (1, 1)
-    assert all(out[k] % 2 == 0 and out[k] >= 2 for k in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
+    dims = [out[k] for k in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")]
+    assert all(d % 2 == 0 and d >= 2 for d in dims), dims
     assert out["moe_intermediate_size"] % 8 == 0
