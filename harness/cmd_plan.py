@@ -57,10 +57,16 @@ def _fraction(text: str) -> float:
     return value
 
 
-def load_matrices(workload: str, scale: float | None = None, blocks: int | None = None):
+def load_matrices(workload: str, scale: float | None = None, blocks: int | None = None,
+                  per_head: bool = False):
     from simulator.workload import load_workload
 
-    wl = load_workload(workload)
+    if per_head:  # a Hugging Face model's attention matrices cut per head (dmuon.params.decide)
+        from simulator.hf_config import load_model
+
+        wl = load_model(workload, per_head=True)
+    else:
+        wl = load_workload(workload)
     if scale is not None or blocks is not None:
         wl = wl.scaled(scale if scale is not None else 1.0, blocks)
     return wl
@@ -87,7 +93,8 @@ def plan_summary(plan, workload: str) -> dict:
         "solve_time_s": plan.solve_time_s,
         "loads_s": list(plan.loads_s),
         "assignment": [
-            {"matrix": m.name, "owner": o} for m, o in zip(plan.matrices, plan.owners, strict=True)
+            {"matrix": m.name, "owner": o, **({"count": m.count} if m.count > 1 else {})}
+            for m, o in zip(plan.matrices, plan.owners, strict=True)
         ],
         "notes": list(plan.notes),
     } | (split_fields(plan) if plan.max_split > 1 else {})
@@ -271,6 +278,9 @@ def register(app, bench) -> None:
         workload: str = typer.Option(None, help="Catalog name or .toml/.csv file (--compare: comma list)."),
         model: str = typer.Option(None, help="A Hugging Face config.json (path, folder or a model in "
                                              "experiments/models/) instead of --workload."),
+        per_head: bool = typer.Option(False, "--per-head/--no-per-head",
+                                      help="With --model: attention matrices cut per head "
+                                           "(DMuon(model, per_head=True))."),
         ranks: str = typer.Option(None, help="Number of ranks N (--compare: comma list)."),
         balancer: str = typer.Option("lpt", help=" | ".join(BALANCERS)),
         profile: str = typer.Option(
@@ -354,6 +364,9 @@ def register(app, bench) -> None:
             return
         if workload is not None and model is not None:
             raise InputError("give --workload or --model, not both")
+        if per_head and model is None:
+            raise InputError("--per-head cuts a Hugging Face model's attention matrices; accepted: --per-head "
+                             "with --model")
         workload = model or workload
         if workload is None or ranks is None:
             raise InputError("harness plan needs --workload (or --model) and --ranks (or --compare)")
@@ -370,7 +383,7 @@ def register(app, bench) -> None:
         if memory_cap_gb is not None and not 0 < memory_cap_gb < float("inf"):
             raise InputError(f"--memory-cap-gb must be a positive number of GB (or left out), "
                              f"got {memory_cap_gb!r}")
-        wl = load_matrices(workload, scale, blocks)
+        wl = load_matrices(workload, scale, blocks, per_head)
         cap = None if memory_cap_gb is None else memory_cap_gb * 1e9
         cost = CostTable.load(profile)
         if dtype is None:

@@ -125,6 +125,9 @@ def register(app, bench) -> None:
                                                 "qwen2.5-7b)."),
         model: str = typer.Option(None, help="A Hugging Face config.json (a path, a folder holding one, or "
                                              "a model in experiments/models/) instead of --workload."),
+        per_head: bool = typer.Option(False, "--per-head/--no-per-head",
+                                      help="With --model: q / k / v / o cut into one matrix per attention "
+                                           "head, as DMuon(model, per_head=True) runs them."),
         cluster: str = typer.Option(None, help="Cluster file: experiments/clusters/<name> or a .toml path "
                                                "(GPU profile, GPUs per node, NVLink, NICs, rails); --gpu, "
                                                "--gpus-per-node, --nic-gbps override it."),
@@ -186,7 +189,7 @@ def register(app, bench) -> None:
         workload = workload or SimConfig.workload
         hardware = gpu_of(gpu, cluster)
         configs = [
-            SimConfig(workload=workload, model=model, cluster=cluster, gpus=gpus, gpus_per_node=gpus_per_node,
+            SimConfig(workload=workload, model=model, per_head=per_head, cluster=cluster, gpus=gpus, gpus_per_node=gpus_per_node,
                       gpu=hardware, strategy=s,
                       layout=layout, seq_len=seq_len, micro_batch=micro_batch, gram=gram,
                       symmetric_kernels=symmetric_kernels, batching=batching, balancer=balancer,

@@ -51,6 +51,8 @@ class SimConfig:
                              "default 'a800' replaces the cluster file's GPU profile")
     model: str | None = _f(None, "a Hugging Face config.json (path, folder holding one, or a model in "
                                  "experiments/models/); replaces `workload` (simulator.hf_config)")
+    per_head: bool = _f(False, "with `model`: q / k / v / o cut into one matrix per attention head, as "
+                               "DMuon(model, per_head=True) runs them (dmuon.params.decide)")
     cluster: str | None = _f(None, "a cluster file (experiments/clusters/<name> or a .toml path: GPU "
                                    "profile, GPUs per node, NVLink, NICs, rails); gpus_per_node, nic_gbps "
                                    "and overlap_slowdown, where set, override it (simulator.cluster_file)")
@@ -224,8 +226,11 @@ def validate_config(cfg: SimConfig) -> None:
     for name in ("ns_dtype", "param_comm_dtype", "grad_comm_dtype"):
         if getattr(cfg, name) is not None and getattr(cfg, name) not in DTYPE_BYTES:
             raise choice_error(name.replace("_", " "), getattr(cfg, name), DTYPE_BYTES)
-    for name in ("gram", "batching", "overlap", "hierarchical", "naive_batching"):
+    for name in ("gram", "batching", "overlap", "hierarchical", "naive_batching", "per_head"):
         _check_bool(name, getattr(cfg, name))
+    if cfg.per_head and cfg.model is None:
+        raise InputError("per_head cuts a Hugging Face model's attention matrices; accepted: per_head with "
+                         "model (a config.json), or per_head False")
     _check_bool("symmetric_kernels", cfg.symmetric_kernels, none_ok=True)
     for name, accepted in (("speed_scale", "(1 = as profiled)"),
                            ("ns_speed_scale", "or None (None = speed_scale)"),
@@ -295,7 +300,7 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
     validate_config(cfg)
     from .workload import resolve_workload
 
-    workload = resolve_workload(cfg.workload, cfg.model)
+    workload = resolve_workload(cfg.workload, cfg.model, cfg.per_head)
     profile = profile_of(cfg)
     per_node_cap = cfg.gpus_per_node or profile.gpus_per_node
     nodes, per_node = node_shape(cfg.gpus, per_node_cap)

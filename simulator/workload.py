@@ -23,7 +23,7 @@ Custom workloads (what-if questions about your own model), TOML:
 
 or CSV with the catalog's columns (`matrix,rows,cols` required; `component,count,optimizer,note,workload`
 optional), or a Hugging Face config.json (`simulator.hf_config`: every weight tensor of the model, MoE
-experts one ParamSpec each). No torch, no simpy: importable anywhere. The types (ParamSpec, Workload)
+fused experts one ParamSpec of E matrices each, as `dmuon.params.decide` routes them). No torch, no simpy: importable anywhere. The types (ParamSpec, Workload)
 are simulator.workload_spec's.
 """
 
@@ -173,16 +173,17 @@ def load_workload(name_or_path: str | Path) -> Workload:
                        + ["<path>.toml", "<path>.csv", "<path>/config.json"])
 
 
-def resolve_workload(workload, model=None) -> Workload:
+def resolve_workload(workload, model=None, per_head: bool = False) -> Workload:
     """The workload a configuration names: `model` (a Hugging Face config.json path, folder or shipped
-    model name) when given, else `workload` (a Workload, a catalog name or a file)."""
+    model name; per_head: its attention matrices cut per head) when given, else `workload` (a Workload, a
+    catalog name or a file)."""
     if model is not None:
         from .hf_config import load_model
 
         if not isinstance(model, (str, Path)) or not str(model).strip():
             raise WorkloadError(f"model must be a config.json path, a folder holding one or a shipped "
                                 f"model's name, got {model!r}")
-        return load_model(model)
+        return load_model(model, per_head)
     return workload if isinstance(workload, Workload) else load_workload(workload)
 
 
