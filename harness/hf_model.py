@@ -128,8 +128,8 @@ def _transformers():
     try:
         import transformers
     except ImportError:
-        raise InputError("a Hugging Face model needs the transformers package: pip install transformers "
-                         "(or pip install -e '.[dev]')") from None
+        raise InputError("a Hugging Face model needs the transformers package (not installed here): "
+                         "pip install transformers") from None
     return transformers
 
 
