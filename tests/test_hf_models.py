@@ -193,6 +193,7 @@ def train(rank: int, world: int, family: str, layout: str, strategy: str, ckpt: 
         opt.zero_grad()
     opt.synchronize()
     out = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+
     if ckpt is not None:  # sharded DCP checkpoint, then a fresh model and optimizer resume from it
         from dmuon.runtime.checkpoint import load_checkpoint, save_checkpoint
 
@@ -218,7 +219,8 @@ def run_family(rank: int, world: int, family: str, cases: list, ckpt_dir: str | 
     torch.set_num_threads(1)
     got = {}
     for layout, strategy in cases:
-        ckpt = f"{ckpt_dir}/{layout}-{strategy}" if ckpt_dir and layout == "fsdp2-sharded" else None
+        ckpt = f"{ckpt_dir}/{layout}-{strategy}" if ckpt_dir and layout != "replicated" and \
+            strategy == "dmuon" else None
         got[(layout, strategy)] = train(rank, world, family, layout, strategy, ckpt)
     return got
 
