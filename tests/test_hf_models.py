@@ -241,7 +241,7 @@ def compared(name: str, t: torch.Tensor) -> torch.Tensor:
 
 LAYOUTS = ["replicated", "fsdp2-owner", "fsdp2-sharded"]
 ALL = [(lay, s) for lay in LAYOUTS for s in ("dmuon", "naive")]
-RUNS = [  # (family, ranks, cases, checkpoint): every family on 2 ranks, the MoE on 4 too
+RUNS = [  # (family, ranks, cases, checkpoint): every family on 2 ranks, the MoE on 1 and 4 too
     ("qwen3_moe", 2, ALL, True),
     ("qwen3_moe", 4, [(lay, "dmuon") for lay in LAYOUTS], False),
     ("mixtral", 2, [("replicated", "dmuon"), ("fsdp2-sharded", "dmuon"), ("fsdp2-owner", "naive")], False),
@@ -249,6 +249,10 @@ RUNS = [  # (family, ranks, cases, checkpoint): every family on 2 ranks, the MoE
     ("phi3", 2, [("replicated", "dmuon"), ("fsdp2-sharded", "dmuon"), ("replicated", "naive")], False),
     ("gpt2", 2, [("fsdp2-owner", "dmuon"), ("fsdp2-sharded", "dmuon")], False),
     ("llama", 2, [("fsdp2-sharded", "dmuon")], False),
+    ("qwen3_moe", 1, [("replicated", "dmuon"), ("fsdp2-sharded", "naive")], False),
+    ("qwen2", 2, [("replicated", "dmuon"), ("fsdp2-owner", "naive")], False),
+    ("qwen3", 2, [("fsdp2-owner", "dmuon")], False),
+    ("gemma", 2, [("fsdp2-sharded", "dmuon")], False),
 ]
 
 
