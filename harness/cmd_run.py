@@ -110,8 +110,8 @@ def register(app, bench) -> None:
     def run_cmd(
         experiment: str = typer.Argument(
             "paper",
-            help="experiments/<name>.toml name (paper | ablation | scaling "
-            "| balancers | kernels | moe | moe_ep) or a path to your own .toml.",
+            help="experiments/<name>.toml name (harness run --list: paper | ablation | scaling "
+            "| balancers | kernels | moe | moe_ep | moe_sim_ep) or a path to your own .toml.",
         ),
         out: str = typer.Option(None, help="Output folder (default: results/<experiment>)."),
         jobs: int = typer.Option(
@@ -138,7 +138,8 @@ def register(app, bench) -> None:
             False, "--list", help="List the experiments and their row counts, then exit."
         ),
     ):
-        """Run an experiment's sweep (default: paper): results.csv, config.json, provenance.json, figures."""
+        """Run an experiment's sweep (default: paper): results.csv, config.json, provenance.json, figures;
+        commit, host and wall times in <out>/.provenance/ (not tracked by git)."""
         import time
 
         from rich.console import Console
