@@ -5,8 +5,8 @@
 
 The model is built by transformers from a local config.json (nothing is downloaded), shrunk by --layers /
 --hidden / --vocab as `harness bench step --model` shrinks it (harness/hf_model.py says what changes).
-It trains on synthetic sequences (labels = input_ids: the model shifts them and returns .loss). Runs on GPUs
-(nccl, one per rank) or on CPUs (gloo). Needs `pip install transformers`.
+It trains on synthetic sequences (labels = input_ids: the model shifts them and returns .loss). Runs on
+GPUs (nccl, one per rank, bf16) or on CPUs (gloo, fp32). Needs `pip install transformers`.
 
 What it shows, in order: FSDP2 sharding with `dmuon.shard_model`, `dmuon.DMuon` (Muon for the hidden
 matrices, AdamW for embeddings, head, norms: `dmuon.route(model)` lists the decisions), the training
@@ -97,6 +97,7 @@ def main():
     dmuon.save_checkpoint(args.ckpt, model, opt)  # every rank writes what it holds
     continued = [train_step(model, opt, batch(vocab, args, args.steps + i, device))
                  for i in range(args.resume_steps)]
+    opt.synchronize()  # the last step's weight publications are still in flight: wait before closing
     opt.close()
     del model, opt
 
@@ -105,9 +106,12 @@ def main():
     dmuon.load_checkpoint(args.ckpt, model, opt)
     resumed = [train_step(model, opt, batch(vocab, args, args.steps + i, device))
                for i in range(args.resume_steps)]
+    opt.synchronize()
     opt.close()
-    same = all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)
-               for a, b in zip(continued, resumed, strict=True))
+    # on CPUs the resumed steps repeat the continued ones bit for bit; GPU kernels (atomic adds, bf16)
+    # are not bitwise reproducible, so there the check allows 1%
+    tol = 1e-6 if device.type == "cpu" else 1e-2
+    same = all(math.isclose(a, b, rel_tol=tol, abs_tol=tol) for a, b in zip(continued, resumed, strict=True))
     if rank0:
         for i, (a, b) in enumerate(zip(continued, resumed, strict=True)):
             print(f"step {args.steps + i} continued {a:.6f} resumed {b:.6f}", flush=True)

@@ -14,11 +14,11 @@ What the shrink changes (`shrink`; every other key is kept, including the head a
               (intermediate_size, moe_intermediate_size, shared_expert_intermediate_size, n_inner) x f,
               rounded to a multiple of 8 (at least 8: fused experts run grouped GEMMs, which want
               16-byte aligned rows), DeepSeek's MLA ranks (q_lora_rank, kv_lora_rank) x f, rounded
-              (at least 1). The attention
-              head counts are kept: a config without head_dim gets head_dim = H / num_attention_heads,
-              so H must be a multiple of 2 x num_attention_heads (an even head_dim for the rotary
-              embeddings); an explicit head_dim and DeepSeek's qk_nope_head_dim, qk_rope_head_dim,
-              v_head_dim are scaled by f and rounded to an even number (at least 2).
+              (at least 1). The attention head counts are kept: a config without head_dim gets
+              head_dim = H / num_attention_heads, so H must be a multiple of 2 x num_attention_heads
+              (an even head_dim for the rotary embeddings); an explicit head_dim and DeepSeek's
+              qk_nope_head_dim, qk_rope_head_dim, v_head_dim are scaled by f and rounded to an even
+              number (at least 2).
   --vocab V   vocab_size = V; special token ids (bos / eos / pad) outside [0, V) become None.
 The KV cache is switched off (use_cache = False: training only).
 """
