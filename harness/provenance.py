@@ -115,11 +115,11 @@ def provenance(exp, rows: list[dict], *, kind: str, command: str | None = None) 
 
 def canonical_command(exp) -> str:
     """`harness run <name>` (or the experiment file's path) plus one --set per override, in key order."""
+    from .experiment import parse_value
+
     path = Path(exp.path)
     in_project = path.resolve().parent == (ROOT / "experiments").resolve() and path.stem == exp.name
     words = ["harness", "run", exp.name if in_project else shlex.quote(shown_path(path))]
-    from .experiment import parse_value
-
     for key, value in sorted((getattr(exp, "overrides", None) or {}).items()):
         text = json.dumps(value, separators=(",", ":"))
         try:
