@@ -78,7 +78,7 @@ def cpu_name() -> str:
 
 
 ARGV: list[str] | None = None  # the arguments harness.cli.main was called with (tests call it in-process)
-VOLATILE_DIR = ".provenance"  # beside results.csv; not tracked (.gitignore: results/**/.provenance/)
+VOLATILE_DIR = ".provenance"  # beside results.csv; not tracked (.gitignore: .provenance/, at any depth)
 RUN_FILE = "run.json"
 
 

@@ -94,6 +94,7 @@ def test_git_ignores_the_volatile_provenance_and_tracks_the_tables():
 
     assert ignored("results/paper/.provenance/run.json")
     assert ignored("results/moe_ep/.provenance/rows.json")
+    assert ignored("my_out/pi0/.provenance/run.json")  # harness run --out anywhere in the tree
     assert not ignored("results/paper/results.csv") and not ignored("results/paper/provenance.json")
 
 
