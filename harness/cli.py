@@ -20,6 +20,7 @@ from .options import OptionCommand
 
 COMMAND_MODULES: list[str] = [
     "harness.cmd_plan",
+    "harness.cmd_profile",
     "harness.cmd_bench_kernels",
     "harness.cmd_bench_step",
     "harness.cmd_simulate",

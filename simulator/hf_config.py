@@ -57,8 +57,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from dmuon.errors import InputError
-
 from .workload_spec import MAX_COUNT, MAX_DIM, ParamSpec, Workload, WorkloadError
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "experiments" / "models"
@@ -178,8 +176,8 @@ class _Builder:
         self.layer = 0
         self.per_head, self.attention = per_head, attention
 
-    def param(self, name: str, shape: tuple, matrix: str, *, kind: str | None = None, block: int | None = None,
-              uses: float = 1.0, attn: float = 0.0, note: str = "") -> None:
+    def param(self, name: str, shape: tuple, matrix: str, *, kind: str | None = None,
+              block: int | None = None, uses: float = 1.0, attn: float = 0.0, note: str = "") -> None:
         """A parameter named `name` (transformers' name less '.weight'), routed by `decide`."""
         from dmuon.params import decide
 
@@ -187,9 +185,9 @@ class _Builder:
         use_muon, reason, layout = decide(full, shape, kind, per_head=self.per_head, attention=self.attention)
         if use_muon and not layout.uniform:
             shapes = ", ".join(f"{a}x{b}" for a, b in sorted(set(layout.shapes)))
-            raise WorkloadError(f"{full}: its matrices have different shapes ({shapes}; {reason}); the runtime "
-                                "owns a parameter's matrices as one stack, so it takes only parameters whose "
-                                "matrices share one shape: accepted: per_head (--per-head)")
+            raise WorkloadError(f"{full}: its matrices have different shapes ({shapes}; {reason}); the "
+                                "runtime owns a parameter's matrices as one stack, so it takes only "
+                                "parameters whose matrices share one shape: accepted: per_head (--per-head)")
         if use_muon:
             (rows, cols), count = layout.piece_shape(0), layout.count
             pieces = tuple(layout.matrix_names(full)) if count > 1 else ()
@@ -404,8 +402,9 @@ def workload_from_config(raw: dict, *, name: str = "model", source: str = "confi
         b = _Builder(per_head, attention_shape(raw))
         _gpt2(b, c)
         params = tuple(b.params)
-        return Workload(name=name, params=params, notes=(_summary(family, params, sum(p.numel for p in params),
-                                                                  0, True),), source=source)
+        n_all = sum(p.numel for p in params)
+        return Workload(name=name, params=params, notes=(_summary(family, params, n_all, 0, True),),
+                        source=source)
     mtp = c.int("num_nextn_predict_layers", 0, minimum=0) if family == "deepseek_v3" else 0
     moe = _moe_layers(c, family, c.int("num_hidden_layers") + mtp)  # MTP layers follow the same rule
     d = _dims(c, needs_dense=not all(moe))
@@ -454,59 +453,12 @@ def _summary(family: str, params: tuple[ParamSpec, ...], n_main: int, mtp: int, 
              "the file to leave them out)") if mtp else ""
     return (f"from a Hugging Face config.json ({family}): {n_main:,} parameters{extra}; {active:,.0f} "
             f"active per token (embedding and head included, as model cards count them); {n_matrices:,} "
-            f"Muon matrices in {shapes} shapes ({fused:,} parameters hold several, each owned whole); embeddings, {'tied ' if tied else ''}head, norms, biases "
+            f"Muon matrices in {shapes} shapes ({fused:,} parameters hold several, each owned whole); "
+            f"embeddings, {'tied ' if tied else ''}head, norms, biases "
             "and routers: AdamW")
 
 
-def active_params(workload: Workload) -> float:
-    """Parameters one token uses in the main model (routed experts x top_k / experts; embedding and head
-    included; MTP modules left out)."""
-    head_layer = max((p.layer for p in workload.params if p.matrix == "norm"), default=workload.n_layers)
-    return sum(p.numel * min(1.0, p.matmuls_per_token or (1.0 if "embed" in p.matrix else 0.0))
-               for p in workload.params if p.layer <= head_layer)
-
-
-def matrix_table(workload: Workload) -> list[dict]:
-    """One row per (matrix kind, shape, optimizer) with its count, in first-seen order (what `count` means
-    in the catalog: a config's E experts of one shape are one row with count E x layers)."""
-    rows: dict[tuple, dict] = {}
-    for p in workload.params:
-        for kind in _piece_kinds(p):
-            key = (kind, p.rows, p.cols, p.optimizer)
-            r = rows.get(key)
-            if r is None:
-                rows[key] = {"matrix": kind, "rows": p.rows, "cols": p.cols, "count": 1,
-                             "optimizer": p.optimizer, "matmuls_per_token": p.matmuls_per_token}
-            else:
-                r["count"] += 1
-    return list(rows.values())
-
-
-def _piece_kinds(p: ParamSpec) -> list[str]:
-    """The matrix kind of each matrix a parameter holds: its own, or for a fused one each piece's
-    ('experts.gate_up_proj' -> 'experts.gate_proj', 'experts.up_proj', ...; 'qkv_proj' -> 'qkv_proj:q' ...)."""
-    if p.count == 1:
-        return [p.matrix]
-    if ".experts." in (p.pieces[0] if p.pieces else ""):
-        kinds = p.matrix.rsplit(".", 1)[0]
-        return [f"{kinds}.{n.rsplit('.', 1)[-1]}" for n in p.pieces]
-    return [f"{p.matrix}:{n.split(':')[-1]}" for n in p.pieces]
-
-
-def flops_per_token(workload: Workload, seq_len: int) -> float:
-    """Forward FLOPs per token at `seq_len` as the compute model charges them (simulator.compute)."""
-    from .compute import layer_flops
-
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise InputError(f"seq_len must be a positive integer, got {seq_len!r}")
-    return sum(lc.fwd_flops for lc in layer_flops(workload, seq_len, 1)) / seq_len
-
-
-def n_params(workload: Workload, *, mtp: bool = True) -> int:
-    """Total parameters; mtp=False leaves out DeepSeek-style MTP modules (the layers after the head)."""
-    head_layer = max((p.layer for p in workload.params if p.matrix == "norm"), default=workload.n_layers)
-    return sum(p.numel for p in workload.params if mtp or p.layer <= head_layer)
-
+from .hf_summary import active_params, flops_per_token, matrix_table, n_params  # noqa: E402 (re-exported)
 
 __all__ = ["FAMILIES", "MODELS_DIR", "active_params", "flops_per_token", "load_model", "matrix_table",
            "model_names", "model_path", "n_params", "workload_from_config"]

@@ -22,9 +22,9 @@ Custom workloads (what-if questions about your own model), TOML:
     component = "lm"             # optional (default "model")
 
 or CSV with the catalog's columns (`matrix,rows,cols` required; `component,count,optimizer,note,workload`
-optional), or a Hugging Face config.json (`simulator.hf_config`: every weight tensor of the model, MoE
-fused experts one ParamSpec of E matrices each, as `dmuon.params.decide` routes them). No torch, no simpy: importable anywhere. The types (ParamSpec, Workload)
-are simulator.workload_spec's.
+optional), or a Hugging Face config.json (`simulator.hf_config`: every weight tensor of the model, fused
+MoE experts one ParamSpec of E matrices each, as `dmuon.params.decide` routes them). No torch, no simpy:
+importable anywhere. The types (ParamSpec, Workload) are simulator.workload_spec's.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from ..errors import InputError, choice_error
 from . import batchdp
 from .flops import METHODS
 from .momentum import momentum_time
-from .orientation import BOTH, shape_groups
+from .orientation import BOTH, class_groups
 from .split import area_bound, check_max_split, links_for, split_levels, split_price
 from .types import MatrixSpec
 
@@ -260,12 +260,7 @@ def build_work_model(
         dup = sorted({x for x in names if names.count(x) > 1})
         raise InputError(f"matrix names must be unique; repeated: {dup[:5]}")
     classes = []
-    # a class per (NS shape, orientation, matrices per member): members of one count batch together
-    groups = {}
-    for (n, m, tall), all_members in shape_groups(matrices, orientation).items():
-        for i in all_members:
-            groups.setdefault((n, m, tall, matrices[i].count), []).append(i)
-    for (n, m, tall, k), members in sorted(groups.items()):
+    for (n, m, tall, k), members in sorted(class_groups(matrices, orientation).items()):
         top = min(max_batch, len(members)) if batching else 1
         times, meths, moms = {}, {}, {}
         for b in range(1, top + 1):
@@ -283,9 +278,9 @@ def build_work_model(
                 for b1 in range(1, b // 2 + 1)
             )
         )
-        classes.append(ShapeClass(n, m, tuple(members), times, meths, sizes,
-                                  n * m * k * STATE_BYTES_PER_ELEMENT, moms, None if tall == BOTH else bool(tall),
-                                  k))
+        state = n * m * k * STATE_BYTES_PER_ELEMENT
+        classes.append(ShapeClass(n, m, tuple(members), times, meths, sizes, state, moms,
+                                  None if tall == BOTH else bool(tall), k))
     check_max_split(max_split)
     pieces: tuple[PieceType, ...] = ()
     links_source = ""
@@ -305,9 +300,7 @@ def _price_pieces(classes, cost, method, dtype, max_split, world_size, links) ->
     """Every useful piece type (see the module docstring), per class, group size and batch size."""
     out = []
     cands = getattr(cost, "runnable_methods", METHODS) if method == AUTO_METHOD else (method,)
-    for s, cls in enumerate(classes):
-        if cls.k > 1:  # a parameter of several matrices is never split (the runtime's split NS takes one
-            continue   # matrix per member)
+    for s, cls in ((s, c) for s, c in enumerate(classes) if c.k == 1):  # one parameter's matrices: unsplit
         for b in cls.times_s:
             beat = cls.times_s[b]  # the unsplit call of the same b matrices
             for k in split_levels(max_split, world_size, cls.m):

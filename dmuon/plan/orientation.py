@@ -43,3 +43,14 @@ def shape_groups(matrices: Sequence[MatrixSpec], orientation: bool | Collection[
         keep = oriented is True or (oriented is not False and (n, m) in oriented)
         groups.setdefault((n, m, int(mat.rows > mat.cols) if keep else BOTH), []).append(i)
     return groups
+
+
+def class_groups(matrices: Sequence[MatrixSpec], orientation: bool | Collection[tuple[int, int]] = False
+                 ) -> dict[tuple[int, int, int, int], list[int]]:
+    """`shape_groups` split by matrices per member (MatrixSpec.count): a balancer's classes, keyed (n, m,
+    tall, count); a batch of b members of a class is one NS call of b x count matrices."""
+    groups: dict[tuple[int, int, int, int], list[int]] = {}
+    for (n, m, tall), members in shape_groups(matrices, orientation).items():
+        for i in members:
+            groups.setdefault((n, m, tall, matrices[i].count), []).append(i)
+    return groups

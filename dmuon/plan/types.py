@@ -57,7 +57,8 @@ class MatrixSpec:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"MatrixSpec {self.name!r}: {attr} must be a positive integer, got {v!r}")
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
-            raise ValueError(f"MatrixSpec {self.name!r}: count must be a positive integer, got {self.count!r}")
+            raise ValueError(f"MatrixSpec {self.name!r}: count must be a positive integer, "
+                             f"got {self.count!r}")
         if isinstance(self.layer, bool) or not isinstance(self.layer, int) or self.layer < 0:
             raise ValueError(f"MatrixSpec {self.name!r}: layer must be a non-negative integer, "
                              f"got {self.layer!r}")
