@@ -97,13 +97,15 @@ class MatrixLayout:
             head, sep, tail = base.partition(".experts.")
             if not sep:
                 head, tail = base.rsplit(".", 1) if "." in base else ("", base)
-            return [f"{head}.experts.{e}.{b or tail}".lstrip(".") for e in range(self.lead) for b in self.names]
+            return [f"{head}.experts.{e}.{b or tail}".lstrip(".")
+                    for e in range(self.lead) for b in self.names]
         return [f"{base}:{b}" for b in self.names]
 
     # ---- cutting tensors ---------------------------------------------------------------------------
     def _check(self, t: torch.Tensor) -> None:
         if tuple(t.shape) != self.shape and t.numel() != math.prod(self.shape):
-            raise InputError(f"a tensor of shape {tuple(t.shape)} does not hold a parameter of shape {self.shape}")
+            raise InputError(f"a tensor of shape {tuple(t.shape)} does not hold a parameter of "
+                             f"shape {self.shape}")
 
     def pieces(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every matrix of `t` (a tensor of the parameter's shape or numel) as a 2-D view, in order."""
@@ -118,7 +120,8 @@ class MatrixLayout:
     def stack(self, t: torch.Tensor) -> torch.Tensor:
         """The matrices of `t` as one (count, rows, cols) view (uniform layouts; writes reach `t`)."""
         if not self.uniform:
-            raise InputError(f"matrices of shapes {sorted(set(self.shapes))} in one parameter have no stack view")
+            raise InputError(f"matrices of shapes {sorted(set(self.shapes))} in one parameter have no "
+                             "stack view")
         self._check(t)
         R, C = self.matrix_shape
         p, s = len(self.sizes), self.sizes[0]

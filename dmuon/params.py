@@ -68,7 +68,8 @@ class Route:
         """(name, rows, cols) of every matrix Muon runs for this parameter; [] for AdamW."""
         if not self.use_muon or self.layout is None:
             return []
-        return list(zip(self.layout.matrix_names(self.name), *zip(*self.layout.shapes), strict=True))
+        return list(zip(self.layout.matrix_names(self.name), *zip(*self.layout.shapes, strict=True),
+                        strict=True))
 
 
 def _name_says_embedding(name: str) -> bool:
@@ -130,8 +131,9 @@ def _leaf(name: str) -> tuple[str, str]:
 
 def _heads(name: str, side: int, attention: AttentionShape | None, what: str) -> tuple[int, ...]:
     if attention is None:
-        raise InputError(f"{name}: {what} needs the attention shape; pass attention=dmuon.params.AttentionShape("
-                         "heads, kv_heads, head_dim) (a model with a Hugging Face `config` gives it)")
+        raise InputError(f"{name}: {what} needs the attention shape; pass "
+                         "attention=dmuon.params.AttentionShape(heads, kv_heads, head_dim) (a model with a "
+                         "Hugging Face `config` gives it)")
     hd = attention.head_dim
     if side % hd:
         raise InputError(f"{name}: {side} is not a multiple of head_dim {hd} ({what})")
@@ -186,8 +188,8 @@ def decide(name: str, shape, kind: str | None = None, *, per_head: bool = False,
                 _heads(name, side, None, "splitting fused QKV")
             q, kv = attention.heads * attention.head_dim, attention.kv_heads * attention.head_dim
             if q + 2 * kv != rows:
-                raise InputError(f"{name}: {rows} rows are not q + k + v = {q} + {kv} + {kv} of the attention "
-                                 f"shape {attention}")
+                raise InputError(f"{name}: {rows} rows are not q + k + v = {q} + {kv} + {kv} of the "
+                                 f"attention shape {attention}")
             sizes = _heads(name, side, attention, "per-head QKV") if per_head else (q, kv, kv)
         else:
             return True, "hidden matrix", MatrixLayout.whole(shape)
@@ -196,7 +198,8 @@ def decide(name: str, shape, kind: str | None = None, *, per_head: bool = False,
             n_kv = (len(sizes) - n_q) // 2
             names = tuple([f"q.h{h}" for h in range(n_q)] + [f"k.h{h}" for h in range(n_kv)]
                           + [f"v.h{h}" for h in range(n_kv)])
-            return True, f"fused QKV, per head ({len(sizes)} matrices)", MatrixLayout(shape, 1, axis, sizes, names)
+            return (True, f"fused QKV, per head ({len(sizes)} matrices)",
+                    MatrixLayout(shape, 1, axis, sizes, names))
         return True, "fused QKV: q, k, v", MatrixLayout(shape, 1, axis, sizes, ("q", "k", "v"))
     if leaf in EXPERT_GATE_UP and rows % 2 == 0:
         return True, "fused gate / up", MatrixLayout(shape, 1, 0, (rows // 2,) * 2, ("gate", "up"))
@@ -274,7 +277,8 @@ def route(params_or_module, predicate: Predicate | None = None, *, per_head: boo
     if not isinstance(per_head, bool):
         raise InputError(f"per_head must be True or False, got {per_head!r}")
     if attention is not None and not isinstance(attention, AttentionShape):
-        raise InputError(f"attention must be a dmuon.params.AttentionShape or None, got {type(attention).__name__}")
+        raise InputError("attention must be a dmuon.params.AttentionShape or None, got "
+                         f"{type(attention).__name__}")
     if isinstance(params_or_module, nn.Module):
         return _module_routes(params_or_module, predicate, per_head, attention)
     if isinstance(params_or_module, torch.Tensor):

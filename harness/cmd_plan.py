@@ -365,8 +365,8 @@ def register(app, bench) -> None:
         if workload is not None and model is not None:
             raise InputError("give --workload or --model, not both")
         if per_head and model is None:
-            raise InputError("--per-head cuts a Hugging Face model's attention matrices; accepted: --per-head "
-                             "with --model")
+            raise InputError("--per-head cuts a Hugging Face model's attention matrices; accepted: "
+                             "--per-head with --model")
         workload = model or workload
         if workload is None or ranks is None:
             raise InputError("harness plan needs --workload (or --model) and --ranks (or --compare)")

@@ -23,7 +23,8 @@ CONFIGS = {
     "qwen2": ("Qwen2Config", ATTN),
     "qwen3": ("Qwen3Config", dict(ATTN, head_dim=8)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(ATTN, **MOE, num_experts=4, head_dim=8)),
-    "mixtral": ("MixtralConfig", dict(ATTN, num_local_experts=4, num_experts_per_tok=2, intermediate_size=16)),
+    "mixtral": ("MixtralConfig", dict(ATTN, num_local_experts=4, num_experts_per_tok=2,
+                                      intermediate_size=16)),
     "deepseek_v3": ("DeepseekV3Config", dict(ATTN, **MOE, num_key_value_heads=4, n_routed_experts=4,
                                              n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=8,
                                              q_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=4,
@@ -123,8 +124,6 @@ def test_per_head_needs_the_attention_shape_and_gqa_fused_qkv_is_refused_by_dmuo
 
 
 def test_warn_no_muon_names_a_3d_parameter_left_to_adamw():
-    import warnings
-
     from dmuon.runtime.base import DistributedMuonBase  # noqa: F401 (import check)
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))

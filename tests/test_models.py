@@ -55,8 +55,10 @@ def test_experts_are_one_matrix_each_for_batched_ns():
     assert gate["matmuls_per_token"] == pytest.approx(8 / 384)
     assert rows[("experts.down_proj", 7168, 2048)]["count"] == 384 * 60
     assert rows[("router", 384, 7168)]["optimizer"] == "adamw"
-    assert sum(m.count for m in w.muon_matrices) == 61 * 5 + 3 + 60 * (384 + 1) * 3  # MLA 5, dense MLP, experts + shared
-    assert len(w.muon_matrices) == 61 * 5 + 3 + 60 * (2 + 3)  # each fused expert parameter one entry (owned whole)
+    # MLA 5, dense MLP, experts + shared
+    assert sum(m.count for m in w.muon_matrices) == 61 * 5 + 3 + 60 * (384 + 1) * 3
+    # each fused expert parameter one entry (owned whole)
+    assert len(w.muon_matrices) == 61 * 5 + 3 + 60 * (2 + 3)
     # loading .json paths and folders through the workload loader, cached per file
     assert load_workload("experiments/models/kimi-k2-like") is w
 
@@ -145,10 +147,12 @@ def test_mla_moe_dense_first_layers_by_hand():
     assert s["model.layers.1.mlp.gate"] == (4, 32, "adamw")  # the router
     attn = 512 + 16 + 192 + 320 + 8 + 128 + 256
     dense = 64 + attn + 3 * 48 * 32
-    moe = 64 + attn + 4 * 32 + 4 * 3 * 12 * 32 + 3 * 12 * 32  # e_score_correction_bias: a buffer in transformers 5
+    # e_score_correction_bias: a buffer in transformers 5
+    moe = 64 + attn + 4 * 32 + 4 * 3 * 12 * 32 + 3 * 12 * 32
     assert w.n_params == 50 * 32 + dense + moe + 32 + 50 * 32
     assert sum(m.count for m in w.muon_matrices) == 8 + 5 + 12 + 3
-    assert len(w.muon_matrices) == 8 + 5 + 2 + 3  # the fused gate_up (8 matrices) and down_proj (4) one entry each
+    # the fused gate_up (8 matrices) and down_proj (4) one entry each
+    assert len(w.muon_matrices) == 8 + 5 + 2 + 3
     q_b = next(p for p in w.params if p.name == f"{a}.q_b_proj")
     assert q_b.attn_width == 2 * (4 + 2 + 4) / 2  # scores on the qk width, values on the v width
     with_mtp = workload_from_config({**TINY_MLA, "num_nextn_predict_layers": 1})

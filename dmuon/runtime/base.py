@@ -9,13 +9,13 @@ docs/runtime.md and docs/fsdp.md.
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 import weakref
 
 import torch
 
 from ..errors import InputError, choice_error
+from ..matrices import MatrixLayout
 from ..newton_schulz import NSConfig, orthogonalize, orthogonalize_many
 from ..optim import (
     NONFINITE,
@@ -27,7 +27,6 @@ from ..optim import (
     nonfinite_names,
     suspect_indices,
 )
-from ..matrices import MatrixLayout
 from ..params import route
 from ..plan.ep import dense_part
 from ..plan.types import MatrixSpec, Plan
@@ -63,8 +62,8 @@ def check_uniform(r):
         shapes = ", ".join(f"{a}x{b}" for a, b in sorted(set(lay.shapes)))
         raise InputError(f"{r.name}: its matrices have different shapes ({shapes}; {r.reason}); DMuon and "
                          "NaiveMuon take parameters whose matrices share one shape. Accepted: per_head=True "
-                         "(one head per matrix), a muon_predicate that routes it to AdamW, or dmuon.Muon on one "
-                         "device")
+                         "(one head per matrix), a muon_predicate that routes it to AdamW, or dmuon.Muon on "
+                         "one device")
     return lay
 
 

@@ -117,7 +117,8 @@ def optimizer_state_dict(opt) -> dict:
         if "step" in st:
             entry["step"] = int(st["step"])
         state[opt.names[i]] = entry
-    groups = [{k: v for k, v in g.items() if k not in ("params", "param_names", "layouts")} for g in opt.param_groups]
+    groups = [{k: v for k, v in g.items() if k not in ("params", "param_names", "layouts")}
+              for g in opt.param_groups]
     meta = {"format": FORMAT, "optimizer": type(opt).__name__, "layout": opt.layout,
             "param_groups": json.dumps(groups), "steps": opt._steps, "skipped_steps": opt.skipped_steps}
     return {"meta": meta, "state": state}

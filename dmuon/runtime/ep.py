@@ -152,7 +152,8 @@ class _ExpertHalf:
         self.opt = opt
         self.layout = EPLayout(opt.world_size, ep)
         # matrices per expert slice of each expert parameter (a fused gate / up: 2; `expert_stack`)
-        self.blocks = {i: len(expert_blocks(opt.names[i], opt.params[i])) for i in range(first, len(opt.params))}
+        self.blocks = {i: len(expert_blocks(opt.names[i], opt.params[i]))
+                       for i in range(first, len(opt.params))}
         self.k = self.layout.ep_rank(opt.rank)
         timeout = datetime.timedelta(seconds=opt.timeout_s)
         # every rank creates every replica group, in the same order (torch.distributed's rule): one set for

@@ -21,7 +21,8 @@ def rank_state_dict(self) -> dict:
         "format": STATE_FORMAT, "optimizer": type(self).__name__, "rank": self.rank,
         "world_size": self.world_size, "plan": plan.to_dict() if plan is not None else None,
         "steps": self._steps, "skipped_steps": self.skipped_steps,
-        "param_groups": [{k: v for k, v in g.items() if k not in ("params", "layouts")} for g in self.param_groups],
+        "param_groups": [{k: v for k, v in g.items() if k not in ("params", "layouts")}
+                         for g in self.param_groups],
         "state": {self.names[i]: dict(self.state[p]) for i, p in enumerate(self.params)
                   if self.state.get(p)},
     }
