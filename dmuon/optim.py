@@ -308,8 +308,8 @@ class Muon(torch.optim.Optimizer):
         given = getattr(self, "_given_layouts", {})
         items = param_group["params"]
         items = list(items) if isinstance(items, (list, tuple)) else items
-        if given and isinstance(items, list) and all(isinstance(x, tuple) and len(x) == 2 and id(x[1]) in given
-                                                     for x in items):
+        if given and isinstance(items, list) and all(
+                isinstance(x, tuple) and len(x) == 2 and id(x[1]) in given for x in items):
             routes = [given[id(x[1])] for x in items]  # a module's own routes (module kinds, attention)
         else:
             routes = route(items, None if use_muon is not None else self._predicate, per_head=self.per_head)
@@ -461,5 +461,6 @@ class Muon(torch.optim.Optimizer):
         pos = 0
         for w, k in zip(work, counts, strict=True):
             g = w.group
-            apply_matrices_(w.param, w.layout, updates[pos:pos + k], g["lr"], g["weight_decay"], g["adjust_lr"])
+            apply_matrices_(w.param, w.layout, updates[pos:pos + k], g["lr"], g["weight_decay"],
+                            g["adjust_lr"])
             pos += k
