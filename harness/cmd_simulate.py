@@ -189,8 +189,8 @@ def register(app, bench) -> None:
         workload = workload or SimConfig.workload
         hardware = gpu_of(gpu, cluster)
         configs = [
-            SimConfig(workload=workload, model=model, per_head=per_head, cluster=cluster, gpus=gpus, gpus_per_node=gpus_per_node,
-                      gpu=hardware, strategy=s,
+            SimConfig(workload=workload, model=model, per_head=per_head, cluster=cluster, gpus=gpus,
+                      gpus_per_node=gpus_per_node, gpu=hardware, strategy=s,
                       layout=layout, seq_len=seq_len, micro_batch=micro_batch, gram=gram,
                       symmetric_kernels=symmetric_kernels, batching=batching, balancer=balancer,
                       overlap=overlap, hierarchical=hierarchical, nic_gbps=nic_gbps,

@@ -34,6 +34,7 @@ from dmuon.errors import InputError, choice_error
 
 from .provenance import ROOT, shown_path
 from .runners import get_runner
+from .values import parse_value  # noqa: F401 (harness.experiment.parse_value, as before)
 
 EXPERIMENTS_DIR = ROOT / "experiments"
 TOP_KEYS = ("description", "runner", "figures", "fixed", "axes", "grid", "variants", "trace")
@@ -204,33 +205,6 @@ def check_keys(exp: Experiment, runner, where: str) -> None:
 
 
 # ---- overrides -----------------------------------------------------------------------------------
-def parse_value(text: str):
-    """A --set value: TOML syntax ([8, 64], 2048, 1.5, true, "x"), a bare word (pi0), or a list whose items
-    are either ([pi0, wall-oss], [8, "a800"])."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        t = text.strip()
-        if t.startswith("[") and t.endswith("]") and t[1:-1].strip():
-            return [_scalar(x, text) for x in t[1:-1].split(",")]
-        return _scalar(t, text)
-
-
-def _scalar(item: str, text: str):
-    item = item.strip()
-    try:
-        v = tomllib.loads(f"v = {item}")["v"]
-        if not isinstance(v, (list, dict)):
-            return v
-    except tomllib.TOMLDecodeError:
-        if item and not any(c in item for c in "[]{}=\"' "):
-            return item
-    raise InputError(
-        f'--set value {text!r} is not a TOML value (e.g. 8, [8, 64], true, "a800"), a bare word '
-        "(pi0) or a list of them ([pi0, wall-oss])"
-    )
-
-
 def parse_overrides(items: list[str]) -> dict:
     out = {}
     for item in items:

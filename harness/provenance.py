@@ -115,7 +115,7 @@ def provenance(exp, rows: list[dict], *, kind: str, command: str | None = None) 
 
 def canonical_command(exp) -> str:
     """`harness run <name>` (or the experiment file's path) plus one --set per override, in key order."""
-    from .experiment import parse_value
+    from .values import parse_value
 
     path = Path(exp.path)
     in_project = path.resolve().parent == (ROOT / "experiments").resolve() and path.stem == exp.name

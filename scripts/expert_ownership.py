@@ -2,7 +2,8 @@
 matrices in one batched NS call: what the runtime runs at ep = 1) against one owner per expert matrix
 (`Workload.experts_apart()`, the simulator's per-expert model before transformers 5's fused experts).
 
-    .venv/bin/python scripts/expert_ownership.py [--model experiments/models/qwen3-30b-a3b] [--gpus 64,256,1024]
+    .venv/bin/python scripts/expert_ownership.py [--model experiments/models/qwen3-30b-a3b]
+                                                 [--gpus 64,256,1024]
 
 Prints the simulated DMuon step and optimizer phase (a800 profile, fsdp-keep) for both, side by side."""
 

@@ -271,7 +271,14 @@ class DistributedMuonBase(torch.optim.Optimizer):
         self.synchronize_exchanges()
 
     def close(self) -> None:
-        """Remove the hooks and stop the communication thread (the optimizer is unusable afterwards)."""
+        """Wait for the exchanges in flight (a process group destroyed under them aborts the process), then
+        remove the hooks and stop the communication thread (the optimizer is unusable afterwards)."""
+        try:
+            self.synchronize_exchanges()
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
         self._tracker.remove()
         if self._forward_waits is not None:
             self._forward_waits.remove()
