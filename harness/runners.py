@@ -199,6 +199,8 @@ class PlanRunner:
         for s in group:
             cost = load_cost(s["profile"])
             workload = resolve_workload(s["workload"], s.get("model"))
+            if s.get("ep", 1) > 1:  # each expert matrix placed on its EP rank (dmuon.plan.ep)
+                workload = workload.experts_apart()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
                 plan = build_ep_plan(
