@@ -2,12 +2,17 @@
 
 `load_model(path)` reads a config.json (or a folder holding one, or the name of a model shipped in
 experiments/models/) and returns the same `simulator.workload.Workload` the catalog gives: one
-`ParamSpec` per weight tensor, in forward order, with its shape (rows = out features, cols = in
-features, as torch's Linear stores it), whether Muon or AdamW updates it, and how many times per token
-the forward pass multiplies by it (`matmuls_per_token`, what `simulator.compute` charges FLOPs for).
+`ParamSpec` per parameter as transformers 5 names and shapes it, in forward order, with its shape (rows =
+out features, cols = in features, as torch's Linear stores it), whether Muon or AdamW updates it and as
+which matrices, both decided by the runtime's own routing rule (`dmuon.params.decide`: a fused parameter
+is one ParamSpec of `count` matrices named `pieces`), and how many times per token the forward pass
+multiplies by it (`matmuls_per_token`, what `simulator.compute` charges FLOPs for). per_head=True cuts the
+attention matrices per head, as `DMuon(model, per_head=True)` does.
 
 Families (model_type): llama, mistral, qwen2, qwen2_moe, qwen3, qwen3_moe, mixtral, deepseek_v3 (also
-read for kimi_k2, which uses its architecture) and gemma. What each contributes:
+read for kimi_k2, which uses its architecture), gemma, phi3 (fused qkv_proj: q, k, v row blocks; fused
+gate_up_proj: gate, up) and gpt2 (Conv1D weights stored (in, out); c_attn: q, k, v column blocks;
+wte / wpe embeddings; tied head). What each contributes:
 
     embed_tokens (vocab x hidden)            AdamW, layer 0; tied embeddings (tie_word_embeddings, default
                                              true for gemma) have no lm_head: the head matmul is charged to
@@ -25,12 +30,14 @@ read for kimi_k2, which uses its architecture) and gemma. What each contributes:
                                              (heads*(qk_nope+v_head) x kv_lora_rank), o_proj
                                              (hidden x heads*v_head)
       dense MLP                              gate_proj / up_proj (intermediate x hidden), down_proj, Muon
-      MoE MLP                                E routed experts of 3 matrices each (moe_intermediate_size;
-                                             mixtral: intermediate_size, w1/w3/w2), each its own ParamSpec:
-                                             E same-shape experts are E matrices of that shape (batched NS);
-                                             used by top_k/E of the tokens; router gate (E x hidden) and
-                                             deepseek's e_score_correction_bias: AdamW, as the Muon recipes
-                                             keep routers; shared experts (n_shared_experts x
+      MoE MLP                                E routed experts (moe_intermediate_size; mixtral:
+                                             intermediate_size) in two fused parameters, mlp.experts.
+                                             gate_up_proj (E, 2I, H): 2E matrices, and down_proj (E, H, I):
+                                             E matrices (`Workload.experts_apart` makes each matrix its own
+                                             ParamSpec, as expert parallelism places them); used by top_k/E
+                                             of the tokens; the router mlp.gate (E x hidden): AdamW, as the
+                                             Muon recipes keep routers (deepseek's e_score_correction_bias
+                                             is a buffer: no optimizer); shared experts (n_shared_experts x
                                              moe_intermediate_size, or shared_expert_intermediate_size with
                                              its 1 x hidden shared_expert_gate) used by every token
       which layers are MoE                   deepseek_v3: i >= first_k_dense_replace and i %
