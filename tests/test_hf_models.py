@@ -225,16 +225,18 @@ def run_family(rank: int, world: int, family: str, cases: list, ckpt_dir: str | 
 
 
 def rel(a, b) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+    return float((a - b).norm() / b.norm().clamp_min(1e-12)) if b.numel() else 0.0
 
 
 def compared(name: str, t: torch.Tensor) -> torch.Tensor:
-    """What a parameter is compared on. GPT-2's key bias (the middle third of c_attn.bias) is left out: the
-    softmax is invariant to it, so its exact gradient is 0 and what the ranks sum is rounding noise, which
-    AdamW normalizes to steps of lr size in an order-dependent direction (9.5e-5 apart in every layout and
-    in NaiveMuon alike)."""
+    """What a parameter is compared on. Key biases are left out (Qwen2's k_proj.bias, the middle third of
+    GPT-2's c_attn.bias): the softmax is invariant to them, so their exact gradient is 0 and what the ranks
+    sum is rounding noise, which AdamW normalizes to steps of lr size in an order-dependent direction
+    (measured 2e-5 - 9.5e-5 apart in every layout and in NaiveMuon alike; scripts/hf_matrix.py)."""
     if name.endswith("attn.c_attn.bias"):
         return torch.cat([t[:H], t[2 * H:]])
+    if name.endswith("self_attn.k_proj.bias"):
+        return t[:0]
     return t
 
 
