@@ -253,8 +253,9 @@ def shard_for(model, strategy: str, layout: str, memory: str) -> str:
     target = "fsdp2-owner" if layout == "fsdp2-owner" and strategy == "dmuon" else "fsdp2-sharded"
     device = next(model.parameters()).device.type
     mesh = init_device_mesh(device, (dist.get_world_size(),))
+    layers = getattr(getattr(model, "model", None), "layers", None)  # the bench model, Llama-like HF models
     shard_model(model, target, mesh=mesh, reshard_after_forward=memory == "free",
-                blocks=list(model.model.layers))
+                blocks=list(layers) if layers is not None else None)  # else: every ModuleList's children
     return target
 
 
