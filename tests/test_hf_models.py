@@ -159,11 +159,11 @@ def loss_of(model, ids) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
-def reference(family: str, world: int) -> dict:
+def reference(family: str, world: int, per_head: bool = False) -> dict:
     import dmuon
 
     model, _ = build(family)
-    opt = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
+    opt = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, per_head=per_head)
     for step in range(STEPS):
         for r in range(world):
             (loss_of(model, tokens(step, r)) / world).backward()
@@ -178,14 +178,15 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def train(rank: int, world: int, family: str, layout: str, strategy: str, ckpt: str | None = None):
+def train(rank: int, world: int, family: str, layout: str, strategy: str, ckpt: str | None = None,
+          per_head: bool = False):
     import dmuon
 
     model, _ = build(family)
     if layout != "replicated":
         dmuon.shard_model(model, layout)
     cls = dmuon.DMuon if strategy == "dmuon" else dmuon.NaiveMuon
-    opt = cls(model, lr=0.02, adamw_lr=1e-3, timeout_s=60)
+    opt = cls(model, lr=0.02, adamw_lr=1e-3, timeout_s=60, per_head=per_head)
     for step in range(STEPS):
         loss_of(model, tokens(step, rank)).backward()
         opt.step()
@@ -214,13 +215,14 @@ def train(rank: int, world: int, family: str, layout: str, strategy: str, ckpt: 
     return out
 
 
-def run_family(rank: int, world: int, family: str, cases: list, ckpt_dir: str | None):
+def run_family(rank: int, world: int, family: str, cases: list, ckpt_dir: str | None,
+               per_head: bool = False):
     torch.set_num_threads(1)
     got = {}
     for layout, strategy in cases:
         ckpt = f"{ckpt_dir}/{layout}-{strategy}" if ckpt_dir and layout != "replicated" and \
             strategy == "dmuon" else None
-        got[(layout, strategy)] = train(rank, world, family, layout, strategy, ckpt)
+        got[(layout, strategy)] = train(rank, world, family, layout, strategy, ckpt, per_head)
     return got
 
 
@@ -269,3 +271,19 @@ def test_hf_model_distributed_equals_single_process_muon(family, world, cases, c
             assert resumed in (None, True), f"{family} {case} rank {rank}: resumed training differs"
             worst = max(rel(compared(n, weights[n]), compared(n, want[n])) for n in want)
             assert worst < 1e-5, f"{family} {case} rank {rank}: {worst:.2e} from single-process Muon"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", ["gpt2", "phi3"])
+def test_per_head_distributed_equals_single_process_per_head_muon(family):
+    """per_head=True: DMuon / NaiveMuon equal `Muon(per_head=True)` (GPT-2: c_attn column blocks and the
+    Conv1D c_proj's row blocks per head; Phi-3: the fused qkv_proj's rows per head), which is not whole
+    Muon's update."""
+    want = reference(family, 2, per_head=True)
+    whole = reference(family, 2)
+    assert max(rel(compared(n, whole[n]), compared(n, want[n])) for n in want) > 1e-3
+    cases = [("replicated", "dmuon"), ("fsdp2-sharded", "dmuon"), ("fsdp2-owner", "naive")]
+    for got in run_distributed(run_family, 2, args=(family, cases, None, True), timeout_s=240):
+        for case, weights in got.items():
+            worst = max(rel(compared(n, weights[n]), compared(n, want[n])) for n in want)
+            assert worst < 1e-5, f"{family} per head {case}: {worst:.2e} from single-process Muon"
