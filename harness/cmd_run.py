@@ -5,6 +5,8 @@
   harness run                      the paper experiment -> results/paper/, figures -> paper_figures/
   harness run ablation --jobs 2    another experiment (experiments/*.toml, or a path to your own)
   harness run paper --set workload=pi0 --set gpus=[8,64] --out /tmp/pi0
+  harness run paper --executor ray --address HOST:6379   rows as Ray tasks on a cluster (pip install
+                                   'dmuon-harness[ray]'); no --address: a local Ray instance
   harness figures [EXPERIMENT]     all experiments with results by default
   harness validate [--no-measure]  --no-measure: use the stored bench rows instead of new CPU runs
 """
@@ -115,7 +117,20 @@ def register(app, bench) -> None:
         ),
         out: str = typer.Option(None, help="Output folder (default: results/<experiment>)."),
         jobs: int = typer.Option(
-            None, help="Worker processes (default: CPU cores; measurements run one at a time)."
+            None,
+            help="Worker processes (default: CPU cores; measurements run one at a time). With --executor "
+            "ray: at most this many Ray tasks at once (default: no limit; a local Ray instance gets this "
+            "many CPUs, default: CPU cores).",
+        ),
+        executor: str = typer.Option(
+            "local",
+            help="Where the rows run: local (worker processes on this machine) | ray (one Ray task per "
+            "group of rows; needs pip install 'dmuon-harness[ray]'). Same results either way.",
+        ),
+        address: str = typer.Option(
+            None,
+            help="With --executor ray: the Ray cluster's address (HOST:6379, or auto); default: start "
+            "a local Ray instance.",
         ),
         resume: bool = typer.Option(
             True, "--resume/--no-resume", help="Skip rows already in the output (default) or start over."
@@ -144,11 +159,15 @@ def register(app, bench) -> None:
 
         from rich.console import Console
 
+        from .executors import check_executor, import_ray
         from .experiment import expand, experiment_names, load_experiment
         from .provenance import VOLATILE_DIR
         from .sweep import run_sweep
 
         con = Console(soft_wrap=True)
+        check_executor(executor, address)  # before any work: a bad --executor / --address is one line
+        if executor == "ray" and not list_:
+            import_ray()  # a missing Ray is one line naming the extra to install
         if list_:
             for name in experiment_names():
                 e = load_experiment(name)
@@ -171,15 +190,17 @@ def register(app, bench) -> None:
                 else out_dir / "figures"
             )
         )
-        n_jobs = jobs if jobs is not None else (os.cpu_count() or 1)
-        if n_jobs < 1:
+        n_jobs = jobs if jobs is not None else (None if executor == "ray" else (os.cpu_count() or 1))
+        if n_jobs is not None and n_jobs < 1:
             from dmuon.errors import InputError
 
             raise InputError(f"--jobs must be >= 1, got {n_jobs}")
         t0 = time.perf_counter()
         update, prog = _progress_bar(f"{exp.name}")
         with prog:
-            summary = run_sweep(exp, out_dir, jobs=n_jobs, resume=resume, progress=update)
+            summary = run_sweep(
+                exp, out_dir, jobs=n_jobs, resume=resume, progress=update, executor=executor, address=address
+            )
         con.print(
             f"{exp.name}: {summary.total} rows ({summary.ran} run, {summary.skipped} already done"
             + (

@@ -1,8 +1,10 @@
 """Run an experiment's rows in worker processes, store them (whole rows only, resumable), record provenance.
 
 `run_sweep(exp, out_dir)` expands the experiment (harness.experiment), skips the rows already stored,
-groups the rest by the runner's `group_key` (harness.runners) and runs the groups, biggest first, in
-`jobs` spawned worker processes (one at a time for runners that measure).
+groups the rest by the runner's `group_key` (harness.runners) and runs the groups, biggest first, on an
+executor (harness.executors): `local`, in `jobs` spawned worker processes (one at a time for runners
+that measure), or `ray`, one Ray task per group on a Ray cluster. Either way the finished rows come back
+to this process, which alone writes them, so results, journal and resume do not depend on the executor.
 
 Output folder (default results/<name>): results.csv (one row per run: every setting, `run_id`, every
 metric; written atomically), config.json (the resolved experiment), provenance.json (what reproduces),
@@ -18,12 +20,12 @@ fresh clone has no .provenance/), are, and an unchanged simulation then rewrites
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .executors import make_executor, run_group, worker_init
 from .experiment import Experiment, expand, run_id
 from .provenance import code_version, write_provenance
 from .runners import get_runner
@@ -42,38 +44,27 @@ class SweepSummary:
     stale: int = 0  # stored rows of this sweep made by another code version, run again
 
 
-def _worker_init() -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        import torch
-
-        torch.set_num_threads(1)
-    except ImportError:
-        pass
-
-
-def _run_group(runner_name: str, group: list[dict], ctx: dict) -> tuple[list[dict], BaseException | None]:
-    """In a worker: the rows of a group that finished, and the exception that stopped it (if any)."""
-    rows: list[dict] = []
-    try:
-        for row in get_runner(runner_name).run_group(group, ctx):
-            rows.append(row)
-    except Exception as e:  # noqa: BLE001 - handed back with the finished rows, raised in the parent
-        return rows, e
-    return rows, None
+_worker_init, _run_group = worker_init, run_group  # their old names here
 
 
 def run_sweep(
     exp: Experiment,
     out_dir: Path,
     *,
-    jobs: int = 1,
+    jobs: int | None = 1,
     resume: bool = True,
     progress: Callable[[int, int, str], None] | None = None,
     command: str | None = None,
+    executor: str = "local",
+    address: str | None = None,
 ) -> SweepSummary:
-    """Run every row of `exp` not finished yet; write results.csv, config.json, provenance.json."""
+    """Run every row of `exp` not finished yet; write results.csv, config.json, provenance.json.
+
+    executor: `local` (this machine, `jobs` processes; None: one per core) or `ray` (Ray tasks on the
+    cluster at `address`, a local Ray instance when None; `jobs`: at most that many tasks in flight, None:
+    no limit); see harness.executors. Both write the same results."""
     runner = get_runner(exp.runner)
+    execu = make_executor(executor, address=address, jobs=jobs)  # checked before anything is touched
     out_dir = Path(out_dir)
     points = expand(exp)
     ids = [run_id(s) for s in points]
@@ -93,15 +84,20 @@ def run_sweep(
         groups.setdefault(runner.group_key(s), []).append({**s, "run_id": i})
     ordered = sorted(groups.values(), key=lambda g: -sum(runner.cost_hint(s) for s in g))
     ctx = {"out_dir": str(out_dir.resolve()), "traces": exp.traces}
+    execu.prepare(ordered)  # connects to a Ray cluster (when there is work) before anything is written
     columns = [*dict.fromkeys(k for s in points for k in s), "run_id"]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(
-        out_dir / "config.json",
-        json.dumps({**exp.to_dict(), "rows": len(points), "columns": columns}, indent=1, default=str) + "\n",
-    )
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(
+            out_dir / "config.json",
+            json.dumps({**exp.to_dict(), "rows": len(points), "columns": columns}, indent=1, default=str)
+            + "\n",
+        )
+    except BaseException:
+        execu.close()
+        raise
     t0 = time.perf_counter()
     finished = len(done)
-    jobs = 1 if not runner.parallel else max(1, min(jobs, len(ordered) or 1))
     if progress:
         progress(finished, len(points), "")
 
@@ -114,33 +110,12 @@ def run_sweep(
             progress(finished, len(points), runner.label(rows[-1]) if rows else "")
 
     try:
-        if jobs == 1:
-            for g in ordered:
-                for row in runner.run_group(g, ctx):
-                    record([row])
-        else:
-            import multiprocessing as mp
-            from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
-
-            with ProcessPoolExecutor(
-                max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init
-            ) as pool:
-                pending = {pool.submit(_run_group, runner.name, g, ctx) for g in ordered}
-                try:
-                    while pending:
-                        done_f, pending = wait(pending, return_when=FIRST_EXCEPTION)
-                        for f in done_f:
-                            rows, error = f.result()
-                            if rows:
-                                record(rows)
-                            if error is not None:
-                                raise error
-                except BaseException:
-                    for f in pending:
-                        f.cancel()
-                    raise
+        execu.run(runner, ordered, ctx, record)
     finally:
-        store.finalize(ids, columns)
+        try:
+            store.finalize(ids, columns)
+        finally:
+            execu.close()
     wall = time.perf_counter() - t0
     rows = store.read_rows()
     write_provenance(
@@ -149,8 +124,9 @@ def run_sweep(
         rows,
         kind=runner.kind,
         wall_s=wall,
-        jobs=jobs,
+        jobs=execu.jobs,
         command_line=command,
+        **execu.describe(),
         rows_run=len(todo),
         rows_skipped=len(done),
     )
