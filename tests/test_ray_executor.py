@@ -72,6 +72,21 @@ def test_ray_missing_names_the_extra_to_install(tmp_path, monkeypatch, capsys):
     assert isinstance(make_executor("local", jobs=3), LocalExecutor)  # local never imports Ray
 
 
+def test_a_worker_of_other_code_runs_nothing(monkeypatch):
+    """The body of a Ray task (plain Python, tested here without Ray): a worker whose code version is not
+    the driver's hands back an error naming its host, and no rows."""
+    import platform
+
+    from harness import executors
+    from harness.errors import RunFailed
+
+    monkeypatch.setattr(executors, "_WORKER_CODE", "0123456789ab")
+    group, ctx = [{"run_id": "x"}], {"traces": []}
+    rows, error, files, host = executors.ray_group("simulate", group, ctx, "fedcba987654")
+    assert rows == [] and files == {} and host == platform.node() and isinstance(error, RunFailed)
+    assert "runs code version 0123456789ab, the driver fedcba987654" in str(error) and host in str(error)
+
+
 # ---- on a local Ray instance with 2 CPUs -----------------------------------------------------------
 def test_ray_writes_the_local_executors_bytes_and_resumes(tmp_path, capsys):
     ray = pytest.importorskip("ray")
