@@ -199,7 +199,8 @@ class PlanRunner:
         for s in group:
             cost = load_cost(s["profile"])
             workload = resolve_workload(s["workload"], s.get("model"))
-            if s.get("ep", 1) > 1:  # each expert matrix placed on its EP rank (dmuon.plan.ep)
+            ep = s.get("ep", 1)  # a bad value: build_ep_plan's one-line error below
+            if isinstance(ep, int) and not isinstance(ep, bool) and ep > 1:  # every expert matrix its own
                 workload = workload.experts_apart()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
