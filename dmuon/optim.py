@@ -256,6 +256,7 @@ class Muon(torch.optim.Optimizer):
         groups = self._initial_groups(params, muon_predicate, per_head, self._given_layouts)
         user_chose = not isinstance(params, torch.nn.Module) and all("use_muon" in g for g in groups)
         super().__init__(groups, dict(hparams))
+        self._given_layouts = {}  # used by the groups built above only
         if not user_chose and not any(g["use_muon"] for g in self.param_groups):
             n = sum(len(g["params"]) for g in self.param_groups)
             warnings.warn(f"Muon: no parameter is a hidden matrix routed to Muon; all {n} parameters use "
@@ -352,8 +353,7 @@ class Muon(torch.optim.Optimizer):
         return group
 
     # ---- state -------------------------------------------------------------------------------
-    _EXTRA_ATTRS = ("ns", "nonfinite", "max_batch", "skipped_steps", "_hparams", "_predicate", "per_head",
-                    "_given_layouts")
+    _EXTRA_ATTRS = ("ns", "nonfinite", "max_batch", "skipped_steps", "_hparams", "_predicate", "per_head")
 
     def __getstate__(self) -> dict:
         """torch's pickled state plus this optimizer's settings (so copy / pickle keep them)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dmuon.errors import InputError
 
-from .workload_spec import ParamSpec, Workload
+from .workload_spec import Workload
 
 
 def active_params(workload: Workload) -> float:
@@ -22,7 +22,7 @@ def matrix_table(workload: Workload) -> list[dict]:
     in the catalog: a config's E experts of one shape are one row with count E x layers)."""
     rows: dict[tuple, dict] = {}
     for p in workload.params:
-        for kind in _piece_kinds(p):
+        for kind in p.matrix_kinds():
             key = (kind, p.rows, p.cols, p.optimizer)
             r = rows.get(key)
             if r is None:
@@ -31,18 +31,6 @@ def matrix_table(workload: Workload) -> list[dict]:
             else:
                 r["count"] += 1
     return list(rows.values())
-
-
-def _piece_kinds(p: ParamSpec) -> list[str]:
-    """The matrix kind of each matrix a parameter holds: its own, or for a fused one each piece's
-    ('experts.gate_up_proj' -> 'experts.gate_proj', 'experts.up_proj', ...; 'qkv_proj' -> 'qkv_proj:q',
-    ...)."""
-    if p.count == 1:
-        return [p.matrix]
-    if ".experts." in (p.pieces[0] if p.pieces else ""):
-        kinds = p.matrix.rsplit(".", 1)[0]
-        return [f"{kinds}.{n.rsplit('.', 1)[-1]}" for n in p.pieces]
-    return [f"{p.matrix}:{n.split(':')[-1]}" for n in p.pieces]
 
 
 def flops_per_token(workload: Workload, seq_len: int) -> float:

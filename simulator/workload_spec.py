@@ -52,6 +52,17 @@ class ParamSpec:
     def numel(self) -> int:
         return self.rows * self.cols * self.count
 
+    def matrix_kinds(self) -> list[str]:
+        """The matrix kind of each matrix this parameter holds: its own, or for a fused one each piece's
+        ('experts.gate_up_proj' -> 'experts.gate_proj', 'experts.up_proj', ...; 'qkv_proj' -> 'qkv_proj:q',
+        ...)."""
+        if self.count == 1:
+            return [self.matrix]
+        if ".experts." in (self.pieces[0] if self.pieces else ""):
+            kinds = self.matrix.rsplit(".", 1)[0]
+            return [f"{kinds}.{n.rsplit('.', 1)[-1]}" for n in self.pieces]
+        return [f"{self.matrix}:{n.split(':')[-1]}" for n in self.pieces]
+
     def matrices(self) -> list[tuple[str, int, int]]:
         """(name, rows, cols) of each matrix Muon runs for this parameter ([] for AdamW)."""
         if self.optimizer != "muon":
@@ -83,9 +94,8 @@ class Workload:
             if p.count == 1 or ".experts." not in p.name:
                 out.append(p)
                 continue
-            kinds = p.matrix.rsplit(".", 1)[0]
-            for n in p.pieces:
-                out.append(replace(p, name=n, matrix=f"{kinds}.{n.rsplit('.', 1)[-1]}", count=1, pieces=()))
+            out += [replace(p, name=n, matrix=kind, count=1, pieces=())
+                    for n, kind in zip(p.pieces, p.matrix_kinds(), strict=True)]
         return replace(self, params=tuple(out))
 
     @property

@@ -13,6 +13,7 @@ import sys
 
 import pandas as pd
 import pytest
+from test_sweep import TINY_WORKLOAD
 
 from dmuon.errors import InputError
 from harness.cli import main
@@ -130,24 +131,11 @@ def ray_instance():
             os.environ["RAY_AUTH_MODE"] = auth_mode
 
 
-TINY = """
-name = "tiny"
-[[matrices]]
-name = "embed"
-rows = 512
-cols = 64
-optimizer = "adamw"
-[[matrices]]
-name = "wq"
-rows = 64
-cols = 64
-count = 2
-"""
 
 
 def test_a_failing_group_keeps_whole_rows_and_raises_on_the_driver(ray_instance, tmp_path):
     wl, exp = tmp_path / "tiny.toml", tmp_path / "exp.toml"
-    wl.write_text(TINY)
+    wl.write_text(TINY_WORKLOAD)
     exp.write_text(f"""
 description = "every group fails at its second row"
 runner = "simulate"
