@@ -54,6 +54,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import InputError, choice_error
+from .flops import METHODS
 from .split import WIRE_BYTES, all_reduces_per_call, links_for, split_price
 from .types import Batch, MatrixSpec, Plan, TPChoice
 
@@ -105,7 +106,7 @@ class TPModePrice:
     the TP group's ranks); see the module docstring."""
 
     group_ok: bool  # the blocks cut the long side (group mode possible)
-    tall: bool  # group mode's orientation: row blocks of a tall matrix (orthogonalize_distributed tall=)
+    tall: bool  # group mode's orientation: row blocks (shard_dim 0; orthogonalize_distributed tall=True)
     group_s: float  # every TP rank's time in group mode (inf where not possible)
     group_comm_s: float
     group_bytes: float
@@ -134,8 +135,8 @@ def price_tp_modes(rows: int, cols: int, shard_dim: int, tp: int, cost, *, metho
     links = links_for(cost, links)
     ranks = tuple(range(tp)) if ranks is None else tuple(ranks)
     n, m = min(rows, cols), max(rows, cols)
-    tall = rows > cols
-    group_ok = tp > 1 and (rows == cols or shard_dim == (0 if tall else 1))
+    group_ok = tp > 1 and (rows == cols or shard_dim == (0 if rows > cols else 1))
+    tall = shard_dim == 0  # group mode's blocks are rows (orthogonalize_distributed tall=True)
     ns = cost.ns_time(n, m, 1, method, dtype).time_s
     size = rows * cols * wire_bytes
     move = links.all_gather_s(size, ranks)
@@ -155,10 +156,12 @@ def price_tp_modes(rows: int, cols: int, shard_dim: int, tp: int, cost, *, metho
 def build_tp_plan(matrices: Sequence[MatrixSpec], world_size: int, cost, *, tp: int,
                   shard_dims: Sequence[int | None] | None = None, mode: str = "auto",
                   method: str = "gram_sym", dtype: str = "bf16", links=None, wire_bytes: int = 2,
-                  bucket_numel: int = 0) -> Plan:
+                  bucket_numel: int = 0, method_for=None) -> Plan:
     """The plan for `matrices` on world_size = dp x tp ranks (module docstring). shard_dims: per matrix
     0 / 1 / None (default: `megatron_shard_dim` of each name); mode: auto | group | gather. Every
-    TP-sharded matrix gets a `TPChoice` (Plan.tp_choices, in matrix order; None for a whole matrix)."""
+    TP-sharded matrix gets a `TPChoice` (Plan.tp_choices, in matrix order; None for a whole matrix).
+    method "auto": each matrix is priced with `method_for(rows, cols)` (the runtime passes what its NS
+    config runs), else with the cheapest of `flops.METHODS`; Batch.method says which."""
     from .build import make_buckets
 
     t_start = time.perf_counter()
@@ -180,16 +183,25 @@ def build_tp_plan(matrices: Sequence[MatrixSpec], world_size: int, cost, *, tp: 
             raise InputError(f"{m.name}: a TP-sharded parameter must hold one matrix (count 1), got count "
                              f"{m.count}; accepted: TP on plain 2-D weights")
     links_model = links_for(cost, links) if tp > 1 else None
+
+    def method_of(rows: int, cols: int) -> str:
+        if method != "auto":
+            return method
+        if method_for is not None:
+            return method_for(rows, cols)
+        n, m = min(rows, cols), max(rows, cols)
+        return min(METHODS, key=lambda k: (cost.ns_time(n, m, 1, k, dtype).time_s, k))
     dp = world_size // tp
     loads = [0.0] * world_size
     jobs = []  # (time, index, kind, price)
+    meths = [method_of(m.rows, m.cols) for m in matrices]
     for i, (mat, s) in enumerate(zip(matrices, shard_dims, strict=True)):
         if s is None:
-            t = cost.ns_time(min(mat.rows, mat.cols), max(mat.rows, mat.cols), mat.count, method,
+            t = cost.ns_time(min(mat.rows, mat.cols), max(mat.rows, mat.cols), mat.count, meths[i],
                              dtype).time_s
             jobs.append((t, i, "whole", None))
             continue
-        price = price_tp_modes(mat.rows, mat.cols, s, tp, cost, method=method, dtype=dtype,
+        price = price_tp_modes(mat.rows, mat.cols, s, tp, cost, method=meths[i], dtype=dtype,
                                links=links_model, wire_bytes=wire_bytes)
         kind = price.best(tp) if mode == "auto" else ("gather" if mode == "gather" or not price.group_ok
                                                      else "group")
@@ -217,7 +229,7 @@ def build_tp_plan(matrices: Sequence[MatrixSpec], world_size: int, cost, *, tp: 
                                   time_s=t, group_bytes=price.group_bytes, gather_bytes=price.gather_bytes,
                                   group_s=price.group_s, gather_s=price.gather_s)
         batches.append(Batch(owner=owner, rows=min(mat.rows, mat.cols), cols=max(mat.rows, mat.cols),
-                             members=(i,), time_s=t))
+                             members=(i,), time_s=t, method=meths[i] if method == "auto" else ""))
     batches.sort(key=lambda b: (b.owner, -matrices[b.members[0]].layer, b.members))
     work = sum(j[0] * (tp if j[2] == "group" else 1) for j in jobs)
     lb = max([work / world_size] + [j[0] for j in jobs])
