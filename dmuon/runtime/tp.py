@@ -165,6 +165,12 @@ class _TPMixin:
     _muon_units = False
 
     def __init__(self, model, **kwargs):
+        from ..params import route
+
+        plain = [r.name for r in route(model, kwargs.get("muon_predicate")) if r.use_muon and not is_dtensor(r.param)]
+        if plain:
+            raise InputError(f"{plain[0]}: every Muon matrix of a TP model must be a DTensor on the TP mesh "
+                             f"({len(plain)} are plain tensors); {ACCEPTED}")
         self._tp_model = model
         super().__init__(model, **kwargs)
         self.layout = "tp"
