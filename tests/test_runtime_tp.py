@@ -8,8 +8,6 @@ step there equals Muon's."""
 from __future__ import annotations
 
 import pytest
-import torch
-
 from dist_utils import run_distributed, scratch_dir
 from tp_cases import KV, run_all
 

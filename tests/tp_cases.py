@@ -78,10 +78,11 @@ def reference(steps: int = STEPS) -> list[dict]:
 
 def errors() -> dict:
     """The one-line errors for what a TP mesh does not accept (construction only, no step)."""
-    import dmuon
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import dmuon
 
     def tiny(rows):
         m = nn.Module()

@@ -244,8 +244,8 @@ class Plan:
                              f"{PLAN_FORMAT_VERSION}, {GROUPS_FORMAT_VERSION} or {TP_FORMAT_VERSION})")
         inf = float("inf")
         d["tp_choices"] = tuple(
-            None if c is None else TPChoice(**{k: (inf if v is None and k in ("group_bytes", "group_s") else v)
-                                               for k, v in c.items()})
+            None if c is None else TPChoice(**{k: inf if v is None and k in ("group_bytes", "group_s")
+                                               else v for k, v in c.items()})
             for c in d.get("tp_choices", ()))
         d["matrices"] = tuple(MatrixSpec(**m) for m in d["matrices"])
         d["owners"] = tuple(d["owners"])

@@ -67,6 +67,13 @@ def is_tp_model(model, predicate=None) -> bool:
     return False
 
 
+def tp_variant_of(cls, model, predicate=None):
+    """The class DMuon / NaiveMuon (`cls`) becomes for `model`: its TP variant on a TP model, else cls."""
+    if cls.tp_variant is not None and isinstance(model, torch.nn.Module) and is_tp_model(model, predicate):
+        return cls.tp_variant
+    return cls
+
+
 def _kind(pl) -> str:
     name = type(pl).__name__
     if name == "Replicate":
@@ -115,8 +122,8 @@ class TPGeometry:
         self.R, self.S, self.T = (int(x) for x in grid.shape)
         ranks = opt.groups.global_ranks
         if sorted(ranks) != sorted(grid.flatten().tolist()):
-            raise InputError(f"the optimizer's process group (ranks {list(ranks)}) differs from the TP mesh's "
-                             f"ranks ({grid.flatten().tolist()}); accepted: the mesh's ranks "
+            raise InputError(f"the optimizer's process group (ranks {list(ranks)}) differs from the TP "
+                             f"mesh's ranks ({grid.flatten().tolist()}); accepted: the mesh's ranks "
                              "(process_group=None when the mesh spans the world)")
         me = dist.get_rank()
         (self.r, self.s, self.t), = [(a, b, c) for a in range(self.R) for b in range(self.S)
@@ -142,7 +149,8 @@ class TPGeometry:
         for i in range(opt.n_muon):
             rows, cols = opt.params[i].shape
             sd = self.shard_dims[i]
-            shape = (rows, cols) if sd is None else (rows // self.T, cols) if sd == 0 else (rows, cols // self.T)
+            shape = ((rows, cols) if sd is None else (rows // self.T, cols) if sd == 0
+                     else (rows, cols // self.T))
             chunks = chunk_rows(shape[0], self.S)
             have = tuple(local_tensor(opt.params[i]).shape)
             if have != (chunks[self.s], shape[1]):
@@ -167,7 +175,8 @@ class _TPMixin:
     def __init__(self, model, **kwargs):
         from ..params import route
 
-        plain = [r.name for r in route(model, kwargs.get("muon_predicate")) if r.use_muon and not is_dtensor(r.param)]
+        plain = [r.name for r in route(model, kwargs.get("muon_predicate"))
+                 if r.use_muon and not is_dtensor(r.param)]
         if plain:
             raise InputError(f"{plain[0]}: every Muon matrix of a TP model must be a DTensor on the TP mesh "
                              f"({len(plain)} are plain tensors); {ACCEPTED}")
