@@ -36,9 +36,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError
-from ..optim import muon_apply_many_, muon_momentum_
+from ..optim import muon_momentum_
 from ..plan.tp import check_tp_shape
 from .fsdp import chunk_rows, fsdp_owner_module, is_dtensor, local_tensor
+from .fsdp_sharded import _ShardedMixin
 from .planning import batch_method
 
 ACCEPTED = ("accepted: 2-D DTensor Muon matrices on a mesh whose TP dim is named 'tp' (or a 1-D mesh no "
@@ -204,16 +205,12 @@ class _TPMixin:
         return muon_momentum_(local_tensor(p.grad).to(p.dtype), st["momentum_buffer"], group["momentum"],
                               group["nesterov"])
 
-    def _apply_tp(self, items, group) -> None:
-        params, updates, scales = [], [], []
-        for i, u in items:
-            mine = local_tensor(self.params[i])
-            if mine.numel():
-                params.append(mine)
-                updates.append(u.reshape(mine.shape))
-                scales.append(self._lr_scale(i, group["adjust_lr"]))
-        if params:
-            muon_apply_many_(params, updates, group["lr"], group["weight_decay"], scales)
+    _apply_tp = _ShardedMixin._apply_local  # rows of the update onto the local shards, one foreach call
+
+    def _active(self, has_any: torch.Tensor) -> list[int]:
+        """The Muon matrices some rank has a gradient for (the agreed flags)."""
+        flags = has_any.tolist()
+        return [i for i in range(self.n_muon) if flags[i]]
 
 
 class TPDMuonSteps(_TPMixin):
@@ -271,8 +268,7 @@ class TPDMuonSteps(_TPMixin):
         if self.plan is None:
             return
         geo, group = self._geo, self.param_groups[0]
-        flags = has_any.tolist()
-        active = [i for i in range(self.n_muon) if flags[i]]
+        active = self._active(has_any)
         inputs = {i: self._momentum(i, group) for i in active}
         mine = {}  # matrices whose owner replica is mine and that my TP rank takes part in
         for i in active:
@@ -309,12 +305,16 @@ class TPDMuonSteps(_TPMixin):
         geo = self._geo
         if geo.S == 1:
             return x
-        (shape, chunks) = geo.block[i]
-        c = max(chunks)
-        send = torch.zeros(c, shape[1], dtype=self.comm_dtype or x.dtype, device=x.device)
+        send, _ = self._row_buffer(i, x)
         send[:x.shape[0]].copy_(x)
         recv = [torch.empty_like(send) for _ in range(geo.S)] if geo.s == s else None
         return recv, dist.gather(send, recv, group_dst=s, group=geo.shard_group, async_op=True)
+
+    def _row_buffer(self, i, like):
+        """A zeroed buffer of the largest rows chunk of matrix i's TP block in the wire dtype, the chunks."""
+        shape, chunks = self._geo.block[i]
+        dtype = self.comm_dtype or like.dtype
+        return torch.zeros(max(chunks), shape[1], dtype=dtype, device=like.device), chunks
 
     def _finish_gather(self, i, pending, s):
         geo = self._geo
@@ -363,9 +363,7 @@ class TPDMuonSteps(_TPMixin):
         geo = self._geo
         if geo.S == 1:
             return block
-        (shape, chunks) = geo.block[i]
-        c = max(chunks)
-        out = torch.empty(c, shape[1], dtype=self.comm_dtype or like.dtype, device=like.device)
+        out, chunks = self._row_buffer(i, like)
         parts = None
         if geo.s == s:
             parts, pos = [], 0
@@ -397,8 +395,7 @@ class TPNaiveSteps(_TPMixin):
         from torch.distributed.tensor import DTensor
 
         geo, group = self._geo, self.param_groups[0]
-        flags = has_any.tolist()
-        idx = [i for i in range(self.n_muon) if flags[i]]
+        idx = self._active(has_any)
         fulls = []
         for i in idx:
             p = self.params[i]
