@@ -26,7 +26,8 @@ tensor parallelism (`dmuon.plan.tp`, tp > 1) writes format_version 3 with "tp" a
 Tensor parallelism (tp > 1): `tp_choices[i]` says how TP-sharded matrix i is orthogonalized (mode
 "group": its TP group's distributed Gram NS, "gather": gathered to one TP rank), by which TP group
 (`dp_index`), and what both modes would move (bytes) and cost (seconds); `owners[i]` is the TP group's
-lead (group) or the owner (gather); its Batch (one matrix) has no `group`, so split NS code never sees it.
+lead (group) or the owner (gather); its Batch (one matrix) has no `group`, so split NS code never sees it
+(and `loads_s` charges a group-mode matrix to the lead only; the plan's makespan charges every member).
 """
 
 from __future__ import annotations
