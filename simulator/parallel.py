@@ -185,8 +185,9 @@ def shard(p: ParamSpec, tp: int) -> tuple[ParamSpec, tuple[int, int] | None]:
 # ---- pipeline stages ------------------------------------------------------------------------------
 def stage_layers(workload: Workload, pp: int, vpp: int) -> list[list[list[int]]]:
     """Per stage, its model chunks (vpp of them, in schedule order), each a list of global layer indices.
-    The transformer blocks (layers holding a ParamSpec with a block index) split into pp x vpp equal chunks,
-    chunk c on stage c mod pp (Megatron's interleaving); layers before the first block (embeddings) join
+    The transformer blocks (layers holding a ParamSpec with a block index) split into pp x vpp equal chunks
+    (or, where only blocks + 2 divides, the first and last one layer fewer), chunk c on stage c mod pp
+    (Megatron's interleaving); layers before the first block (embeddings) join
     the first chunk, layers after the last (final norm, head) the last chunk."""
     layers = workload.layer_params()
     blocks = [i for i, ps in enumerate(layers) if any(p.block is not None for p in ps)]
@@ -194,11 +195,21 @@ def stage_layers(workload: Workload, pp: int, vpp: int) -> list[list[list[int]]]
     if not blocks:
         raise InputError(f"workload {workload.name!r} has no transformer blocks to split into pipeline stages; "
                          "accepted: pp=1")
-    if len(blocks) % chunks:
-        raise InputError(f"pp x vpp = {chunks} does not divide the {len(blocks)} transformer layers; "
-                         f"accepted: pp x vpp a divisor of {len(blocks)}")
-    per = len(blocks) // chunks
-    parts = [blocks[i * per:(i + 1) * per] for i in range(chunks)]
+    n = len(blocks)
+    if n % chunks == 0:
+        sizes = [n // chunks] * chunks
+    elif chunks > 2 and (n + 2) % chunks == 0:
+        # one layer fewer on the first and the last chunk, where the embedding and the head sit: Llama 3's
+        # 126 layers on 16 stages (Dubey et al. 2024, arXiv:2407.21783, Sec. 3.3.2: "we reduce one
+        # Transformer layer each from the first and the last stages"; Megatron-LM's
+        # --decoder-first/last-pipeline-num-layers)
+        sizes = [(n + 2) // chunks - 1] + [(n + 2) // chunks] * (chunks - 2) + [(n + 2) // chunks - 1]
+    else:
+        raise InputError(f"pp x vpp = {chunks} does not divide the {n} transformer layers (nor {n} + 2, "
+                         f"one fewer on the first and last stage); accepted: pp x vpp a divisor of {n} or "
+                         f"of {n + 2}")
+    cuts = [sum(sizes[:i]) for i in range(chunks + 1)]
+    parts = [blocks[cuts[i]:cuts[i + 1]] for i in range(chunks)]
     parts[0] = list(range(blocks[0])) + parts[0]
     parts[-1] = parts[-1] + list(range(blocks[-1] + 1, len(layers)))
     return [[parts[k * pp + s] for k in range(vpp)] for s in range(pp)]
