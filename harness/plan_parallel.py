@@ -3,7 +3,7 @@
 Each stage's Muon matrices are its TP shards (simulator.parallel: Megatron's column / row split, the stage
 split of simulator.parallel.stage_layers); the plan runs over the stage's gpus / (tp x pp) DP ranks, and a
 TP-split matrix is priced as the simulator's step runs it (simulator.parallel_run.TPCost: the whole
-matrix's NS plus a gather and a scatter over NVLink, shared by the TP group's ranks). Stages with the same
+matrix in the mode dmuon.plan.tp picks, priced by its price_tp_modes on the profile's NVLink). Stages with the same
 matrices have the same plan: printed once, with the stages they stand for.
 """
 
@@ -18,6 +18,7 @@ def stage_plans(wl, model, ranks: int, tp: int, pp: int, vpp: int, profile: str,
     from simulator.hardware import load_profile, profile_names
     from simulator.parallel import layout_of, model_heads, stage_layers, stage_workload
     from simulator.parallel_run import TPCost, _shard_shapes
+    from simulator.split_links import SimulatorLinks
 
     if profile not in profile_names():
         raise InputError(f"--tp / --pp price TP collectives on a simulator profile's NVLink; accepted: "
@@ -36,7 +37,8 @@ def stage_plans(wl, model, ranks: int, tp: int, pp: int, vpp: int, profile: str,
         if key in seen:
             seen[key][0].append(s)
             continue
-        c = TPCost(cost, _shard_shapes(stage_wl, full), tp, hw.network, 2, False) if tp > 1 and full else cost
+        links = SimulatorLinks(hw.network, hw.gpus_per_node, source=f"simulator profile {profile}")
+        c = TPCost(cost, _shard_shapes(stage_wl, full), tp, links, 2, False) if tp > 1 and full else cost
         seen[key] = ([s], stage_wl, plan_fn(stage_wl.muon_matrices, lay.dp, c))
     return list(seen.values())
 

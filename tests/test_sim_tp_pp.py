@@ -73,19 +73,23 @@ def test_step_is_the_slowest_stage_and_its_optimizer():
     assert d.step_s < r.step_s
 
 
-def test_muon_on_tp_shards_priced_whole():
-    prof = load_profile("h100")
+def test_muon_on_tp_shards_priced_by_dmuon_plan_tp():
+    """dmuon: the mode price_tp_modes' best picks, in rank-seconds per TP rank; naive: duplicated."""
+    from dmuon.plan.tp import price_tp_modes
     from simulator.costs import load_cost
+    from simulator.split_links import SimulatorLinks
 
+    prof = load_profile("h100")
     base = load_cost(prof.cost_profiles)
-    g = Group(1, 8)
-    ag = collective_time_s("all_gather", 8192 * 8192 * 2, g, prof.network, nccl=True)
-    whole = base.ns_time(8192, 8192, 1, "gram_sym", "bf16").time_s
-    shards = {(1024, 8192): (8192, 8192)}
-    owner = TPCost(base, shards, 8, prof.network, 2, duplicated=False).ns_time(1024, 8192, 1, "gram_sym", "bf16")
-    dup = TPCost(base, shards, 8, prof.network, 2, duplicated=True).ns_time(1024, 8192, 1, "gram_sym", "bf16")
-    assert owner.time_s == pytest.approx((whole + 2 * ag) / 8)
-    assert dup.time_s == pytest.approx(whole + ag)
+    links = SimulatorLinks(prof.network, 8)
+    for whole, shard, dim in (((8192, 8192), (1024, 8192), 0), ((1024, 65536), (1024, 8192), 1)):
+        price = price_tp_modes(*whole, dim, 8, base, method="gram_sym", links=links)
+        shards = {shard: (*whole, dim)}
+        owner = TPCost(base, shards, 8, links, 2, duplicated=False).ns_time(*shard, 1, "gram_sym", "bf16")
+        dup = TPCost(base, shards, 8, links, 2, duplicated=True).ns_time(*shard, 1, "gram_sym", "bf16")
+        assert owner.time_s == pytest.approx(min(price.group_s if price.group_ok else float("inf"),
+                                                 price.gather_s / 8))
+        assert dup.time_s == pytest.approx(price.duplicated_s)
 
 
 def test_llama3_stage_split():
