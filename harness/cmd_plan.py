@@ -409,7 +409,7 @@ def register(app, bench) -> None:
             plans = stage_plans(wl, model, n, tp, pp, vpp, profile, cost, partial(
                 plan_fn, balancer=balancer, method=method, dtype=dtype, batching=not no_batching,
                 max_batch=max_batch, bucket_numel=bucket_numel, time_limit_s=time_limit))
-            print_stage_plans(plans, json_out, tp, pp)
+            print_stage_plans(plans, json_out, tp, pp, plan_summary, print_plan)
             return
         plan = plan_fn(
             wl.muon_matrices,

@@ -43,9 +43,8 @@ def stage_plans(wl, model, ranks: int, tp: int, pp: int, vpp: int, profile: str,
     return list(seen.values())
 
 
-def print_stage_plans(plans, json_out: bool, tp: int, pp: int) -> None:
-    from .cmd_plan import plan_summary, print_plan
-
+def print_stage_plans(plans, json_out: bool, tp: int, pp: int, plan_summary, print_plan) -> None:
+    """Each distinct stage's plan as harness plan shows one (its plan_summary / print_plan)."""
     if json_out:
         print(json.dumps([{"stages": st, "tp": tp, "pp": pp, **plan_summary(p, w.name)} for st, w, p in plans],
                          indent=1))

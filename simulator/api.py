@@ -321,8 +321,16 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
             raise InputError("traces and built programs are for data-parallel steps; accepted: tp=pp=1, one "
                              "micro-batch, recompute none")
         from .parallel_run import run_parallel
+        from .workload import resolve_workload
 
-        return run_parallel(cfg)
+        profile = profile_of(cfg)
+        per_node_cap = cfg.gpus_per_node or profile.gpus_per_node
+        nodes, per_node = node_shape(cfg.gpus, per_node_cap)
+        out = run_parallel(cfg, resolve_workload(cfg.workload, cfg.model, cfg.per_head), profile, per_node, run)
+        settings = {k: v for k, v in asdict_shallow(cfg).items() if k not in ("workload", "plan", "cost", "gpu")}
+        out["settings"] = {**settings, "nodes": nodes, "ranks_per_node": per_node, **out["settings"]}
+        return SimResult(gpus=cfg.gpus, gpus_per_node=per_node_cap, strategy=cfg.strategy, layout=cfg.layout,
+                         **out), None
     from .workload import resolve_workload
 
     workload = resolve_workload(cfg.workload, cfg.model, cfg.per_head)

@@ -98,8 +98,6 @@ def _shard_shapes(stage_wl, full: dict) -> dict:
 
 
 def _dp_config(cfg, stage_wl, lay, profile, cost, full):
-    from .api import SimConfig
-
     dp_profile = profile
     if lay.tp > 1:  # the node's NICs carry its tp DP groups at once
         gbps = profile.network.nic_Bps_per_node * 8 / 1e9
@@ -124,17 +122,12 @@ def _dp_config(cfg, stage_wl, lay, profile, cost, full):
                    recompute="none")
 
 
-def run_parallel(cfg):
-    """(SimResult, None) of a TP x PP x DP step (module docstring); cfg validated by simulator.api."""
-    from .api import SimResult, asdict_shallow, node_shape, profile_of
-    from .api import run as run_dp
+def run_parallel(cfg, workload, profile, per_node: int, run_dp) -> dict:
+    """The SimResult fields of a TP x PP x DP step (module docstring) but gpus, gpus_per_node, strategy and
+    layout; settings: the parallel ones only. cfg validated by simulator.api, which passes the workload, the
+    profile, GPUs per node and its `run` (for each stage's data-parallel step)."""
     from .step import DTYPE_BYTES
-    from .workload import resolve_workload
 
-    workload = resolve_workload(cfg.workload, cfg.model, cfg.per_head)
-    profile = profile_of(cfg)
-    per_node_cap = cfg.gpus_per_node or profile.gpus_per_node
-    nodes, per_node = node_shape(cfg.gpus, per_node_cap)
     lay = layout_of(cfg, per_node, model_heads(cfg.model))
     stages = stage_layers(workload, lay.pp, lay.vpp)
     hidden = hidden_of(workload)
@@ -194,8 +187,7 @@ def run_parallel(cfg):
     m = lay.microbatches
     tp_bytes = blocks_of[s_max] * m * (tp_fb + tp_bb)
     send_bytes = (2 * m * lay.vpp * tokens * hidden * elem / lay.tp) if lay.pp > 1 else 0.0
-    settings = {k2: v for k2, v in asdict_shallow(cfg).items() if k2 not in ("workload", "plan", "cost", "gpu")}
-    settings.update(nodes=nodes, ranks_per_node=per_node, dp=lay.dp, microbatches=m,
+    settings = dict(dp=lay.dp, microbatches=m,
                     bubble_s=pipe.bubble_s, bubble_fraction=pipe.bubble_s / max(1e-30, pipe.makespan_s
                                                                                   - pipe.bubble_s),
                     tp_comm_s=tp_s[s_max], p2p_send_s=send, slowest_stage=s_max,
@@ -210,9 +202,8 @@ def run_parallel(cfg):
                                              "the mode dmuon.plan.tp picks per shape: " + ", ".join(
                                                  f"{R}x{C} {k}" for (R, C), k in sorted(modes.items()))
                                              + " (ASSUMPTION: a TP group's matrices balance over its ranks)"))
-    result = SimResult(
-        workload=workload.name, gpus=cfg.gpus, gpus_per_node=per_node_cap, strategy=cfg.strategy,
-        layout=cfg.layout, profile=profile.name, step_s=step, forward_s=fwd,
+    return dict(
+        workload=workload.name, profile=profile.name, step_s=step, forward_s=fwd,
         backward_s=step - fwd - r.optimizer_s, optimizer_s=r.optimizer_s, grad_sync_tail_s=r.grad_sync_tail_s,
         exposed_comm_s=r.exposed_comm_s + tp_s[s_max], exposed_comm_mean_s=r.exposed_comm_mean_s + tp_s[s_max],
         tokens_per_s=lay.dp * m * tokens / step if step > 0 else 0.0,
@@ -221,4 +212,3 @@ def run_parallel(cfg):
         ns_makespan_s=max(x.ns_makespan_s for x in dp_res), ns_busy_max_s=max(x.ns_busy_max_s for x in dp_res),
         plan_balancer=r.plan_balancer, plan_method=r.plan_method, settings=settings, provenance=r.provenance,
         notes=tuple(notes), step_p90_s=step)
-    return result, None

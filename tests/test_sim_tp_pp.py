@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from dmuon.errors import InputError
-from simulator.api import SimConfig, simulate
+from simulator.api import SimConfig, profile_of, run, simulate
 from simulator.collectives import Group, collective_time_s
 from simulator.hardware import load_profile
 from simulator.parallel import Layout, layout_of, stage_layers, tp_layer_comm
@@ -21,9 +21,10 @@ def test_one_stage_one_microbatch_is_todays_step(strategy):
     """tp = pp = 1 through the TP/PP composition gives today's step program's step time."""
     cfg = SimConfig(workload="qwen2.5-1.5b", gpus=16, gpu="h100", strategy=strategy)
     today = simulate(cfg)
-    composed, _ = run_parallel(cfg)
-    assert composed.step_s == pytest.approx(today.step_s, rel=1e-12)
-    assert composed.optimizer_s == pytest.approx(today.optimizer_s, rel=1e-12)
+    prof = profile_of(cfg)
+    composed = run_parallel(cfg, resolve_workload(cfg.workload), prof, prof.gpus_per_node, run)
+    assert composed["step_s"] == pytest.approx(today.step_s, rel=1e-12)
+    assert composed["optimizer_s"] == pytest.approx(today.optimizer_s, rel=1e-12)
 
 
 @pytest.mark.parametrize("p,v,m", [(4, 1, 8), (8, 1, 8), (4, 2, 8), (2, 3, 4)])
