@@ -119,6 +119,11 @@ class SimConfig:
                             "its p90 (0 = none)")
     jitter_steps: int = _f(8, "steps sampled when jitter > 0 (after one warm-up step)")
     seed: int = _f(0, "seed of the jitter draws")
+    # ---- memory model (simulator.memory): activations recomputation and the master weights' dtype ----
+    recompute: str = _f("none", "activation recomputation: none | selective (Korthikanti et al. 2022: the "
+                                "attention core) | full (every layer's input only)")
+    param_dtype: str = _f("fp32", "dtype of master weights, gradients (FSDP: sharded) and replicated "
+                                  "parameters: bf16 | fp16 | fp32 (compute copies in the profile's dtype)")
     plan: object = _f(None, "a dmuon.plan.Plan built elsewhere (e.g. by the runtime); None: build_plan")
     cost: object = _f(None, "a dmuon CostTable (or any object with ns_time / elementwise_time); None: "
                             "CostTable.load(profile.cost_profile)")
@@ -157,6 +162,9 @@ class SimResult:
     provenance: dict
     notes: tuple[str, ...]
     step_p90_s: float = 0.0  # p90 of the sampled steps with jitter (= step_s without)
+    peak_mem_gib: float = 0.0  # simulator.memory: peak memory of the busiest rank over the step
+    mem_fits: bool = True  # peak_mem_gib within the profile's memory_gib (per rank)
+    memory: dict = field(default_factory=dict)  # simulator.memory.MemoryBreakdown.to_dict()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -206,6 +214,12 @@ def validate_config(cfg: SimConfig) -> None:
             raise InputError(f"ep > 1 runs with layout {' | '.join(EP_LAYOUTS)}, got {cfg.layout!r}")
         if cfg.max_split > 1:
             raise InputError("max_split > 1 is not supported with ep > 1; accepted: max_split=1")
+    from .memory_activations import RECOMPUTE
+
+    if cfg.recompute not in RECOMPUTE:
+        raise choice_error("recompute", cfg.recompute, RECOMPUTE)
+    if cfg.param_dtype not in DTYPE_BYTES:
+        raise choice_error("param_dtype", cfg.param_dtype, DTYPE_BYTES)
     if cfg.split_exchange not in SPLIT_EXCHANGES:
         raise choice_error("split_exchange", cfg.split_exchange, SPLIT_EXCHANGES)
     _check_int("cpu_threads", cfg.cpu_threads)
@@ -340,8 +354,17 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
         ns_makespan_s=info["ns_makespan_s"], ns_busy_max_s=m["ns_busy_max_s"],
         plan_balancer=info["balancer"], plan_method=info["method"], settings=settings,
         provenance=info["provenance"](), notes=tuple(info["notes"] + built.notes), step_p90_s=p90,
+        **_memory_fields(cfg, spec.plan),
     )
     return result, built
+
+
+def _memory_fields(cfg: SimConfig, plan) -> dict:
+    """SimResult's memory fields: simulator.memory of the plan the step ran."""
+    from .memory import memory_of
+
+    mem = memory_of(cfg, plan)
+    return {"peak_mem_gib": mem.peak_gib, "mem_fits": mem.fits, "memory": mem.to_dict()}
 
 
 def build_programs(cfg: SimConfig, all_ranks: bool = True):
