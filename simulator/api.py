@@ -359,10 +359,18 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
     return result, built
 
 
+def memory_of(cfg: SimConfig, plan=None):
+    """Memory per rank of `cfg` without simulating the step (simulator.memory.memory_of): a
+    MemoryBreakdown with .peak_bytes, .peak_gib, .fits, .capacity_bytes, .gib() and one field per part.
+    Stable API for layout searches: cheap (no plan is built; DMuon owners balanced by elements unless
+    `plan` or cfg.plan gives them)."""
+    from .memory import memory_of as _memory_of
+
+    return _memory_of(cfg, plan)
+
+
 def _memory_fields(cfg: SimConfig, plan) -> dict:
     """SimResult's memory fields: simulator.memory of the plan the step ran."""
-    from .memory import memory_of
-
     mem = memory_of(cfg, plan)
     return {"peak_mem_gib": mem.peak_gib, "mem_fits": mem.fits, "memory": mem.to_dict()}
 
@@ -384,4 +392,4 @@ def timed_simulate(cfg: SimConfig) -> tuple[SimResult, float]:
     return r, time.perf_counter() - t0
 
 
-__all__ = ["SimConfig", "SimResult", "simulate", "run", "build_programs", "timed_simulate"]
+__all__ = ["SimConfig", "SimResult", "simulate", "run", "build_programs", "timed_simulate", "memory_of"]
