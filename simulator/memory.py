@@ -118,7 +118,7 @@ def _even_owners(muon, world: int, max_batch: int, batching: bool) -> tuple[list
             part = idx[s:s + step]
             chunks.append((sum(muon[i].rows * muon[i].cols * muon[i].count for i in part), r, c, part))
     chunks.sort(key=lambda t: -t[0])
-    heap = [(0, r) for r in range(world)]
+    heap = [(0, r) for r in range(min(world, len(chunks)))]  # LPT fills empty ranks first: no more needed
     owners = [0] * len(muon)
     batches = []
     for numel, r, c, part in chunks:
