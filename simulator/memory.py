@@ -139,11 +139,15 @@ def _dims(cfg) -> tuple[int, int, int, int]:
     return tp, pp, virtual, micro
 
 
-def memory_of(cfg, plan=None) -> MemoryBreakdown:
+def memory_of(cfg, plan=None, *, recompute: str | None = None, loss_fp32: bool = True,
+              free: bool | None = None) -> MemoryBreakdown:
     """Memory per rank of `cfg` (a simulator.api.SimConfig) without simulating the step: cheap enough to
     call per layout in a search. DMuon's owners come from `plan` (or cfg.plan), else from an LPT
     balance of elements over the ranks (`_even_owners`; the simulated plan balances NS time, so owners
-    may differ: `simulate` reports the memory of its own plan)."""
+    may differ: `simulate` reports the memory of its own plan). recompute: instead of cfg.recompute, also
+    'op' (torchtitan's per-op policy, `memory_activations.op_sac_bytes_per_token`: its published rows);
+    loss_fp32: the loss upcasts the logits to fp32 (`memory_activations.head_bytes`); free: parameters
+    freed after forward (None: the layout's -free; True with 'sharded': FSDP2 reshard_after_forward)."""
     from .api import node_shape, profile_of, validate_config
     from .step import DTYPE_BYTES
     from .workload import resolve_workload
@@ -157,7 +161,7 @@ def memory_of(cfg, plan=None) -> MemoryBreakdown:
     e_c = DTYPE_BYTES[profile.dtype]
     e_g = DTYPE_BYTES[cfg.grad_comm_dtype or profile.dtype]
     e_ns = DTYPE_BYTES[cfg.ns_dtype or profile.dtype]
-    recompute = getattr(cfg, "recompute", "none") or "none"
+    recompute = recompute or getattr(cfg, "recompute", "none") or "none"
     notes = ["ASSUMPTION: memory counts allocated tensors (no allocator fragmentation or cache)"]
     world = cfg.gpus
     dp = max(1, world // (tp * pp))
@@ -167,7 +171,7 @@ def memory_of(cfg, plan=None) -> MemoryBreakdown:
     if cfg.ep > 1:
         workload = workload.experts_apart()
     owner_layout = strategy == "dmuon" and layout != "sharded"
-    free = layout.endswith("-free")
+    free = layout.endswith("-free") if free is None else free
 
     params = grads = states = copies = 0.0
     layer_numel: dict[int, float] = {}
@@ -209,7 +213,8 @@ def memory_of(cfg, plan=None) -> MemoryBreakdown:
         buckets = max(buckets, 2.0 * bucket * e_g)
 
     acts = activation_bytes(workload, cfg.seq_len, cfg.micro_batch, e_c, tp=tp, sp=tp > 1, pp=pp,
-                            micro_batches=micro, virtual=virtual, recompute=recompute)
+                            micro_batches=micro, virtual=virtual, recompute=recompute,
+                            loss_fp32=loss_fp32)
     act_total = acts["layers"] + acts["recompute_layer"] + acts["head"]
 
     # Muon momentum and NS workspace per rank

@@ -18,7 +18,8 @@ counts the saved tensors of any decoder block of a workload the way the paper co
 input of a matmul once, a norm's input, the attention core's Q, K, V and output, the MLP's nonlinearity
 inputs), so that a GPT block gives 34 h bytes per token (the paper's eq. 1 without the s^2 term) and a
 LLaMA / Qwen block (RMSNorm, GQA, SwiGLU, no dropout) gives what its eager PyTorch code saves:
-    h (q/k/v input) + d_q + 2 d_kv + d_q (attention) + h (MLP input) + 4f (SwiGLU) + 2h (norm inputs)
+    h (q/k/v input) + 3 d_q (Q, K, V: GQA_REPEAT) + d_q (attention output) + h (MLP input) + 4f (SwiGLU)
+    + 2h (norm inputs)
 elements per token (`_elements`).
 Attention: "flash" (default: SDPA / FlashAttention, no s x s tensor; its log-sum-exp, heads x s fp32,
 under 2% of one of Q / K / V for head_dim >= 64, is left out) or "eager" (the paper's 5as^2b bytes).
@@ -31,6 +32,9 @@ import re
 from .workload_spec import ParamSpec, Workload
 
 RECOMPUTE = ("none", "selective", "full")
+# K and V are expanded to the query heads before attention (repeat_kv / repeat_interleave in torchtitan's
+# Llama, HF Llama / Qwen2 and simulator.benchmodel): the attention saves the expanded tensors (d_q wide)
+GQA_REPEAT = True
 ATTENTION = ("flash", "eager")
 _ATTN_IN = re.compile(r"^(q_proj|k_proj|v_proj|qkv_proj|q|k|v|wq|wk|wv|wqkv|c_attn|query_key_value|query|key|"
                       r"value|q_a_proj|kv_a_proj_with_mqa)(_qkvo)?$")
@@ -90,14 +94,15 @@ def _check_recompute(recompute: str) -> None:
 def _elements(params: list[ParamSpec]) -> tuple[float, float, float]:
     """(replicated, tensor-parallel-sharded, dropout-mask) elements one token stores in one layer
     (no recompute), per the paper's count:
-      attention  input of q/k/v once (h), Q K V (d_q + 2 d_kv), attention output = o_proj input (d_q)
+      attention  input of q/k/v once (h), Q K V (d_q + 2 d_kv; 3 d_q with GQA_REPEAT), attention output
+                 = o_proj input (d_q)
       MLP        input of the first matmuls once (h); gated (SwiGLU): gate and up outputs (2f), silu
                  output (f), their product = down input (f); ungated (GeLU): fc1 output (f) and its
                  activation = fc2 input (f); routed experts x (top_k uses) the same per expert, plus the
                  token's copy of h per use
       norms      input of each norm (h per vector parameter of width h: RMSNorm / LayerNorm weights)
       other      any other matmul: its input (cols) x its uses per token."""
-    rep = shard = 0.0
+    rep = shard = dq = 0.0
     norms = 0
     in_groups: set[tuple[str, int]] = set()
     for p in params:
@@ -119,8 +124,11 @@ def _elements(params: list[ParamSpec]) -> tuple[float, float, float]:
             if ("attn", p.layer) not in in_groups:
                 rep += p.cols
                 in_groups.add(("attn", p.layer))
-            if _Q.match(name) or _KV.match(name):
+            if _Q.match(name):
+                dq = max(dq, p.rows)
                 shard += p.rows * uses
+            elif _KV.match(name):  # expanded to the query heads first (GQA_REPEAT)
+                shard += max(p.rows, dq if GQA_REPEAT else 0) * uses
         elif _O.match(name) or (name == "c_proj" and "attn" in p.matrix.lower()):
             shard += p.cols * uses  # attention output
         elif _GATE.match(name) or _UP.match(name):
@@ -169,6 +177,20 @@ def block_bytes_per_token(params, act_bytes: int, *, tp: int = 1, sp: bool = Fal
     return (act_bytes * rep + masks) / (tp if sp else 1) + act_bytes * shard / tp
 
 
+def op_sac_bytes_per_token(params, act_bytes: int, *, tp: int = 1, sp: bool = False) -> float:
+    """torchtitan's selective per-op activation checkpointing ('selective', 'op': its
+    `_apply_ac_to_transformer_block` policy saves the outputs of every other mm in forward order, the
+    first, third, ..., and of the SDPA kernels, and recomputes the rest): per token and block, the block's
+    input (h) + those matmul outputs (rows x uses) + each attention's output (d_q). Matmul outputs and the
+    attention output are TP-sharded, the block input with SP."""
+    params = list(params)
+    mm = [p for p in params if p.rows > 1 and p.cols > 1 and p.matmuls_per_token
+          and "embed" not in p.matrix.lower()]
+    saved = sum(p.rows * p.matmuls_per_token * p.count for p in mm[0::2])
+    attn = sum(p.rows for p in mm if _Q.match(p.matrix.split(".")[-1].lower()))
+    return act_bytes * (_width(params) / (tp if sp else 1) + (saved + attn) / tp)
+
+
 def attention_s2_bytes(s: int, b: int, heads: int, tp: int = 1) -> float:
     """The paper's eager attention core: 5 a s^2 b bytes per layer (softmax 2, its dropout mask 1, the
     dropout output 2), / t under TP."""
@@ -185,14 +207,14 @@ def _width(params) -> int:
 
 def head_bytes(tokens: int, hidden: int, vocab: int, act_bytes: int, *, tp: int = 1,
                loss_fp32: bool = True) -> float:
-    """Peak bytes of the output layer and the loss, at the loss's backward: the head's input (h) and
-    logits (act_bytes x V); loss_fp32 (torchtitan, HF: `logits.float()` before cross-entropy): the fp32
-    copy of the logits, the log-softmax output cross-entropy saves and its fp32 gradient, 3 x 4 V, live at
-    once when the gradient is formed (PyTorch's log_softmax_backward reads the saved output and writes a
-    new tensor); without: 2 x act_bytes x V (saved output, gradient). Per token, x tokens; vocab / tp."""
+    """Peak bytes of the output layer and the loss, at the loss's backward, per token x tokens: the
+    head's input (h, saved by its matmul) and, loss_fp32 (torchtitan, HF, the bench model:
+    `cross_entropy(logits.float(), ...)`), three fp32 V-wide tensors live at once: the log-softmax output
+    cross-entropy saves, its incoming gradient and the gradient log_softmax_backward writes (12 V bytes;
+    the forward's peak, bf16 logits + fp32 copy + log-softmax output, is 10 V at most); without the fp32
+    copy the same three in act_bytes. Vocabulary / tp (vocab-parallel loss)."""
     v = vocab / tp
-    per = act_bytes * hidden + act_bytes * v + (12.0 * v if loss_fp32 else 2.0 * act_bytes * v)
-    return tokens * per
+    return tokens * (act_bytes * hidden + (12.0 if loss_fp32 else 3.0 * act_bytes) * v)
 
 
 def activation_bytes(workload: Workload, seq_len: int, micro_batch: int, act_bytes: int, *, tp: int = 1,
@@ -212,6 +234,9 @@ def activation_bytes(workload: Workload, seq_len: int, micro_batch: int, act_byt
     blocks = [g for g in layers if any(p.block is not None for p in g)] or layers
     per_layer = []
     for g in blocks:
+        if recompute == "op":  # torchtitan's per-op policy (validation of its published rows)
+            per_layer.append(op_sac_bytes_per_token(g, act_bytes, tp=tp, sp=sp) * tokens)
+            continue
         b = block_bytes_per_token(g, act_bytes, tp=tp, sp=sp, recompute=recompute, dropout=dropout) * tokens
         if attention == "eager" and recompute == "none":
             heads = sum(round((p.attn_width or p.rows) / 128) for p in g if _Q.match(p.matrix.lower()))
@@ -220,7 +245,7 @@ def activation_bytes(workload: Workload, seq_len: int, micro_batch: int, act_byt
     stage = per_layer[: -(-len(per_layer) // pp)]  # the first stage's layers
     inflight = pipeline_inflight(pp, micro_batches, virtual)
     full_one = 0.0
-    if recompute == "full" and blocks:
+    if recompute in ("full", "op") and blocks:  # one block recomputed at a time in backward
         full_one = max(block_bytes_per_token(g, act_bytes, tp=tp, sp=sp, dropout=dropout) for g in blocks) * tokens
     embed = next((p for p in workload.params if "embed" in p.matrix.lower()), None)
     head = next((p for p in workload.params if "head" in p.matrix.lower() and p.rows > 1), embed)
@@ -231,5 +256,5 @@ def activation_bytes(workload: Workload, seq_len: int, micro_batch: int, act_byt
     return {"layers": sum(stage) * inflight, "recompute_layer": full_one, "head": head_b if pp == 1 else 0.0}
 
 
-__all__ = ["RECOMPUTE", "ATTENTION", "korthikanti_layer_bytes", "korthikanti_total_bytes", "pipeline_inflight",
+__all__ = ["RECOMPUTE", "ATTENTION", "korthikanti_layer_bytes", "op_sac_bytes_per_token", "korthikanti_total_bytes", "pipeline_inflight",
            "block_bytes_per_token", "attention_s2_bytes", "head_bytes", "activation_bytes"]
