@@ -8,12 +8,13 @@ parallelism").
 Setting (stated, not measured): H100 profile (simulator/profiles/h100.toml), tp = 8 (one node), global batch
 2,048 sequences of 8,192 tokens (16M tokens: Llama 3 405B's final batch, Dubey et al. 2024,
 arXiv:2407.21783, Sec. 3.4.1) for both models, micro-batch 1 sequence, microbatches = 2048 / dp, FSDP
-(fsdp-keep) over the data-parallel ranks, no recomputation. Layout grid: pp in 1, 2, 4, 8, 16 and vpp in 1, 2
-wherever simulator.parallel accepts them (pp x vpp dividing the layers or layers + 2, microbatches >= pp,
-a multiple of pp when interleaved). Memory is not checked here (not every layout of the grid fits 80 GB).
-"Best layout" = the layout of the shortest step for each strategy; the overhead is reported both at
-AdamW's best layout and best-against-best.
-Bands: simulator.bands.sensitivity of each strategy at AdamW's best layout, each uncertain input at its low
+over the data-parallel ranks. Grid: pp in 1, 2, 4, 8, 16 and vpp in 1, 2 wherever simulator.parallel
+accepts them (pp x vpp dividing the layers or layers + 2, microbatches >= pp, a multiple of pp when
+interleaved), data-parallel layout fsdp-keep or fsdp-free, each with the least recomputation (none,
+selective, full) with which that strategy fits the GPU's memory by simulator.memory.memory_of (a
+configuration where even full recomputation does not fit is left out). Each strategy's best = its shortest
+fitting step; overhead = its best step / AdamW's best step - 1 (best against best).
+Bands: simulator.bands.sensitivity of each strategy at its best configuration, each uncertain input at its low
 and high end; the overhead (dmuon / adamw - 1) is recomputed at each end and the deviations combined in
 quadrature, as simulator.bands combines a step's. The h100 profile has no [uncertainty] table of its own:
 the a800 profile's ranges are borrowed (inter_efficiency, curve_scale, nccl_channels, overlap_slowdown, and
@@ -33,13 +34,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dmuon.errors import InputError  # noqa: E402
-from simulator.api import SimConfig, simulate  # noqa: E402
+from simulator.api import SimConfig, memory_of, simulate  # noqa: E402
 from simulator.bands import sensitivity  # noqa: E402
 from simulator.hardware import load_profile  # noqa: E402
 
 SEQUENCES, SEQ_LEN = 2048, 8192
 MODELS = {"70b": "llama-3.1-70b", "405b": "llama-3.1-405b"}
 STRATEGIES = ("adamw", "dmuon", "naive")
+RECOMPUTE = ("none", "selective", "full")
+DP_LAYOUTS = ("fsdp-keep", "fsdp-free")
 
 
 def h100_with_bands():
@@ -81,6 +84,30 @@ def overhead_band(cfgs: dict) -> tuple[float, float, float, float]:
     return tuple(out)
 
 
+def best_fitting(model: str, gpus: int, profile, strategy: str, lay: dict):
+    """(config, SimResult) of `strategy` on layout `lay`: per data-parallel layout (fsdp-keep, fsdp-free)
+    the least recomputation with which it fits (simulator.memory), the faster of the two; None if none
+    fits."""
+    out = None
+    for dp_layout in DP_LAYOUTS:
+        cfg = None
+        for rc in RECOMPUTE:
+            c = replace(config(model, gpus, profile, strategy, lay), layout=dp_layout, recompute=rc)
+            if memory_of(c).fits:
+                cfg = c
+                break
+        if cfg is not None:
+            r = simulate(cfg)
+            if out is None or r.step_s < out[1].step_s:
+                out = (cfg, r)
+    return out
+
+
+def _label(cfg) -> str:
+    return (f"pp {cfg.pp}" + (f" vpp {cfg.vpp}" if cfg.vpp > 1 else "") + f", m {cfg.microbatches}, "
+            f"{cfg.layout}" + (f", recompute {cfg.recompute}" if cfg.recompute != "none" else ""))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gpus", default="1024,4096,16384")
@@ -93,40 +120,43 @@ def main(argv=None) -> int:
     for key in a.models.split(","):
         model = MODELS[key]
         for gpus in (int(g) for g in a.gpus.split(",")):
-            steps: dict = {}
+            best: dict = {}
+            tried = 0
             for lay in layouts(gpus):
                 try:
-                    steps[tuple(lay.items())] = {s: simulate(config(model, gpus, profile, s, lay)).step_s
-                                                 for s in STRATEGIES}
+                    for s in STRATEGIES:
+                        got = best_fitting(model, gpus, profile, s, lay)
+                        if got is not None and (s not in best or got[1].step_s < best[s][1].step_s):
+                            best[s] = got
+                    tried += 1
                 except InputError:
                     continue
-            best = {s: min(steps, key=lambda k, s=s: steps[k][s]) for s in STRATEGIES}
-            at = steps[best["adamw"]]
-            row = {"model": model, "gpus": gpus, "layouts_tried": len(steps),
-                   "adamw_best": dict(best["adamw"]), "adamw_step_s": at["adamw"],
-                   "dmuon_at_adamw_best": at["dmuon"] / at["adamw"] - 1,
-                   "naive_at_adamw_best": at["naive"] / at["adamw"] - 1,
-                   "dmuon_best": dict(best["dmuon"]), "dmuon_best_vs_best": steps[best["dmuon"]]["dmuon"]
-                   / at["adamw"] - 1,
-                   "naive_best": dict(best["naive"]), "naive_best_vs_best": steps[best["naive"]]["naive"]
-                   / at["adamw"] - 1}
-            if not a.no_bands:
-                d, dlo, dhi, n, nlo, nhi = overhead_band(
-                    {s: config(model, gpus, profile, s, dict(best["adamw"])) for s in STRATEGIES})
-                row.update(dmuon_band=[dlo, dhi], naive_band=[nlo, nhi])
+            if "adamw" not in best:
+                print(f"{model} {gpus:>6} GPUs: no layout of the grid fits for AdamW", flush=True)
+                continue
+            ad = best["adamw"][1].step_s
+            row = {"model": model, "gpus": gpus, "layouts_tried": tried}
+            for s in STRATEGIES:
+                if s in best:
+                    cfg, r = best[s]
+                    row[s] = {"layout": _label(cfg), "step_s": r.step_s, "overhead": r.step_s / ad - 1,
+                              "peak_mem_gib": r.peak_mem_gib}
+                else:
+                    row[s] = None
+            if not a.no_bands and all(best.get(s) for s in STRATEGIES):
+                d, dlo, dhi, n, nlo, nhi = overhead_band({s: best[s][0] for s in STRATEGIES})
+                row["dmuon"]["band"], row["naive"]["band"] = [dlo, dhi], [nlo, nhi]
             rows.append(row)
-            lay = row["adamw_best"]
-            band = (f" [{row['dmuon_band'][0]:+.1%} .. {row['dmuon_band'][1]:+.1%}]" if "dmuon_band" in row
-                    else "")
-            nband = (f" [{row['naive_band'][0]:+.1%} .. {row['naive_band'][1]:+.1%}]" if "naive_band" in row
-                     else "")
-            print(f"{model} {gpus:>6} GPUs: AdamW best tp{lay['tp']} pp{lay['pp']} vpp{lay['vpp']} "
-                  f"m{lay['microbatches']} {row['adamw_step_s']:.2f} s; there DMuon "
-                  f"{row['dmuon_at_adamw_best']:+.1%}{band}, naive {row['naive_at_adamw_best']:+.1%}{nband}; "
-                  f"best vs best: DMuon {row['dmuon_best_vs_best']:+.1%} (pp{row['dmuon_best']['pp']} "
-                  f"vpp{row['dmuon_best']['vpp']}), naive {row['naive_best_vs_best']:+.1%} "
-                  f"(pp{row['naive_best']['pp']} vpp{row['naive_best']['vpp']}); {len(steps)} layouts",
-                  flush=True)
+            parts = []
+            for s in STRATEGIES:
+                x = row[s]
+                if x is None:
+                    parts.append(f"{s}: no fitting layout")
+                    continue
+                band = f" [{x['band'][0]:+.1%} .. {x['band'][1]:+.1%}]" if "band" in x else ""
+                what = f"{x['step_s']:.2f} s" if s == "adamw" else f"{x['overhead']:+.1%}{band}"
+                parts.append(f"{s} {what} ({x['layout']}, {x['peak_mem_gib']:.0f} GiB)")
+            print(f"{model} {gpus:>6} GPUs, {tried} layouts: " + "; ".join(parts), flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0
