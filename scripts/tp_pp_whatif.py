@@ -11,8 +11,9 @@ arXiv:2407.21783, Sec. 3.4.1) for both models, micro-batch 1 sequence, microbatc
 over the data-parallel ranks. Grid: pp in 1, 2, 4, 8, 16 and vpp in 1, 2 wherever simulator.parallel
 accepts them (pp x vpp dividing the layers or layers + 2, microbatches >= pp, a multiple of pp when
 interleaved), data-parallel layout fsdp-keep or fsdp-free, each with the least recomputation (none,
-selective, full) with which that strategy fits the GPU's memory by simulator.memory.memory_of (a
-configuration where even full recomputation does not fit is left out). Each strategy's best = its shortest
+selective, full) with which that strategy fits the GPU's memory by simulator.memory.memory_of (for DMuon
+also its largest NS batch, max_batch 8, 2 or 1: the NS workspace of a batch of whole 405B matrices is
+tens of GB; a configuration where nothing fits is left out). Each strategy's best = its shortest
 fitting step; overhead = its best step / AdamW's best step - 1 (best against best).
 Bands: simulator.bands.sensitivity of each strategy at its best configuration, each uncertain input at its low
 and high end; the overhead (dmuon / adamw - 1) is recomputed at each end and the deviations combined in
@@ -43,6 +44,7 @@ MODELS = {"70b": "llama-3.1-70b", "405b": "llama-3.1-405b"}
 STRATEGIES = ("adamw", "dmuon", "naive")
 RECOMPUTE = ("none", "selective", "full")
 DP_LAYOUTS = ("fsdp-keep", "fsdp-free")
+DMUON_MAX_BATCH = (8, 2, 1)  # DMuon's largest NS batch (SimConfig.max_batch): smaller where 8 does not fit
 
 
 def h100_with_bands():
@@ -91,8 +93,8 @@ def best_fitting(model: str, gpus: int, profile, strategy: str, lay: dict):
     out = None
     for dp_layout in DP_LAYOUTS:
         cfg = None
-        for rc in RECOMPUTE:
-            c = replace(config(model, gpus, profile, strategy, lay), layout=dp_layout, recompute=rc)
+        for rc, mb in ((r, b) for r in RECOMPUTE for b in (DMUON_MAX_BATCH if strategy == "dmuon" else (8,))):
+            c = replace(config(model, gpus, profile, strategy, lay), layout=dp_layout, recompute=rc, max_batch=mb)
             if memory_of(c).fits:
                 cfg = c
                 break
@@ -105,7 +107,8 @@ def best_fitting(model: str, gpus: int, profile, strategy: str, lay: dict):
 
 def _label(cfg) -> str:
     return (f"pp {cfg.pp}" + (f" vpp {cfg.vpp}" if cfg.vpp > 1 else "") + f", m {cfg.microbatches}, "
-            f"{cfg.layout}" + (f", recompute {cfg.recompute}" if cfg.recompute != "none" else ""))
+            f"{cfg.layout}" + (f", recompute {cfg.recompute}" if cfg.recompute != "none" else "")
+            + (f", max_batch {cfg.max_batch}" if cfg.max_batch != SimConfig.max_batch else ""))
 
 
 def main(argv=None) -> int:
