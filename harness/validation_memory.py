@@ -163,7 +163,8 @@ def modelled_peak(row: dict, model_raw: dict | None = None, workload=None) -> di
         return {}
     cfg = SimConfig(workload=workload, gpus=int(row["ranks"]), gpu="cpu", strategy=row["strategy"],
                     layout=layout, seq_len=int(row["seq_len"]), micro_batch=int(row["micro_batch"]),
-                    grad_comm_dtype=row.get("comm_dtype") or None, max_split=int(row.get("max_split", 1)))
+                    grad_comm_dtype=row.get("comm_dtype") or None, max_split=int(row.get("max_split", 1)),
+                    naive_batching=True)  # dmuon.NaiveMuon: one NS call per shape
     m = memory_of(cfg, free=free)
     measured = float(row["peak_mem_bytes"])
     return {"model_peak_mem_bytes": m.peak_bytes,
