@@ -133,6 +133,16 @@ def _even_owners(muon, world: int, max_batch: int, batching: bool) -> tuple[list
     return owners, batches
 
 
+def owner_momentum_bytes(muon, owners, world: int, model_split: int = 1, ep: int = 1) -> list[float]:
+    """fp32 momentum bytes each rank holds when matrix i's momentum lives on owners[i] only (DMuon):
+    summed over the ranks, the whole momentum once (per tp x pp model group; experts / ep)."""
+    owned = [0.0] * world
+    for i, m in enumerate(muon):
+        owned[owners[i]] += m.rows * m.cols * m.count / model_split / (
+            ep if ep > 1 and ".experts." in m.name else 1) * 4
+    return owned
+
+
 def _dims(cfg) -> tuple[int, int, int, int]:
     """(tp, pp, virtual stages, pipeline micro-batches) of the config (1s where it has no such fields)."""
     tp = int(getattr(cfg, "tp", 1) or 1)
@@ -240,9 +250,7 @@ def memory_of(cfg, plan=None, *, recompute: str | None = None, loss_fp32: bool =
         else:
             owners, raw = _even_owners(muon, world, cfg.max_batch, cfg.batching)
             batches = [(*b, ()) for b in raw]
-        for i, m in enumerate(muon):
-            owned[owners[i]] += m.rows * m.cols * m.count / model_split / (
-                cfg.ep if cfg.ep > 1 and ".experts." in m.name else 1) * 4
+        owned = owner_momentum_bytes(muon, owners, world, model_split, cfg.ep)
         for owner, k, r, c, g, group in batches:
             w = ns_workspace_bytes(k, r, c, method, e_m, e_ns, g)
             for rank in (group or (owner,)):
@@ -294,4 +302,5 @@ def profile_capacity(profile, ranks_per_node: int) -> float:
     return gib * GIB / (ranks_per_node if profile.cpu_cores else 1)
 
 
-__all__ = ["GIB", "MemoryBreakdown", "PARTS", "memory_of", "ns_workspace_bytes", "profile_capacity"]
+__all__ = ["GIB", "MemoryBreakdown", "PARTS", "memory_of", "ns_workspace_bytes", "owner_momentum_bytes",
+           "profile_capacity"]
