@@ -101,7 +101,7 @@ def _public_config(r: dict):
 
 
 def public_checks(path: Path = PUBLIC_CSV) -> list[dict]:
-    from simulator.memory import memory_of
+    from simulator.api import memory_of
 
     out = []
     with open(path, newline="") as f:
@@ -125,7 +125,7 @@ def paper_rows() -> list[dict]:
     """reported.csv's a800_8gpu_llm peak_memory rows (GB) vs memory_of (bf16 parameters, as the project's
     runtime trains on CUDA: harness bench step builds the model in bf16). Shown only."""
     from simulator.api import SimConfig
-    from simulator.memory import memory_of
+    from simulator.api import memory_of
     from simulator.reference import reported_rows
 
     out = []
@@ -149,7 +149,7 @@ def modelled_peak(row: dict, model_raw: dict | None = None, workload=None) -> di
     model_peak_mem_bytes and model_peak_mem_error (modelled / measured - 1). The bench model's workload
     (`workload`) or the HF config (`model_raw`) gives the matrices."""
     from simulator.api import SimConfig
-    from simulator.memory import memory_of
+    from simulator.api import memory_of
 
     key = (row["layout"], row["memory"])
     if key not in BENCH_LAYOUTS or row.get("device") != "cpu":

@@ -1,4 +1,5 @@
-"""Memory per rank of one training step: a breakdown and the peak over the step (`memory_of`).
+"""Memory per rank of one training step: a breakdown and the peak over the step (`breakdown`, called by
+simulator.api.memory_of).
 
 What a rank holds (bytes; n = a parameter's elements, S = its shard group: fsdp-* and sharded all
 data-parallel ranks, hsdp-* the ranks of a node, ddp 1; expert parameters: n / ep over S / ep ranks;
@@ -152,23 +153,18 @@ def _dims(cfg) -> tuple[int, int, int, int]:
     return tp, pp, virtual, micro
 
 
-def memory_of(cfg, plan=None, *, recompute: str | None = None, loss_fp32: bool = True,
-              free: bool | None = None) -> MemoryBreakdown:
-    """Memory per rank of `cfg` (a simulator.api.SimConfig) without simulating the step: cheap enough to
-    call per layout in a search. DMuon's owners come from `plan` (or cfg.plan), else from an LPT
-    balance of elements over the ranks (`_even_owners`; the simulated plan balances NS time, so owners
-    may differ: `simulate` reports the memory of its own plan). recompute: instead of cfg.recompute, also
-    'op' (torchtitan's per-op policy, `memory_activations.op_sac_bytes_per_token`: its published rows);
-    loss_fp32: the loss upcasts the logits to fp32 (`memory_activations.head_bytes`); free: parameters
-    freed after forward (None: the layout's -free; True with 'sharded': FSDP2 reshard_after_forward)."""
-    from .api import node_shape, profile_of, validate_config
+def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: str | None = None,
+              loss_fp32: bool = True, free: bool | None = None) -> MemoryBreakdown:
+    """Memory per rank of `cfg` (a simulator.api.SimConfig, validated) on its resolved workload, profile
+    and ranks per node: `simulator.api.memory_of` resolves them and calls this. DMuon's owners come from
+    `plan` (or cfg.plan), else from an LPT balance of elements over the ranks (`_even_owners`; the
+    simulated plan balances NS time, so owners may differ: `simulate` reports the memory of its own plan).
+    recompute: instead of cfg.recompute, also 'op' (torchtitan's per-op policy,
+    `memory_activations.op_sac_bytes_per_token`: its published rows); loss_fp32: the loss upcasts the
+    logits to fp32 (`memory_activations.head_bytes`); free: parameters freed after forward (None: the
+    layout's -free; True with 'sharded': FSDP2 reshard_after_forward)."""
     from .step import DTYPE_BYTES
-    from .workload import resolve_workload
 
-    validate_config(cfg)
-    workload = resolve_workload(cfg.workload, cfg.model, cfg.per_head)
-    profile = profile_of(cfg)
-    _, per_node = node_shape(cfg.gpus, cfg.gpus_per_node or profile.gpus_per_node)
     tp, pp, virtual, micro = _dims(cfg)
     e_m = DTYPE_BYTES[getattr(cfg, "param_dtype", None) or "fp32"]
     e_c = DTYPE_BYTES[profile.dtype]
@@ -302,5 +298,5 @@ def profile_capacity(profile, ranks_per_node: int) -> float:
     return gib * GIB / (ranks_per_node if profile.cpu_cores else 1)
 
 
-__all__ = ["GIB", "MemoryBreakdown", "PARTS", "memory_of", "ns_workspace_bytes", "owner_momentum_bytes",
+__all__ = ["GIB", "MemoryBreakdown", "PARTS", "breakdown", "ns_workspace_bytes", "owner_momentum_bytes",
            "profile_capacity"]
