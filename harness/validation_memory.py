@@ -90,6 +90,7 @@ def _public_config(r: dict):
     class ParallelConfig(SimConfig):  # tensor / pipeline degrees memory_of reads where a config has them
         tp: int = 1
         pp: int = 1
+        sp: bool = True  # torchtitan's TP runs with sequence parallelism
 
     wl = r["workload"]
     model = wl if (ROOT / "experiments" / "models" / wl).is_dir() else None

@@ -224,7 +224,8 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
         buckets = (total - sum(layer_muon.values())) and largest * (e_c + e_g)
         buckets += sum(layer_muon.values()) * (e_g + e_pc)
 
-    acts = activation_bytes(workload, cfg.seq_len, cfg.micro_batch, e_c, tp=tp, sp=tp > 1, pp=pp,
+    sp = bool(getattr(cfg, "sp", tp > 1))  # sequence parallelism where the config says (else with any TP)
+    acts = activation_bytes(workload, cfg.seq_len, cfg.micro_batch, e_c, tp=tp, sp=sp, pp=pp,
                             micro_batches=micro, virtual=virtual, recompute=recompute,
                             loss_fp32=loss_fp32)
     act_total = acts["layers"] + acts["recompute_layer"] + acts["head"]
