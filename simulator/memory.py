@@ -221,8 +221,8 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
     if layout == "ddp":
         buckets = total * (e_g + (e_pc if strategy == "dmuon" else 0))
     else:
-        buckets = (total - sum(layer_muon.values())) and largest * (e_c + e_g)
-        buckets += sum(layer_muon.values()) * (e_g + e_pc)
+        owner_numel = sum(layer_muon.values())  # DMuon's owner-layout Muon matrices: its own units
+        buckets = (largest * (e_c + e_g) if total > owner_numel else 0.0) + owner_numel * (e_g + e_pc)
 
     sp = bool(getattr(cfg, "sp", tp > 1))  # sequence parallelism where the config says (else with any TP)
     acts = activation_bytes(workload, cfg.seq_len, cfg.micro_batch, e_c, tp=tp, sp=sp, pp=pp,
