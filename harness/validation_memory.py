@@ -202,6 +202,29 @@ CPU_COLUMNS = ("workload", "model_type", "strategy", "layout", "memory", "ranks"
                "model_peak_mem_bytes", "model_peak_mem_error", "torch_version", "measured_at")
 
 
+def remodel(row: dict, opts: list[str]) -> dict:
+    """`row` (CPU_COLUMNS of one bench step row) with its modelled columns recomputed now from the run's
+    options (CPU_COMMON + `opts`: the bench model's width and blocks, or the HF config and its shrink)."""
+    args = CPU_COMMON + opts
+
+    def opt(name, convert=str):
+        return convert(args[args.index(name) + 1]) if name in args else None
+
+    model_raw, workload = None, None
+    if opt("--model"):
+        from .hf_model import shrunk_config
+
+        _, model_raw = shrunk_config(opt("--model"), layers=opt("--layers", int), hidden=opt("--hidden", int),
+                                     vocab=opt("--vocab", int))
+    else:
+        from simulator.workload import load_workload
+
+        workload = load_workload(opt("--workload") or "qwen2.5-7b").scaled(opt("--width-scale", float),
+                                                                           blocks=opt("--layers", int))
+    full = {**row, "device": "cpu", "comm_dtype": None, "max_split": 1}
+    return {**row, **modelled_peak(full, model_raw, workload)}
+
+
 def cpu_checks(path: Path = CPU_CSV) -> list[dict]:
     if not path.is_file():
         return []
@@ -222,4 +245,5 @@ def memory_checks() -> list[dict]:
     return formula_checks() + public_checks() + cpu_checks()
 
 
-__all__ = ["memory_checks", "formula_checks", "public_checks", "cpu_checks", "measure_cpu_rows", "modelled_peak"]
+__all__ = ["memory_checks", "formula_checks", "public_checks", "cpu_checks", "measure_cpu_rows", "modelled_peak",
+           "remodel"]
