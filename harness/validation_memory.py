@@ -90,6 +90,7 @@ def _public_config(r: dict):
     class ParallelConfig(SimConfig):  # tensor / pipeline degrees memory_of reads where a config has them
         tp: int = 1
         pp: int = 1
+        sp: bool = True  # torchtitan's TP runs with sequence parallelism
 
     wl = r["workload"]
     model = wl if (ROOT / "experiments" / "models" / wl).is_dir() else None
@@ -101,7 +102,7 @@ def _public_config(r: dict):
 
 
 def public_checks(path: Path = PUBLIC_CSV) -> list[dict]:
-    from simulator.memory import memory_of
+    from simulator.api import memory_of
 
     out = []
     with open(path, newline="") as f:
@@ -125,7 +126,7 @@ def paper_rows() -> list[dict]:
     """reported.csv's a800_8gpu_llm peak_memory rows (GB) vs memory_of (bf16 parameters, as the project's
     runtime trains on CUDA: harness bench step builds the model in bf16). Shown only."""
     from simulator.api import SimConfig
-    from simulator.memory import memory_of
+    from simulator.api import memory_of
     from simulator.reference import reported_rows
 
     out = []
@@ -149,7 +150,7 @@ def modelled_peak(row: dict, model_raw: dict | None = None, workload=None) -> di
     model_peak_mem_bytes and model_peak_mem_error (modelled / measured - 1). The bench model's workload
     (`workload`) or the HF config (`model_raw`) gives the matrices."""
     from simulator.api import SimConfig
-    from simulator.memory import memory_of
+    from simulator.api import memory_of
 
     key = (row["layout"], row["memory"])
     if key not in BENCH_LAYOUTS or row.get("device") != "cpu":
@@ -163,7 +164,8 @@ def modelled_peak(row: dict, model_raw: dict | None = None, workload=None) -> di
         return {}
     cfg = SimConfig(workload=workload, gpus=int(row["ranks"]), gpu="cpu", strategy=row["strategy"],
                     layout=layout, seq_len=int(row["seq_len"]), micro_batch=int(row["micro_batch"]),
-                    grad_comm_dtype=row.get("comm_dtype") or None, max_split=int(row.get("max_split", 1)))
+                    grad_comm_dtype=row.get("comm_dtype") or None, max_split=int(row.get("max_split", 1)),
+                    naive_batching=True)  # dmuon.NaiveMuon: one NS call per shape
     m = memory_of(cfg, free=free)
     measured = float(row["peak_mem_bytes"])
     return {"model_peak_mem_bytes": m.peak_bytes,
@@ -200,6 +202,29 @@ CPU_COLUMNS = ("workload", "model_type", "strategy", "layout", "memory", "ranks"
                "model_peak_mem_bytes", "model_peak_mem_error", "torch_version", "measured_at")
 
 
+def remodel(row: dict, opts: list[str]) -> dict:
+    """`row` (CPU_COLUMNS of one bench step row) with its modelled columns recomputed now from the run's
+    options (CPU_COMMON + `opts`: the bench model's width and blocks, or the HF config and its shrink)."""
+    args = CPU_COMMON + opts
+
+    def opt(name, convert=str):
+        return convert(args[args.index(name) + 1]) if name in args else None
+
+    model_raw, workload = None, None
+    if opt("--model"):
+        from .hf_model import shrunk_config
+
+        _, model_raw = shrunk_config(opt("--model"), layers=opt("--layers", int), hidden=opt("--hidden", int),
+                                     vocab=opt("--vocab", int))
+    else:
+        from simulator.workload import load_workload
+
+        workload = load_workload(opt("--workload") or "qwen2.5-7b").scaled(opt("--width-scale", float),
+                                                                           blocks=opt("--layers", int))
+    full = {**row, "device": "cpu", "comm_dtype": None, "max_split": 1}
+    return {**row, **modelled_peak(full, model_raw, workload)}
+
+
 def cpu_checks(path: Path = CPU_CSV) -> list[dict]:
     if not path.is_file():
         return []
@@ -220,4 +245,5 @@ def memory_checks() -> list[dict]:
     return formula_checks() + public_checks() + cpu_checks()
 
 
-__all__ = ["memory_checks", "formula_checks", "public_checks", "cpu_checks", "measure_cpu_rows", "modelled_peak"]
+__all__ = ["memory_checks", "formula_checks", "public_checks", "cpu_checks", "measure_cpu_rows", "modelled_peak",
+           "remodel"]

@@ -393,14 +393,19 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
     return result, built
 
 
-def memory_of(cfg: SimConfig, plan=None):
+def memory_of(cfg: SimConfig, plan=None, **kw):
     """Memory per rank of `cfg` without simulating the step (simulator.memory.memory_of): a
     MemoryBreakdown with .peak_bytes, .peak_gib, .fits, .capacity_bytes, .gib() and one field per part.
     Stable API for layout searches: cheap (no plan is built; DMuon owners balanced by elements unless
-    `plan` or cfg.plan gives them)."""
-    from .memory import memory_of as _memory_of
+    `plan` or cfg.plan gives them). kw: simulator.memory.breakdown's recompute / loss_fp32 / free."""
+    from .memory import breakdown
+    from .workload import resolve_workload
 
-    return _memory_of(cfg, plan)
+    validate_config(cfg)
+    profile = profile_of(cfg)
+    _, per_node = node_shape(cfg.gpus, cfg.gpus_per_node or profile.gpus_per_node)
+    return breakdown(cfg, resolve_workload(cfg.workload, cfg.model, cfg.per_head), profile, per_node, plan,
+                     **kw)
 
 
 def _memory_fields(cfg: SimConfig, plan) -> dict:

@@ -1,4 +1,5 @@
-"""Memory per rank of one training step: a breakdown and the peak over the step (`memory_of`).
+"""Memory per rank of one training step: a breakdown and the peak over the step (`breakdown`, called by
+simulator.api.memory_of).
 
 What a rank holds (bytes; n = a parameter's elements, S = its shard group: fsdp-* and sharded all
 data-parallel ranks, hsdp-* the ranks of a node, ddp 1; expert parameters: n / ep over S / ep ranks;
@@ -12,6 +13,7 @@ with tensor / pipeline parallelism (`tp`, `pp` where the config has them) every 
                   parameter's dtype); ddp and DMuon's owner-layout Muon matrices: n (every rank computes the
                   whole gradient before it is reduced)
   optimizer       AdamW: 2 moments (exp_avg, exp_avg_sq) of its parameters' local elements, fp32;
+                  DMuon's ddp layout updates AdamW parameters in 1/N pieces (`shard_adamw`): their moments / N;
                   Muon momentum (fp32): naive and sharded on the local shard (n / S), DMuon owner layouts
                   on the owner only (`plan.owners`: the rank's owned elements; summed over the ranks they
                   are the whole momentum once); adamw strategy: the Muon matrices on AdamW (2 moments)
@@ -22,20 +24,24 @@ with tensor / pipeline parallelism (`tp`, `pp` where the config has them) every 
                   backward
   activations     `simulator.memory_activations.activation_bytes` (Korthikanti et al. 2022's count per
                   layer, any recompute, TP / SP, PP in-flight micro-batches, the output layer and fp32 loss)
-  comm_buckets    buffers of the gradient reduction in flight: FSDP / HSDP the layer's unsharded gradient
-                  (compute dtype) + its reduce-scatter input (grad_comm_dtype), DDP one 25 MB bucket
-                  (torch DDP's bucket_cap_mb default) x 2 (bucket + its reduction's output), DMuon one
-                  bucket (bucket_numel, else the largest layer's Muon elements) sent and one received
+  comm_buckets    the runtime's persistent exchange buffers (`dmuon.runtime.units`: one flat buffer per
+                  unit over every parameter it reduces, grad_comm_dtype; DMuon's units a second one it
+                  publishes from, param_comm_dtype): ddp every parameter (DMuon: x 2), owner layouts the
+                  Muon matrices x 2; plus FSDP2's reduction in flight: the largest layer's unsharded
+                  gradient (compute dtype) and its reduce-scatter input (grad_comm_dtype)
   ns_workspace    one NS call at a time: its input stack in param_dtype, X, the result and the m x m
                   products in the NS dtype: k (2 m n e_param + e_ns (2 m n + c m^2)), k matrices of the
                   short side m, long side n, c = 3 standard (A, A^2, B), 4 Gram (R, Z, Q, RZ)
                   (`dmuon.newton_schulz._standard_ns` / `_gram_ns`); split NS over g ranks: X's blocks / g;
-                  naive: the all-gathered whole gradient of the matrix (grad_comm_dtype) + its NS, batched
-                  per shape with naive_batching; DMuon: its owner's largest batch
+                  naive: the all-gathered whole gradient of the matrix (grad_comm_dtype) + its NS; with
+                  naive_batching (`dmuon.NaiveMuon`: one call per shape over all its matrices) every input
+                  and every update (2 x the Muon elements, param_dtype) + the largest shape's call; DMuon:
+                  its owner's largest batch
 Peaks (the step's two phases; `peak_phase` names the larger):
   forward/backward = parameters + optimizer + param_copies + comm_buckets
                      + max(activations, gradients)   (backward frees activations as gradients arrive)
-  optimizer        = parameters + optimizer + gradients + ns_workspace
+  optimizer        = parameters + optimizer + gradients + the runtime's buffers + ns_workspace
+                     (FSDP2's reduce-scatter in flight is over by then)
 Capacity: the profile's `memory_gib` (datasheets; CPU: the host's RAM, shared by the node's ranks).
 ASSUMPTION (shown in notes): no allocator fragmentation or caching (PyTorch's caching allocator reserves
 more than it allocates: `harness validate`'s memory section compares both where published).
@@ -49,7 +55,6 @@ from dataclasses import asdict, dataclass
 from .memory_activations import activation_bytes
 
 GIB = 1 << 30
-DDP_BUCKET_BYTES = 25 * 1024 * 1024  # torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25) default
 PARTS = ("parameters", "gradients", "optimizer", "param_copies", "activations", "comm_buckets",
          "ns_workspace")
 
@@ -130,6 +135,16 @@ def _even_owners(muon, world: int, max_batch: int, batching: bool) -> tuple[list
     return owners, batches
 
 
+def owner_momentum_bytes(muon, owners, world: int, model_split: int = 1, ep: int = 1) -> list[float]:
+    """fp32 momentum bytes each rank holds when matrix i's momentum lives on owners[i] only (DMuon):
+    summed over the ranks, the whole momentum once (per tp x pp model group; experts / ep)."""
+    owned = [0.0] * world
+    for i, m in enumerate(muon):
+        owned[owners[i]] += m.rows * m.cols * m.count / model_split / (
+            ep if ep > 1 and ".experts." in m.name else 1) * 4
+    return owned
+
+
 def _dims(cfg) -> tuple[int, int, int, int]:
     """(tp, pp, virtual stages, pipeline micro-batches) of the config (1s where it has no such fields)."""
     tp = int(getattr(cfg, "tp", 1) or 1)
@@ -145,23 +160,18 @@ def _dims(cfg) -> tuple[int, int, int, int]:
     return tp, pp, virtual, micro
 
 
-def memory_of(cfg, plan=None, *, recompute: str | None = None, loss_fp32: bool = True,
-              free: bool | None = None) -> MemoryBreakdown:
-    """Memory per rank of `cfg` (a simulator.api.SimConfig) without simulating the step: cheap enough to
-    call per layout in a search. DMuon's owners come from `plan` (or cfg.plan), else from an LPT
-    balance of elements over the ranks (`_even_owners`; the simulated plan balances NS time, so owners
-    may differ: `simulate` reports the memory of its own plan). recompute: instead of cfg.recompute, also
-    'op' (torchtitan's per-op policy, `memory_activations.op_sac_bytes_per_token`: its published rows);
-    loss_fp32: the loss upcasts the logits to fp32 (`memory_activations.head_bytes`); free: parameters
-    freed after forward (None: the layout's -free; True with 'sharded': FSDP2 reshard_after_forward)."""
-    from .api import node_shape, profile_of, validate_config
+def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: str | None = None,
+              loss_fp32: bool = True, free: bool | None = None) -> MemoryBreakdown:
+    """Memory per rank of `cfg` (a simulator.api.SimConfig, validated) on its resolved workload, profile
+    and ranks per node: `simulator.api.memory_of` resolves them and calls this. DMuon's owners come from
+    `plan` (or cfg.plan), else from an LPT balance of elements over the ranks (`_even_owners`; the
+    simulated plan balances NS time, so owners may differ: `simulate` reports the memory of its own plan).
+    recompute: instead of cfg.recompute, also 'op' (torchtitan's per-op policy,
+    `memory_activations.op_sac_bytes_per_token`: its published rows); loss_fp32: the loss upcasts the
+    logits to fp32 (`memory_activations.head_bytes`); free: parameters freed after forward (None: the
+    layout's -free; True with 'sharded': FSDP2 reshard_after_forward)."""
     from .step import DTYPE_BYTES
-    from .workload import resolve_workload
 
-    validate_config(cfg)
-    workload = resolve_workload(cfg.workload, cfg.model, cfg.per_head)
-    profile = profile_of(cfg)
-    _, per_node = node_shape(cfg.gpus, cfg.gpus_per_node or profile.gpus_per_node)
     tp, pp, virtual, micro = _dims(cfg)
     e_m = DTYPE_BYTES[getattr(cfg, "param_dtype", None) or "fp32"]
     e_c = DTYPE_BYTES[profile.dtype]
@@ -195,7 +205,9 @@ def memory_of(cfg, plan=None, *, recompute: str | None = None, loss_fp32: bool =
             continue
         params += n / s * e_m
         grads += n / s * e_m
-        states += (1 if muon else 2) * n / s * 4
+        # DMuon's replicated layout updates the AdamW parameters in 1/N pieces (shard_adamw)
+        s_state = world if (owner_layout and layout == "ddp" and not muon) else s
+        states += (1 if muon else 2) * n / s_state * 4
     if owner_layout and free:
         notes.append("DMuon memory 'free': non-owned Muon matrices held only while a layer runs")
     # compute-dtype copies the forward / backward read
@@ -209,16 +221,20 @@ def memory_of(cfg, plan=None, *, recompute: str | None = None, loss_fp32: bool =
         copies = sharded_numel * e_c + (sum(layer_muon.values()) * e_c if owner_layout and e_c != e_m else 0)
     if owner_layout and free:
         copies = 2 * largest * max(e_c, e_m)
-    # gradient reduction buffers in flight
+    # the runtime's persistent exchange buffers (dmuon.runtime.units: one flat buffer per unit of every
+    # parameter it reduces; DMuon's units a second one it publishes from) + FSDP2's reduce-scatter in flight
+    e_pc = DTYPE_BYTES[cfg.param_comm_dtype or profile.dtype]
+    total = sum(layer_numel.values())
+    in_flight = 0.0  # FSDP2's reduce-scatter of one layer: backward only
     if layout == "ddp":
-        buckets = 2.0 * DDP_BUCKET_BYTES
+        buckets = total * (e_g + (e_pc if strategy == "dmuon" else 0))
     else:
-        buckets = largest * (e_c + e_g)
-    if owner_layout:
-        bucket = cfg.bucket_numel or max(layer_muon.values(), default=0.0)
-        buckets = max(buckets, 2.0 * bucket * e_g)
+        owner_numel = sum(layer_muon.values())  # DMuon's owner-layout Muon matrices: its own units
+        buckets = owner_numel * (e_g + e_pc)
+        in_flight = largest * (e_c + e_g) if total > owner_numel else 0.0
 
-    acts = activation_bytes(workload, cfg.seq_len, cfg.micro_batch, e_c, tp=tp, sp=tp > 1, pp=pp,
+    sp = bool(getattr(cfg, "sp", tp > 1))  # sequence parallelism where the config says (else with any TP)
+    acts = activation_bytes(workload, cfg.seq_len, cfg.micro_batch, e_c, tp=tp, sp=sp, pp=pp,
                             micro_batches=micro, virtual=virtual, recompute=recompute,
                             loss_fp32=loss_fp32)
     act_total = acts["layers"] + acts["recompute_layer"] + acts["head"]
@@ -240,9 +256,7 @@ def memory_of(cfg, plan=None, *, recompute: str | None = None, loss_fp32: bool =
         else:
             owners, raw = _even_owners(muon, world, cfg.max_batch, cfg.batching)
             batches = [(*b, ()) for b in raw]
-        for i, m in enumerate(muon):
-            owned[owners[i]] += m.rows * m.cols * m.count / model_split / (
-                cfg.ep if cfg.ep > 1 and ".experts." in m.name else 1) * 4
+        owned = owner_momentum_bytes(muon, owners, world, model_split, cfg.ep)
         for owner, k, r, c, g, group in batches:
             w = ns_workspace_bytes(k, r, c, method, e_m, e_ns, g)
             for rank in (group or (owner,)):
@@ -252,15 +266,18 @@ def memory_of(cfg, plan=None, *, recompute: str | None = None, loss_fp32: bool =
         shapes: dict[tuple[int, int], int] = {}
         for m in muon:
             shapes[(m.rows, m.cols)] = shapes.get((m.rows, m.cols), 0) + m.count
+        batched = strategy == "naive" and cfg.naive_batching
         for (r, c), count in shapes.items():
-            k = count if (strategy == "naive" and cfg.naive_batching) else 1
+            k = count if batched else 1
             if strategy == "dmuon":
                 k = min(count, cfg.max_batch) if cfg.batching else 1
-            gathered = k * r * c * e_g / model_split
+            gathered = 0.0 if batched else k * r * c * e_g / model_split
             ns_base = max(ns_base, gathered + ns_workspace_bytes(k, r, c, method, e_m, e_ns) / model_split)
+        if batched:  # dmuon.NaiveMuon: every matrix's input gathered, then every update, before applying
+            ns_base += 2.0 * sum(m.rows * m.cols * m.count for m in muon) / model_split * e_m
 
-    base_fb = params + states + copies + buckets
-    base_opt = params + states + grads
+    base_fb = params + states + copies + buckets + in_flight
+    base_opt = params + states + grads + buckets
     fb = base_fb + max(act_total, grads)
     opt = base_opt + ns_base
     best = (max(fb, opt), 0, fb >= opt, owned[0] if owned else 0.0, work[0] if work else ns_base)
@@ -277,7 +294,7 @@ def memory_of(cfg, plan=None, *, recompute: str | None = None, loss_fp32: bool =
     params_r = params + (own_states / 4 * e_m if owner_layout and free else 0.0)
     cap = profile_capacity(profile, per_node)
     return MemoryBreakdown(parameters=params_r, gradients=grads, optimizer=states + own_states,
-                           param_copies=copies, activations=act_total, comm_buckets=buckets,
+                           param_copies=copies, activations=act_total, comm_buckets=buckets + in_flight,
                            ns_workspace=ns_ws, peak_bytes=peak,
                            peak_phase="forward/backward" if fb_wins else "optimizer",
                            capacity_bytes=cap, rank=rank, notes=tuple(notes))
@@ -291,4 +308,5 @@ def profile_capacity(profile, ranks_per_node: int) -> float:
     return gib * GIB / (ranks_per_node if profile.cpu_cores else 1)
 
 
-__all__ = ["GIB", "MemoryBreakdown", "PARTS", "memory_of", "ns_workspace_bytes", "profile_capacity"]
+__all__ = ["GIB", "MemoryBreakdown", "PARTS", "breakdown", "ns_workspace_bytes", "owner_momentum_bytes",
+           "profile_capacity"]
