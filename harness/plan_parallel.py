@@ -3,8 +3,8 @@
 Each stage's Muon matrices are its TP shards (simulator.parallel: Megatron's column / row split, the stage
 split of simulator.parallel.stage_layers); the plan runs over the stage's gpus / (tp x pp) DP ranks, and a
 TP-split matrix is priced as the simulator's step runs it (simulator.parallel_run.TPCost: the whole
-matrix in the mode dmuon.plan.tp picks, priced by its price_tp_modes on the profile's NVLink). Stages with the same
-matrices have the same plan: printed once, with the stages they stand for.
+matrix in the mode dmuon.plan.tp picks, priced by its price_tp_modes on the profile's NVLink). Stages
+with the same matrices have the same plan: printed once, with the stages they stand for.
 """
 
 from __future__ import annotations
@@ -46,10 +46,12 @@ def stage_plans(wl, model, ranks: int, tp: int, pp: int, vpp: int, profile: str,
 def print_stage_plans(plans, json_out: bool, tp: int, pp: int, plan_summary, print_plan) -> None:
     """Each distinct stage's plan as harness plan shows one (its plan_summary / print_plan)."""
     if json_out:
-        print(json.dumps([{"stages": st, "tp": tp, "pp": pp, **plan_summary(p, w.name)} for st, w, p in plans],
+        print(json.dumps([{"stages": st, "tp": tp, "pp": pp, **plan_summary(p, w.name)}
+                          for st, w, p in plans],
                          indent=1))
         return
     for st, w, p in plans:
-        print(f"stages {', '.join(map(str, st))} of {pp} (tp={tp}): {len(w.muon_matrices)} Muon TP shards over "
+        print(f"stages {', '.join(map(str, st))} of {pp} (tp={tp}): {len(w.muon_matrices)} Muon TP shards "
+              "over "
               f"{p.world_size} DP ranks")
         print_plan(p, w.name)

@@ -70,7 +70,8 @@ def config(model: str, gpus: int, profile, strategy: str, lay: dict) -> SimConfi
 
 
 def overhead_band(cfgs: dict) -> tuple[float, float, float, float]:
-    """(dmuon overhead, its low, its high, naive overhead ...) over the uncertain inputs (module docstring)."""
+    """(dmuon overhead, its low, its high, naive overhead ...) over the uncertain inputs (module
+    docstring)."""
     base, rows = {}, {}
     for s, cfg in cfgs.items():
         base[s], rs = sensitivity(cfg)
@@ -78,7 +79,8 @@ def overhead_band(cfgs: dict) -> tuple[float, float, float, float]:
     out = []
     for s in ("dmuon", "naive"):
         o = base[s] / base["adamw"] - 1
-        ends = [(rows[s][i][e] / rows["adamw"][i][e] - 1) for i in rows["adamw"] for e in ("at_low", "at_high")]
+        ends = [(rows[s][i][e] / rows["adamw"][i][e] - 1) for i in rows["adamw"]
+                for e in ("at_low", "at_high")]
         pairs = list(zip(ends[::2], ends[1::2], strict=True))
         down = math.sqrt(sum(max(0.0, o - min(p)) ** 2 for p in pairs))
         up = math.sqrt(sum(max(0.0, max(p) - o) ** 2 for p in pairs))
@@ -94,7 +96,8 @@ def best_fitting(model: str, gpus: int, profile, strategy: str, lay: dict):
     for dp_layout in DP_LAYOUTS:
         cfg = None
         for rc, mb in ((r, b) for r in RECOMPUTE for b in (DMUON_MAX_BATCH if strategy == "dmuon" else (8,))):
-            c = replace(config(model, gpus, profile, strategy, lay), layout=dp_layout, recompute=rc, max_batch=mb)
+            c = replace(config(model, gpus, profile, strategy, lay), layout=dp_layout, recompute=rc,
+                        max_batch=mb)
             if memory_of(c).fits:
                 cfg = c
                 break
@@ -161,7 +164,9 @@ def main(argv=None) -> int:
                 parts.append(f"{s} {what} ({x['layout']}, {x['peak_mem_gib']:.0f} GiB)")
             print(f"{model} {gpus:>6} GPUs, {tried} layouts: " + "; ".join(parts), flush=True)
     if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1))
+        from dmuon.io import atomic_write_text
+
+        atomic_write_text(a.json, json.dumps(rows, indent=1))
     return 0
 
 

@@ -88,7 +88,8 @@ def check_fields(cfg) -> None:
     if cfg.recompute not in RECOMPUTE:
         raise choice_error("recompute", cfg.recompute, RECOMPUTE)
     if cfg.sp and cfg.tp == 1:
-        raise InputError("sp (sequence parallelism) splits the TP group's activations; accepted: sp with tp > 1")
+        raise InputError("sp (sequence parallelism) splits the TP group's activations; accepted: sp with "
+                         "tp > 1")
     if cfg.vpp > 1 and cfg.pp == 1:
         raise InputError(f"vpp={cfg.vpp} interleaves pipeline stages; accepted: vpp=1 or pp > 1")
     m = default_microbatches(cfg.pp) if cfg.microbatches is None else cfg.microbatches
@@ -165,7 +166,8 @@ def shard(p: ParamSpec, tp: int) -> tuple[ParamSpec, tuple[int, int] | None]:
         n = p.rows * p.cols
         if n % tp:
             raise InputError(f"tp={tp} does not divide {p.name} ({n} elements); accepted: a divisor of it")
-        return replace(p, cols=p.cols // tp if p.cols > 1 else 1, rows=p.rows // tp if p.rows > 1 else 1), None
+        return replace(p, cols=p.cols // tp if p.cols > 1 else 1,
+                       rows=p.rows // tp if p.rows > 1 else 1), None
     if vector:
         return p, None  # norm weights, row-parallel biases: replicated
     rows, cols = p.rows, p.cols
@@ -193,7 +195,8 @@ def stage_layers(workload: Workload, pp: int, vpp: int) -> list[list[list[int]]]
     blocks = [i for i, ps in enumerate(layers) if any(p.block is not None for p in ps)]
     chunks = pp * vpp
     if not blocks:
-        raise InputError(f"workload {workload.name!r} has no transformer blocks to split into pipeline stages; "
+        raise InputError(f"workload {workload.name!r} has no transformer blocks to split into pipeline "
+                         "stages; "
                          "accepted: pp=1")
     n = len(blocks)
     if n % chunks == 0:
@@ -238,7 +241,8 @@ def hidden_of(workload: Workload) -> int:
 
 
 # ---- communication of one micro-batch -------------------------------------------------------------
-def tp_layer_comm(lay: Layout, tokens: int, hidden: int, elem_bytes: int, net, backward: bool) -> tuple[float, float]:
+def tp_layer_comm(lay: Layout, tokens: int, hidden: int, elem_bytes: int, net,
+                  backward: bool) -> tuple[float, float]:
     """(seconds, bytes each rank sends) of one transformer layer's TP collectives for one micro-batch of
     `tokens` tokens, forward or backward (module docstring)."""
     if lay.tp == 1:

@@ -34,8 +34,7 @@ from dmuon.errors import InputError
 from dmuon.plan.cost import CostAnswer
 
 from .compute import layer_flops, layer_times
-from .parallel import (hidden_of, layout_of, model_heads, p2p_time, stage_layers, stage_workload,
-                       tp_layer_comm)
+from .parallel import hidden_of, layout_of, model_heads, p2p_time, stage_layers, stage_workload, tp_layer_comm
 from .pipeline import simulate_pipeline
 
 
@@ -92,7 +91,8 @@ def _shard_shapes(stage_wl, full: dict) -> dict:
         dim = 0 if p.rows != R else 1
         for k, v in (((p.rows, p.cols), (R, C, dim)), ((p.cols, p.rows), (C, R, 1 - dim))):
             if out.setdefault(k, v) != v:
-                raise InputError(f"TP shards of shape {k[0]}x{k[1]} come from matrices {out[k][0]}x{out[k][1]} "
+                raise InputError(f"TP shards of shape {k[0]}x{k[1]} come from matrices "
+                                 f"{out[k][0]}x{out[k][1]} "
                                  f"and {v[0]}x{v[1]}; not modelled: accepted: another tp")
     return out
 
@@ -109,9 +109,8 @@ def _dp_config(cfg, stage_wl, lay, profile, cost, full):
         from .costs import load_cost
 
         base = cost if cost is not None else load_cost(profile.cost_profiles)
-        from .step import DTYPE_BYTES
-
         from .split_links import SimulatorLinks
+        from .step import DTYPE_BYTES
 
         links = SimulatorLinks(profile.network, lay.per_node, source=f"simulator profile {profile.name}")
         cost = TPCost(base, _shard_shapes(stage_wl, full), lay.tp, links,
@@ -170,7 +169,8 @@ def run_parallel(cfg, workload, profile, per_node: int, run_dp) -> dict:
             nb += blocks
             fwd = sum(times[i][0] for i in idx)
             rec = {"none": 0.0, "full": fwd,
-                   "selective": sum(flops[i].attention_flops / profile.fwd_flops for i in idx) * k}[lay.recompute]
+                   "selective": sum(flops[i].attention_flops / profile.fwd_flops for i in idx) * k
+                   }[lay.recompute]
             fs.append(fwd + blocks * tp_f)
             bs.append(sum(times[i][1] for i in idx) + rec + blocks * tp_b)
         f_s.append(fs)
@@ -194,10 +194,12 @@ def run_parallel(cfg, workload, profile, per_node: int, run_dp) -> dict:
                     stage_optimizer_s=[x.optimizer_s for x in dp_res], stage_end_s=list(pipe.end_s))
     notes = list(r.notes) + [
         f"TP x PP x DP: tp={lay.tp}{' + SP' if lay.sp else ''}, pp={lay.pp}, vpp={lay.vpp}, dp={lay.dp}, "
-        f"{m} micro-batches of {cfg.micro_batch} sequences, recompute {lay.recompute}; stage {s_max} sets the "
+        f"{m} micro-batches of {cfg.micro_batch} sequences, recompute {lay.recompute}; stage {s_max} sets "
+        "the "
         f"step; bubble {pipe.bubble_s * 1e3:.1f} ms (simulator.parallel_run)"]
     if lay.tp > 1 and cfg.strategy in ("naive", "dmuon"):
-        notes.append("Muon on TP shards: " + ("every TP rank gathers and orthogonalizes each matrix (duplicated)"
+        notes.append("Muon on TP shards: " + ("every TP rank gathers and orthogonalizes each matrix "
+                                             "(duplicated)"
                                              if cfg.strategy == "naive" else
                                              "the mode dmuon.plan.tp picks per shape: " + ", ".join(
                                                  f"{R}x{C} {k}" for (R, C), k in sorted(modes.items()))
@@ -205,10 +207,12 @@ def run_parallel(cfg, workload, profile, per_node: int, run_dp) -> dict:
     return dict(
         workload=workload.name, profile=profile.name, step_s=step, forward_s=fwd,
         backward_s=step - fwd - r.optimizer_s, optimizer_s=r.optimizer_s, grad_sync_tail_s=r.grad_sync_tail_s,
-        exposed_comm_s=r.exposed_comm_s + tp_s[s_max], exposed_comm_mean_s=r.exposed_comm_mean_s + tp_s[s_max],
+        exposed_comm_s=r.exposed_comm_s + tp_s[s_max],
+        exposed_comm_mean_s=r.exposed_comm_mean_s + tp_s[s_max],
         tokens_per_s=lay.dp * m * tokens / step if step > 0 else 0.0,
         comm_bytes_per_rank=r.comm_bytes_per_rank + tp_bytes + send_bytes,
         muon_comm_bytes_per_rank=r.muon_comm_bytes_per_rank, muon_comm_volume=r.muon_comm_volume,
-        ns_makespan_s=max(x.ns_makespan_s for x in dp_res), ns_busy_max_s=max(x.ns_busy_max_s for x in dp_res),
+        ns_makespan_s=max(x.ns_makespan_s for x in dp_res),
+        ns_busy_max_s=max(x.ns_busy_max_s for x in dp_res),
         plan_balancer=r.plan_balancer, plan_method=r.plan_method, settings=settings, provenance=r.provenance,
         notes=tuple(notes), step_p90_s=step)
