@@ -136,7 +136,7 @@ def run_parallel(cfg, workload, profile, per_node: int, run_dp) -> dict:
     net = profile.network_for(per_node, k if profile.cpu_cores else 1.0)
     tp_f, tp_fb = tp_layer_comm(lay, tokens, hidden, elem, net, backward=False)
     tp_b, tp_bb = tp_layer_comm(lay, tokens, hidden, elem, net, backward=True)
-    across = lay.pp > 1 and cfg.gpus // lay.pp >= per_node
+    across = lay.pp > 1 and cfg.gpus > per_node  # some stage boundary crosses nodes: the network prices all
     send = p2p_time(lay, tokens, hidden, elem, net, across) if lay.pp > 1 else 0.0
 
     cache: dict = {}
