@@ -261,6 +261,24 @@ def print_compare(rows: list[dict], title: str) -> None:
     )
 
 
+SIM_DEFAULTS = "fsdp-keep, seq 2048 x micro-batch 2"  # simulator.api.SimConfig's defaults, as plan_memory uses
+
+
+def plan_memory(workload, plan, profile: str, ep: int = 1):
+    """simulator.memory of the plan's owners: DMuon, layout fsdp-keep, the SimConfig defaults' sequence
+    and micro-batch, on the simulator profile named `profile` (None where there is none)."""
+    from simulator.api import SimConfig, memory_of
+    from simulator.hardware import PROFILE_DIR
+
+    profile = profile.removesuffix("-roofline")  # a GPU's datasheet roofline: that GPU's simulator profile
+    if not (PROFILE_DIR / f"{profile}.toml").is_file():
+        return None
+    n = plan.world_size
+    per_node = None if profile == "cpu" or n <= 8 or n % 8 == 0 else n  # else one node of all ranks
+    return memory_of(SimConfig(workload=workload, gpus=n, gpu=profile, strategy="dmuon", ep=ep,
+                               gpus_per_node=per_node), plan)
+
+
 def register(app, bench) -> None:
     import typer
 
@@ -326,6 +344,10 @@ def register(app, bench) -> None:
             1, help="Expert-parallel degree: expert matrices owned in their EP rank's replica group "
             "(dmuon.plan.ep); 1 = none."
         ),
+        tp: int = typer.Option(1, help="Tensor-parallel degree: plan each stage's TP shards over its DP "
+                                       "ranks, --ranks / (tp x pp) (harness.plan_parallel); 1 = none."),
+        pp: int = typer.Option(1, help="Pipeline-parallel degree: one plan per distinct stage; 1 = none."),
+        vpp: int = typer.Option(1, help="Model chunks per pipeline stage (interleaved); 1 = none."),
     ):
         """Owners, batches and buckets of a workload's Muon matrices on N ranks (per-rank loads)."""
         from dmuon.errors import InputError
@@ -382,6 +404,7 @@ def register(app, bench) -> None:
             raise InputError(f"--memory-cap-gb must be a positive number of GB (or left out), "
                              f"got {memory_cap_gb!r}")
         wl = load_matrices(workload, scale, blocks, per_head)
+        wl_all = wl  # before experts_apart: the memory model applies it itself
         cap = None if memory_cap_gb is None else memory_cap_gb * 1e9
         cost = CostTable.load(profile)
         if dtype is None:
@@ -397,6 +420,16 @@ def register(app, bench) -> None:
         else:
             plan_fn = partial(build_plan, memory_cap_bytes=cap, anti_affinity=anti_affinity,
                               max_split=max_split, links=resolve_links(links, profile))
+        if (tp, pp, vpp) != (1, 1, 1):  # one plan per distinct pipeline stage (harness.plan_parallel)
+            from .plan_parallel import print_stage_plans, stage_plans
+
+            if ep != 1 or out:
+                raise InputError("--tp / --pp / --vpp do not combine with --ep or --out; accepted: them alone")
+            plans = stage_plans(wl, model, n, tp, pp, vpp, profile, cost, partial(
+                plan_fn, balancer=balancer, method=method, dtype=dtype, batching=not no_batching,
+                max_batch=max_batch, bucket_numel=bucket_numel, time_limit_s=time_limit))
+            print_stage_plans(plans, json_out, tp, pp, plan_summary, print_plan)
+            return
         plan = plan_fn(
             wl.muon_matrices,
             n,
@@ -411,9 +444,13 @@ def register(app, bench) -> None:
         )
         if out:
             atomic_write_text(out, plan.to_json(indent=1))
+        mem = plan_memory(wl_all, plan, profile, ep)
         if json_out:
-            print(json.dumps(plan_summary(plan, wl.name), indent=1))
+            print(json.dumps({**plan_summary(plan, wl.name), "memory": mem and mem.to_dict()}, indent=1))
         else:
             print_plan(plan, wl.name)
+            print(f"simulator.memory of this plan (dmuon, layout {SIM_DEFAULTS}, on {profile}):\n"
+                  + mem.table() if mem else f"memory: {profile!r} is no simulator profile (simulator/profiles/); "
+                  "the memory model needs one")
             for note in wl.notes:
                 print(f"workload note: {note}")
