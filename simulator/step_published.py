@@ -11,6 +11,8 @@ same programs as before bit for bit, and `published` with every switch off build
 
 from __future__ import annotations
 
+from collections import Counter
+
 from dmuon.errors import InputError
 
 from .engine import Op
@@ -26,8 +28,9 @@ MECHANISMS = {
              "dispatched (`DedicatedState._run_post_backward`, group.py `wait_for_stage1_reduce`)",
     "flat_exchange": "4, 12: FSDP's owner reduce and broadcast over the 1-D shard group, i.e. flat over "
                      "every rank (`DedicatedParamGroup.reduce_grads`, `unshard`), not two-level",
-    "coalesce": "12: a layer's per-owner reduces / broadcasts as one `dist._coalescing_manager` group: one "
-                "launch latency per layer, not per owner",
+    "coalesce": "12: a layer's per-owner reduces / broadcasts as one `dist._coalescing_manager` group: the "
+                "launch latency once per layer, each owner's ring steps still paid "
+                "(`collective_time_s(coalesced=True)`)",
     "hsdp_stages": "4, 7: HSDP reduce in two stages (shard group in the node, then `_launch_stage2_replicate_"
                    "reduce` across replicas) and publication as a post-step replicate broadcast of the owned "
                    "matrix across nodes (`replicate_broadcast_async`) plus an in-node broadcast in every "
@@ -97,13 +100,12 @@ class PublishedPrograms:
         if not owned:
             return None
         payload = self.bucket_numel[b] if group != "inter" else sum(owned.values())
-        roots = 1 if "coalesce" in self.pub else len(owned)
         flat = group != "world" or "flat_exchange" in self.pub
         p = self.s.per_node
-        per_local = len({o % p for o in owned}) if group == "world" else 1
+        per_local = max(Counter(o % p for o in owned).values()) if group == "world" else 1
         return self.coll(r, key, group, kind, payload * elem_bytes, muon_fraction=1.0,
-                         max_share=max(owned.values()) * elem_bytes, step=step, owners=roots,
-                         owners_per_local=1 if "coalesce" in self.pub else per_local, flat=flat)
+                         max_share=max(owned.values()) * elem_bytes, step=step, owners=len(owned),
+                         owners_per_local=per_local, flat=flat, coalesced="coalesce" in self.pub)
 
     def _row_owned(self, b: int) -> dict:
         """{local index: elements} of bucket b's owners: who broadcasts / receives in each node (HSDP)."""
