@@ -45,11 +45,11 @@ def overhead_breakdown(df):
         ax.set_yticklabels([f"{m} (AdamW {100 * float(df[df['workload'] == m]['adamw_share'].iloc[0]):.0f}%, "
                             f"{int(df[df['workload'] == m]['layers'].iloc[0])} layers)" for m in models])
         ax.invert_yaxis()
-        ax.set_xlabel("points of the AdamW step (black tick: DMuon over AdamW, published schedule)")
+        ax.set_xlabel("points of the AdamW step")
         ax.set_title(f"{lay} ({df[df['layout'] == lay]['gpus'].iloc[0]} GPUs)")
-    axes[0][-1].legend(loc="lower right", fontsize=7)
+    axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     caption(fig, "SIMULATED — profile a800, seq 2048, micro-batch 2. Parts: ours = our schedule's DMuon "
-                 "minus AdamW per phase; each mechanism = the published schedule's step less the same with "
+                 "minus AdamW per phase; black tick = DMuon over AdamW with the published schedule; each mechanism = the published schedule's step less the same with "
                  "that mechanism off (simulator.step_published); interaction = the rest. AdamW % = share of "
                  "parameters in the AdamW pass (embeddings, heads, norms). " + WALL_WM_NOTE)
     return fig
