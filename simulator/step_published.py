@@ -37,6 +37,10 @@ MECHANISMS = {
                    "forward (and, Z3, backward) `unshard`; ours: one two-level exchange over every rank",
     "master_fp32": "7: the replicate broadcast carries the fp32 master (`master_dtype=torch.float32`), "
                    "4 bytes per element (HSDP only)",
+    "pack_small": "2, 3: a layer's collectives per allocation unit of the public partition: each matrix of "
+                  "at least 5 M elements its own unit on its own slot (same-layer spreading, `used_slots`), "
+                  "those below merged into one (`pack_small_params`, `SMALL_PARAM_THRESHOLD`); counts the "
+                  "FSDP exchange's collectives only (the NS placement stays the plan's)",
     "fwd_prefetch": "9: the next group's publication is prefetched at depth 1 on the broadcast stream: "
                     "issued from layer l's pre-forward hook (`unshard(prefetch=True)`, the cap "
                     "`forward_prefetch_depth` has while HSDP publications are pending), so it starts once "
@@ -50,6 +54,7 @@ OPT_IN = {
                     "post-step phase (`broadcast_all_updates`): the next forward starts after all of them",
 }
 SYSTEMS = ("ours", "published")
+SMALL_PARAM_THRESHOLD = 5_000_000  # the public partition.py's merge threshold (elements)
 
 
 def published_mechanisms(system: str, off=(), on=()) -> frozenset:
@@ -103,9 +108,21 @@ class PublishedPrograms:
         flat = group != "world" or "flat_exchange" in self.pub
         p = self.s.per_node
         per_local = max(Counter(o % p for o in owned).values()) if group == "world" else 1
+        roots = self._units(b) if group == "world" and "pack_small" in self.pub else len(owned)
         return self.coll(r, key, group, kind, payload * elem_bytes, muon_fraction=1.0,
-                         max_share=max(owned.values()) * elem_bytes, step=step, owners=len(owned),
+                         max_share=max(owned.values()) * elem_bytes, step=step, owners=roots,
                          owners_per_local=per_local, flat=flat, coalesced="coalesce" in self.pub)
+
+    def _units(self, b: int) -> int:
+        """Allocation units of bucket b in the public partition: its matrices of >= 5 M elements (each its
+        own owner, same-layer spreading) plus one for all smaller ones (`pack_small_params`)."""
+        units = self.__dict__.setdefault("_units_of", {})
+        if b not in units:
+            mats = self.s.plan.matrices
+            ms = [mats[i] for i in self.s.plan.buckets[b].members]  # a spec of count c: c matrices
+            big = sum(m.count for m in ms if m.rows * m.cols >= SMALL_PARAM_THRESHOLD)
+            units[b] = big + (1 if any(m.rows * m.cols < SMALL_PARAM_THRESHOLD for m in ms) else 0)
+        return units[b]
 
     def _row_owned(self, b: int) -> dict:
         """{local index: elements} of bucket b's owners: who broadcasts / receives in each node (HSDP)."""

@@ -69,3 +69,26 @@ def test_errors():
         simulate(SimConfig(**BASE, published_on=tuple(OPT_IN)[:1]))
     with pytest.raises(InputError, match="published_off must be a list of switch names"):
         simulate(SimConfig(**BASE, system="published", published_off="drain"))
+
+
+def test_coalesced_owner_collectives_pay_the_launch_once():
+    from simulator.collectives import Group, collective_time_s
+    from simulator.hardware import load_profile
+
+    net = load_profile("a800").network_for(8, 1.0)
+    g = Group(16, 8)
+    for kind in ("broadcast", "reduce"):
+        one = collective_time_s(kind, 64e6, g, net, hierarchical=False, nccl=True, owners=1)
+        six = collective_time_s(kind, 64e6, g, net, hierarchical=False, nccl=True, owners=6)
+        both = collective_time_s(kind, 64e6, g, net, hierarchical=False, nccl=True, owners=6, coalesced=True)
+        assert one < both < six  # the ring steps per collective, the launch once
+        assert collective_time_s(kind, 64e6, g, net, hierarchical=False, nccl=True, owners=1,
+                                 coalesced=True) == one
+
+
+def test_pack_small_counts_fewer_fsdp_collectives(ours):
+    only = tuple(m for m in MECHANISMS if m not in ("pack_small", "flat_exchange"))
+    packed = _times(layout="fsdp-keep", system="published", published_off=only)[1]
+    apart = _times(layout="fsdp-keep", system="published", published_off=(*only, "pack_small"))[1]
+    assert packed.step_s < apart.step_s  # qwen2.5-1.5b: every attention matrix is under 5 M elements
+    assert packed.comm_bytes_per_rank == apart.comm_bytes_per_rank
