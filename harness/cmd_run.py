@@ -224,7 +224,7 @@ def register(app, bench) -> None:
         experiment: str = typer.Argument(
             "all",
             help="paper | ablation | scaling | balancers | kernels | moe | moe_ep | "
-            "validation | sensitivity | all (every experiment with stored results).",
+            "validation | sensitivity | published | all (every experiment with stored results).",
         ),
         results: str = typer.Option(str(DEFAULT_RESULTS), help="Folder holding <experiment>/results.csv."),
         out: str = typer.Option(str(DEFAULT_FIGURES), help="Figure folder (index.md and comparison.md too)."),
