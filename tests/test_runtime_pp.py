@@ -18,6 +18,8 @@ from dist_utils import run_distributed
 
 V, D, T, B, MICRO, STEPS = 16, 16, 4, 8, 2, 2  # vocab, width, tokens, global batch, micro-batches, steps
 STAGES = ({"embed", "layers.0", "layers.1"}, {"layers.2", "layers.3", "head"})
+STAGES4 = ({"embed", "layers.0"}, {"layers.1"}, {"layers.2"}, {"layers.3", "head"})  # ZBV: 2 per rank
+LAYOUTS = ("replicated", "fsdp2-sharded", "fsdp2-owner")
 KW = dict(lr=0.02, adamw_lr=0.01)
 
 
@@ -35,10 +37,13 @@ class Net(nn.Module):
         return self.head(h) if self.head is not None else h
 
 
-def stage_module(full: Net, stage: int) -> Net:
-    """The full model's copy with only this stage's modules (names kept, torchtitan-style)."""
-    m = copy.deepcopy(full)
-    keep = STAGES[stage]
+def prune(full: Net, keep: set[str], share: bool = False) -> Net:
+    """The model with only the modules in `keep` (names kept, torchtitan-style): a deep copy, or with
+    `share` a shallow one whose modules are the given model's own (the stages of one rank's model)."""
+    m = copy.copy(full) if share else copy.deepcopy(full)
+    if share:
+        m._modules = dict(full._modules)
+        m.layers = nn.ModuleDict(dict(full.layers.items()))
     for k in list(m.layers):
         if f"layers.{k}" not in keep:
             del m.layers[k]
@@ -70,28 +75,33 @@ def reference(full: Net, predicate) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def pipeline_run(full, predicate, mesh, cls, fsdp: bool) -> dict[str, torch.Tensor]:
+def pipeline_run(full, predicate, mesh, cls, layout: str, schedule: str = "Schedule1F1B"):
+    """STEPS steps of `schedule` on this rank's stages (1F1B: stage pp of STAGES; ZBV: stages pp and
+    3 - pp of STAGES4, two stage modules sharing one optimizer), the stage parameters after them."""
+    from torch.distributed import pipelining
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    model = stage_module(full, pp)
-    if fsdp:
-        fully_shard(model, mesh=mesh["dp"])
-    opt = cls(model, process_group=mesh["dp"].get_group(), muon_predicate=predicate, **KW)
-    mb = B // mesh["dp"].size() // MICRO
-    inp = torch.zeros(mb, T, dtype=torch.long) if pp == 0 else torch.zeros(mb, T, D, requires_grad=True)
-    out = torch.zeros(mb, T, D) if pp == 0 else torch.zeros(mb, T, V)
-    stage = PipelineStage(model, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
-    schedule = Schedule1F1B(stage, n_microbatches=MICRO, loss_fn=loss_fn)
+    parts = STAGES if schedule == "Schedule1F1B" else STAGES4
+    mine = (pp,) if schedule == "Schedule1F1B" else (pp, 3 - pp)
+    model = prune(full, set().union(*(parts[s] for s in mine)))  # this rank's parameters
+    modules = [model] if len(mine) == 1 else [prune(model, parts[s], share=True) for s in mine]
+    for m in modules if layout != "replicated" else ():
+        ignored = {p for n, p in m.named_parameters() if predicate(n, p)} if layout == "fsdp2-owner" else None
+        fully_shard(m, mesh=mesh["dp"], ignored_params=ignored)
+    opt = cls(model, process_group=mesh["dp"].get_group(), muon_predicate=predicate, layout=layout, **KW)
+    stages = [pipelining.PipelineStage(m, s, len(parts), torch.device("cpu"), group=mesh["pp"].get_group())
+              for m, s in zip(modules, mine, strict=True)]
+    micro = MICRO * len(mine)
+    sched = getattr(pipelining, schedule)(stages if len(stages) > 1 else stages[0], n_microbatches=micro,
+                                          loss_fn=loss_fn)
+    rows = slice(dp * B // 2, (dp + 1) * B // 2)  # this dp rank's half of the global batch
     for step in range(STEPS):
         x, y = data(step)
-        rows = slice(dp * B // 2, (dp + 1) * B // 2)  # this dp rank's half of the global batch
+        args = (x[rows],) if 0 in mine else ()
+        kwargs = {"target": y[rows]} if len(parts) - 1 in mine else {}
         with opt.no_sync():  # one gradient exchange per step, at step(), of the micro-batches' sum
-            if pp == 0:
-                schedule.step(x[rows])
-            else:
-                schedule.step(target=y[rows])
+            sched.step(*args, **kwargs)
         opt.step()
         opt.zero_grad()
     opt.synchronize()
@@ -115,13 +125,14 @@ def run_cases(rank: int, world: int):
     predicate = lambda name, p: name in muon  # noqa: E731
     ref = reference(full, predicate)
     out = {"muon": sorted(muon)}
-    for cls in (DMuon, NaiveMuon):
-        for fsdp in (False, True):
-            got = pipeline_run(full, predicate, mesh, cls, fsdp)
-            out[(cls.__name__, fsdp)] = (sorted(got), max((got[n] - ref[n]).abs().max().item() for n in got))
+    runs = [(cls, layout, "Schedule1F1B") for cls in (DMuon, NaiveMuon) for layout in LAYOUTS]
+    for cls, layout, schedule in runs + [(DMuon, "fsdp2-sharded", "ScheduleZBVZeroBubble")]:
+        got = pipeline_run(full, predicate, mesh, cls, layout, schedule)
+        out[(cls.__name__, layout, schedule)] = (sorted(got), max((got[n] - ref[n]).abs().max().item()
+                                                                  for n in got))
     # stage 0's second dp rank hands the optimizer another stage's module: both ranks of its group refuse
     pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    wrong = stage_module(full, 1 if (pp, dp) == (0, 1) else pp)
+    wrong = prune(full, STAGES[1 if (pp, dp) == (0, 1) else pp])
     try:
         DMuon(wrong, process_group=mesh["dp"].get_group(), muon_predicate=predicate, **KW).close()
         out["mismatch"] = None
@@ -145,13 +156,24 @@ def test_the_whole_model_is_routed_once():
 
 @pytest.mark.distributed
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("cls", ["DMuon", "NaiveMuon"])
-@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp2"])
-def test_stages_match_single_process_muon(results, cls, fsdp):
+def test_1f1b_stages_match_single_process_muon(results, cls, layout):
     for rank, res in enumerate(results):
-        names, err = res[(cls, fsdp)]
-        stage = rank // 2
-        assert {n.rsplit(".", 1)[0] for n in names} == STAGES[stage]  # the stage's own parameters
+        names, err = res[(cls, layout, "Schedule1F1B")]
+        assert {n.rsplit(".", 1)[0] for n in names} == STAGES[rank // 2]  # the stage's own parameters
+        assert err < 1e-5, (rank, err)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_zero_bubble_with_fsdp2_matches_single_process_muon(results):
+    """ScheduleZBVZeroBubble: two stages per rank (split backward: input, then weight gradients), FSDP2
+    on each stage module, one DMuon over both."""
+    for rank, res in enumerate(results):
+        names, err = res[("DMuon", "fsdp2-sharded", "ScheduleZBVZeroBubble")]
+        pp = rank // 2
+        assert {n.rsplit(".", 1)[0] for n in names} == STAGES4[pp] | STAGES4[3 - pp]
         assert err < 1e-5, (rank, err)
 
 
