@@ -196,7 +196,8 @@ def main():
         medians[name] = slowest.item()
     if dist.get_rank() == 0:
         line = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in medians.items())
-        ratio = f"; NaiveMuon / DMuon = {medians['NaiveMuon'] / medians['DMuon']:.2f}" if len(medians) == 2 else ""
+        ratio = (f"; NaiveMuon / DMuon = {medians['NaiveMuon'] / medians['DMuon']:.2f}"
+                 if len(medians) == 2 else "")
         print(f"optimizer step (median, slowest rank): {line}{ratio}", flush=True)
     dist.destroy_process_group()
 

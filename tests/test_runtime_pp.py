@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 
 V, D, T, B, MICRO, STEPS = 16, 16, 4, 8, 2, 2  # vocab, width, tokens, global batch, micro-batches, steps

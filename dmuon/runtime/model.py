@@ -70,8 +70,9 @@ def broadcast_module_state(model: torch.nn.Module, groups: CommGroups, skip=froz
 def check_same_model(routes_by_kind: dict, groups: CommGroups) -> None:
     """Every rank of the optimizer's group must hand it the same parameters (name, global shape, dtype,
     route; `routes_by_kind` = {"Muon": routes, "AdamW": ..., "expert": ...}), in the same order: the plan,
-    the buckets and every collective assume it. A pipeline stage's optimizer (process_group = that stage's data-parallel group) given another stage's module, or
-    ranks that route a parameter differently, would otherwise hang or mix up weights. One all-gather of
+    the buckets and every collective assume it. A pipeline stage's optimizer (process_group = that stage's
+    data-parallel group) given another stage's module, or ranks that route a parameter differently, would
+    otherwise hang or mix up weights. One all-gather of
     the lists at construction; InputError on every rank naming the first difference."""
     if groups.world_size == 1:
         return
@@ -79,13 +80,16 @@ def check_same_model(routes_by_kind: dict, groups: CommGroups) -> None:
             for kind, routes in routes_by_kind.items() for r in routes]
     everyone: list = [None] * groups.world_size
     dist.all_gather_object(everyone, mine, group=groups.group)
+    def at(entries, k):
+        return "nothing" if k >= len(entries) else " ".join(map(str, entries[k]))
+
     for r, theirs in enumerate(everyone):
         if theirs == mine:
             continue
-        diff = next((k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
-        what = lambda lst: "nothing" if diff >= len(lst) else " ".join(map(str, lst[diff]))  # noqa: E731
+        diff = next((k for k, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b),
+                    min(len(mine), len(theirs)))
         raise InputError(f"rank {groups.global_rank(r)} of this optimizer's process group has other "
                          f"parameters than rank {groups.global_rank(groups.rank)} ({len(theirs)} vs "
-                         f"{len(mine)}; #{diff}: {what(theirs)} vs {what(mine)}); accepted: the same module "
-                         "and muon_predicate on every rank of the group (with pipeline parallelism: "
+                         f"{len(mine)}; #{diff}: {at(theirs, diff)} vs {at(mine, diff)}); accepted: the same "
+                         "module and muon_predicate on every rank of the group (with pipeline parallelism: "
                          "process_group = the stage's data-parallel group, e.g. mesh['dp'].get_group())")
