@@ -22,7 +22,7 @@ def results():
 def test_tp_alone_and_fsdp_tp_equal_muon(results):
     r = results[0]
     for key in ("tp/DMuon/auto", "tp/NaiveMuon/auto", "fsdp_tp/DMuon/group", "fsdp_tp/NaiveMuon/auto",
-                "hsdp_tp/DMuon/auto"):
+                "hsdp_tp/DMuon/auto", "fsdp_tp/DMuon/gather"):
         assert r[key] < TOL, (key, r[key])
     assert r["tp/DMuon/auto/type"] == "TPDMuon" and r["tp/NaiveMuon/auto/type"] == "TPNaiveMuon"
     # both modes ran: forced group takes the 12 matrices cut along the long side (wk, wk2 are gathered)
@@ -31,6 +31,16 @@ def test_tp_alone_and_fsdp_tp_equal_muon(results):
     # every rank agrees on every parameter (DTensors: the full tensors were compared on each rank)
     for k in ("tp/DMuon/auto", "fsdp_tp/DMuon/group", "hsdp_tp/DMuon/auto"):
         assert len({res[k] for res in results}) == 1
+
+
+def test_overlap_same_bits_as_blocking(results):
+    """overlap=True (TP gathers / NS / scatters pipelined one matrix apart, async broadcasts) changes the
+    order of collectives only: the same bits as overlap=False, in gather mode and on HSDP x TP (auto)."""
+    for res in results:
+        for key in ("hsdp_tp/DMuon/auto", "fsdp_tp/DMuon/gather"):
+            assert res[key + "/overlap_vs_not"] == 0.0, (key, res[key + "/overlap_vs_not"])
+            assert res[key + "/no_overlap"] < TOL
+    assert results[0]["fsdp_tp/DMuon/gather/modes"] == (0, 16)
 
 
 def test_dp_share_each_matrix_orthogonalized_once(results):

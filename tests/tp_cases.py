@@ -183,17 +183,25 @@ def run_all(rank: int, world_size: int, ckpt_dir: str) -> dict:
     runs = [("tp", (4,), "DMuon", {}), ("tp", (4,), "NaiveMuon", {}),
             ("fsdp_tp", (2, 2), "DMuon", {"tp_mode": "group"}), ("fsdp_tp", (2, 2), "NaiveMuon", {}),
             ("fsdp_tp", (2, 2), "DMuon", {"tp_mode": "gather", "comm_dtype": "bf16"}),
-            ("hsdp_tp", (2, 1, 2), "DMuon", {})]
+            ("hsdp_tp", (2, 1, 2), "DMuon", {}), ("hsdp_tp", (2, 1, 2), "DMuon", {"overlap": False}),
+            ("fsdp_tp", (2, 2), "DMuon", {"tp_mode": "gather"}),
+            ("fsdp_tp", (2, 2), "DMuon", {"tp_mode": "gather", "overlap": False})]
+    params = {}  # overlap=True (the default) against overlap=False: the same bits
     for kind, grid, cls, kw in runs:
         model, opt = train(kind, grid, cls, **kw)
-        key = f"{kind}/{cls}/{kw.get('tp_mode', 'auto')}" + ("/bf16" if "comm_dtype" in kw else "")
+        key = f"{kind}/{cls}/{kw.get('tp_mode', 'auto')}" + ("/bf16" if "comm_dtype" in kw else "") + \
+            ("/no_overlap" if kw.get("overlap") is False else "")
         out[key] = deviation(model, ref)
+        params[key] = full_params(model)
         out[key + "/type"] = type(opt).__name__
         if cls == "DMuon":
             s = tp_summary(opt.plan)
             out[key + "/modes"] = (s["group"]["count"], s["gather"]["count"])
             out[key + "/ns"] = opt.ns_matrices
         opt.close()
+    for key in ("hsdp_tp/DMuon/auto", "fsdp_tp/DMuon/gather"):
+        a, b = params[key], params[key + "/no_overlap"]
+        out[key + "/overlap_vs_not"] = max((a[k] - b[k]).abs().max().item() for k in a)
     # a NaN gradient on rank 1 at step 1: the step is skipped everywhere
     model, opt = train("fsdp_tp", (2, 2), "DMuon", nan_step=1, nonfinite="skip")
     out["nan_skipped"] = opt.skipped_steps

@@ -13,7 +13,8 @@ of an evenly divisible dim); fully_shard then cuts that block's rows torch.chunk
 ranks (what _StridedShard(0, sf=tp) and (Shard(0), Shard(1)) say in global terms), so a rank's local
 tensor is rows chunk s of TP block t.
 
-DMuon, per step (all at step(): what is and is not overlapped is listed in docs/runtime.md):
+DMuon, per step (all at step(); overlap=True pipelines B and C one matrix apart, runtime/tp_overlap.py;
+what is and is not overlapped is listed in docs/runtime.md):
   momentum on the local shards (every rank; kept there, so DCP saves and re-shards it like the weight);
   A  each matrix's TP blocks are gathered over the shard group to the TP group that owns it (the plan's
      `TPChoice.dp_index`; one replica: the owner's), all matrices' gathers queued at once, AdamW runs
@@ -41,6 +42,7 @@ from ..plan.tp import check_tp_shape
 from .fsdp import chunk_rows, fsdp_owner_module, is_dtensor, local_tensor
 from .fsdp_sharded import _ShardedMixin
 from .planning import batch_method
+from .tp_overlap import TPPipeline
 
 ACCEPTED = ("accepted: 2-D DTensor Muon matrices on a mesh whose TP dim is named 'tp' (or a 1-D mesh no "
             "fully_shard manages), placements (tp,), (Shard(0)|_StridedShard(0), tp) or (Replicate(), "
@@ -213,8 +215,8 @@ class _TPMixin:
         return [i for i in range(self.n_muon) if flags[i]]
 
 
-class TPDMuonSteps(_TPMixin):
-    """DMuon's TP steps (module docstring)."""
+class TPDMuonSteps(TPPipeline, _TPMixin):
+    """DMuon's TP steps (module docstring; overlap=True: TPPipeline's order)."""
 
     def _build_plan(self, specs, balancer: str, profile: str | None, bucket_numel: int):
         from ..plan.split import links_for
@@ -279,7 +281,11 @@ class TPDMuonSteps(_TPMixin):
         gathers = {i: self._gather_rows(i, inputs[i], s) for i, (s, t, mode) in mine.items()}
         self._adamw_update(has_any)
         self._adamw_done = True
-        # B: the owning TP group orthogonalizes; C: rows back
+        if self.overlap:  # B and C pipelined, one matrix apart (runtime/tp_overlap.py): the same bits
+            results = self._pipelined(active, inputs, mine, gathers)
+            self._apply_tp([(i, results[i]) for i in active], group)
+            return
+        # overlap=False: B the owning TP group orthogonalizes, C rows back, one matrix after another
         scatters = {}
         for i, (s, t, mode) in mine.items():
             block = self._finish_gather(i, gathers[i], s)
