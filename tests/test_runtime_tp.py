@@ -41,6 +41,14 @@ def test_overlap_same_bits_as_blocking(results):
             assert res[key + "/overlap_vs_not"] == 0.0, (key, res[key + "/overlap_vs_not"])
             assert res[key + "/no_overlap"] < TOL
     assert results[0]["fsdp_tp/DMuon/gather/modes"] == (0, 16)
+    # overlap=True started every gather it used in backward; overlap=False all at step(); gradients
+    # changed in place after backward (fsdp_tp/group: as clipping does) are noticed and gathered at step()
+    assert sum(res["fsdp_tp/DMuon/gather/launches"][0] for res in results) > 0
+    for res in results:
+        assert res["fsdp_tp/DMuon/gather/launches"][1] == 0
+        assert res["fsdp_tp/DMuon/gather/no_overlap/launches"][0] == 0
+        assert res["fsdp_tp/DMuon/group/launches"][0] == 0
+    assert sum(res["fsdp_tp/DMuon/group/launches"][1] for res in results) > 0
 
 
 def test_dp_share_each_matrix_orthogonalized_once(results):

@@ -218,6 +218,10 @@ class _TPMixin:
 class TPDMuonSteps(TPPipeline, _TPMixin):
     """DMuon's TP steps (module docstring; overlap=True: TPPipeline's order)."""
 
+    def __init__(self, model, **kwargs):
+        super().__init__(model, **kwargs)
+        self._install_backward_launch()  # overlap=True: A starts in backward (runtime/tp_overlap.py)
+
     def _build_plan(self, specs, balancer: str, profile: str | None, bucket_numel: int):
         from ..plan.split import links_for
         from ..plan.tp import build_tp_plan
@@ -252,9 +256,6 @@ class TPDMuonSteps(TPPipeline, _TPMixin):
                              mode=getattr(self, "_tp_mode", "auto"), method=method, dtype=dtype, links=links,
                              wire_bytes=wire, bucket_numel=bucket_numel, method_for=view.method_for)
 
-    def _speculate(self):
-        return None
-
     def _wire(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.comm_dtype is None else t.to(self.comm_dtype)
 
@@ -271,14 +272,18 @@ class TPDMuonSteps(TPPipeline, _TPMixin):
             return
         geo, group = self._geo, self.param_groups[0]
         active = self._active(has_any)
-        inputs = {i: self._momentum(i, group) for i in active}
         mine = {}  # matrices whose owner replica is mine and that my TP rank takes part in
         for i in active:
             r, s, t, mode = self._owner(i)
             if r == geo.r and (mode != "whole" or t == geo.t):
                 mine[i] = (s, t, mode)
-        # A: TP blocks to the owning shard rank, all queued at once; AdamW runs while they travel
-        gathers = {i: self._gather_rows(i, inputs[i], s) for i, (s, t, mode) in mine.items()}
+        # A: TP blocks to the owning shard rank: overlap=True started in backward (tp_overlap.py), else all
+        # queued at once here; AdamW runs while they travel
+        if self.overlap:
+            inputs, gathers = self._take_early(active, mine, group)
+        else:
+            inputs = {i: self._momentum(i, group) for i in active}
+            gathers = {i: self._gather_rows(i, inputs[i], s) for i, (s, t, mode) in mine.items()}
         self._adamw_update(has_any)
         self._adamw_done = True
         if self.overlap:  # B and C pipelined, one matrix apart (runtime/tp_overlap.py): the same bits

@@ -20,14 +20,128 @@ in plan order, each stage in the order above), which is what gloo and NCCL need.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
+from ..optim import momentum_update, muon_ns_input
+from .fsdp import local_tensor
+from .hooks import BackwardTracker
 from .planning import batch_method
+
+
+def _versions(grad):
+    """In-place changes of a gradient: a DTensor's own counter (DTensor ops) and its local tensor's (ops on
+    the local shard, FSDP2's accumulation)."""
+    return None if grad is None else (grad._version, local_tensor(grad)._version)
 
 
 class TPPipeline:
     """The pipelined TP step; mixed into TPDMuonSteps (uses its _geo, plan, _finish_gather, ...)."""
+
+    # ---- A in backward ------------------------------------------------------------------------------
+    def _install_backward_launch(self) -> None:
+        """Post-accumulate-grad hooks (FSDP2 runs them on the sharded parameter once its reduce-scatter
+        is done): each Muon matrix's shard-group gather starts in backward, in a fixed order (reverse
+        parameter order, `BackwardTracker`'s rule: the same on every rank); overlap=False: none."""
+        self.tp_launches = {"backward": 0, "step": 0}  # the gathers step() used, by where they started
+        self._early = {}  # matrix -> (grad, its version, momentum, nesterov, buffer, its version, new buffer,
+        #                              NS input, gather in flight)
+        order = list(reversed(range(self.n_muon))) if self.plan is not None else []
+        self._tp_tracker = BackwardTracker([[self.params[i]] for i in order],
+                                           lambda u: self._launch_early(order[u]), enabled=self.overlap)
+
+    def _takes_part(self, i: int) -> bool:
+        r, s, t, mode = self._owner(i)
+        return r == self._geo.r and (mode != "whole" or t == self._geo.t)
+
+    def _launch_early(self, i: int) -> None:
+        """Matrix i's NS input from its gradient and a copy of the momentum (nothing is committed before
+        the flags are agreed), and the start of its shard-group gather to the owner."""
+        if not self._takes_part(i):
+            return
+        self._drain(i)
+        p, group = self.params[i], self.param_groups[0]
+        mu, nesterov = group["momentum"], group["nesterov"]
+        buf = self.state[p].get("momentum_buffer")
+        key = (p.grad, _versions(p.grad), mu, nesterov, buf,
+               None if buf is None else buf._version)
+        with torch.no_grad():
+            if p.grad is None:  # the zeros keep the collectives matched; step() redoes it (stale)
+                new_buf = x = torch.zeros_like(local_tensor(p))
+            else:
+                g = local_tensor(p.grad).to(p.dtype)
+                new_buf = momentum_update(g, torch.zeros_like(g) if buf is None else buf, mu)
+                x = muon_ns_input(g, new_buf, mu, nesterov)
+            self._early[i] = (*key, new_buf, x, self._gather_rows(i, x, self._owner(i)[1]))
+
+    def _stale(self, i: int) -> bool:
+        """Whether matrix i's early launch no longer matches its gradient, momentum or hyperparameters
+        (e.g. gradients clipped in place after backward, another backward, a state load)."""
+        e = self._early.get(i)
+        if e is None:
+            return True
+        p, group = self.params[i], self.param_groups[0]
+        buf = self.state[p].get("momentum_buffer")
+        return (p.grad is None or e[0] is not p.grad or e[1] != _versions(p.grad)
+                or (e[2], e[3]) != (group["momentum"], group["nesterov"]) or e[4] is not buf
+                or (buf is not None and e[5] != buf._version))
+
+    def _drain(self, i: int):
+        """Forget matrix i's early launch, once its gather is done (every rank waits for what it started)."""
+        e = self._early.pop(i, None)
+        if e is not None and self._geo.S > 1:
+            e[-1][1].wait()
+        return e
+
+    def _take_early(self, active, mine, group):
+        """At step(): the momentum committed and the NS inputs and gathers of the active matrices, from the
+        early launches where every rank of the shard group still finds them current, else started now
+        (in the same order on every rank of the group: the staleness flags are agreed first)."""
+        geo = self._geo
+        stale = torch.tensor([self._stale(i) for i in range(self.n_muon)], dtype=torch.int32)
+        if geo.S > 1:
+            dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=geo.shard_group)
+        inputs, gathers = {}, {}
+        for i in active:
+            if i in mine and not stale[i]:
+                e = self._early.pop(i)
+                st = self.state[self.params[i]]
+                if "momentum_buffer" not in st:
+                    st["momentum_buffer"] = e[6]
+                else:
+                    st["momentum_buffer"].copy_(e[6])
+                inputs[i], gathers[i] = e[7], e[8]
+                self.tp_launches["backward"] += 1
+            else:
+                self._drain(i)
+                inputs[i] = self._momentum(i, group)
+                if i in mine:
+                    gathers[i] = self._gather_rows(i, inputs[i], mine[i][0])
+                    self.tp_launches["step"] += 1
+        for i in list(self._early):  # launched, but no rank has its gradient (or it is not mine)
+            self._drain(i)
+        return inputs, gathers
+
+    def synchronize_exchanges(self) -> None:
+        for e in self._early.values():
+            if self._geo.S > 1:
+                e[-1][1].wait()
+        super().synchronize_exchanges()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        with self._tp_tracker.no_sync(), super().no_sync():
+            yield
+
+    def _teardown(self) -> None:
+        self._tp_tracker.remove()
+        super()._teardown()
+
+    def _speculate(self):
+        self._tp_tracker.finish()  # no backward round since the last step: launch them all now
+        return None
 
     def _pipelined(self, active, inputs, mine, gathers) -> dict:
         """The update rows of every active matrix on this rank (module docstring)."""
