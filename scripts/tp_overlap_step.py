@@ -1,8 +1,8 @@
 """TPDMuon's step time with overlap=True (pipelined TP gathers / NS / scatters, runtime/tp_overlap.py)
 against overlap=False (one matrix after another, blocking), on 4 gloo CPU ranks, in one run: two copies of
 the same FSDP2 x TP model (dp 2 x tp 2, the tests/tp_cases.py block at a larger width), one optimizer each,
-steps alternated so that both see the same machine load. Prints the median step() time of each, their
-ratio, and the largest difference between the two models' weights after the last step (0: same bits).
+steps alternated so that both see the same machine load. Prints the median time of step() and of
+backward + step() (overlap=True starts the shard-group gathers in backward) of each, their ratios, and the largest difference between the two models' weights after the last step (0: same bits).
 
     python scripts/tp_overlap_step.py [--dim 256] [--layers 4] [--steps 12] [--tp-mode gather|group|auto]
 """
@@ -60,24 +60,28 @@ def worker(rank: int, port: int, args, queue) -> None:
     runs = {}
     for overlap in (True, False):
         model = build(args.dim, args.layers, mesh)
-        runs[overlap] = (model, dmuon.DMuon(model, tp_mode=args.tp_mode, overlap=overlap), [])
+        runs[overlap] = (model, dmuon.DMuon(model, tp_mode=args.tp_mode, overlap=overlap), [], [])
     g = torch.Generator().manual_seed(1 + mesh.get_local_rank("dp"))
     for step in range(args.steps):
         x = torch.randn(8, args.dim, generator=g)
         for overlap in ((True, False) if step % 2 else (False, True)):
-            model, opt, times = runs[overlap]
+            model, opt, times, both = runs[overlap]
             opt.zero_grad()
-            model(x).square().mean().backward()
+            loss = model(x).square().mean()
             dist.barrier()
             t0 = time.perf_counter()
+            loss.backward()  # overlap=True: the shard-group gathers start here
+            t1 = time.perf_counter()
             opt.step()
             opt.synchronize()
-            times.append(time.perf_counter() - t0)
+            t2 = time.perf_counter()
+            times.append(t2 - t1)
+            both.append(t2 - t0)
     diff = max((a.full_tensor() - b.full_tensor()).abs().max().item()
                for a, b in zip(runs[True][0].parameters(), runs[False][0].parameters(), strict=True))
     if rank == 0:
-        on, off = (statistics.median(runs[o][2][2:]) for o in (True, False))  # 2 warm-up steps dropped
-        queue.put((on, off, diff))
+        med = {(o, k): statistics.median(runs[o][k][2:]) for o in runs for k in (2, 3)}  # 2 warm-ups dropped
+        queue.put((med, diff))
     for o in runs:
         runs[o][1].close()
     dist.destroy_process_group()
@@ -100,12 +104,14 @@ def main() -> None:
     procs = [ctx.Process(target=worker, args=(r, port, args, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
-    on, off, diff = queue.get(timeout=600)
+    med, diff = queue.get(timeout=600)
     for p in procs:
         p.join()
     print(f"dp 2 x tp 2, {args.layers} blocks of dim {args.dim}, tp_mode {args.tp_mode}, {args.steps} steps")
-    print(f"step() median: overlap=True {on * 1e3:.1f} ms, overlap=False {off * 1e3:.1f} ms, "
-          f"ratio on/off {on / off:.3f}")
+    for k, what in ((2, "step()"), (3, "backward + step()")):
+        on, off = med[True, k], med[False, k]
+        print(f"{what} median: overlap=True {on * 1e3:.1f} ms, overlap=False {off * 1e3:.1f} ms, "
+              f"ratio on/off {on / off:.3f}")
     print(f"max |weights(overlap) - weights(no overlap)| = {diff:.3g}")
 
 
