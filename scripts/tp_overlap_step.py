@@ -1,8 +1,9 @@
-"""TPDMuon's step time with overlap=True (pipelined TP gathers / NS / scatters, runtime/tp_overlap.py)
-against overlap=False (one matrix after another, blocking), on 4 gloo CPU ranks, in one run: two copies of
-the same FSDP2 x TP model (dp 2 x tp 2, the tests/tp_cases.py block at a larger width), one optimizer each,
-steps alternated so that both see the same machine load. Prints the median time of step() and of
-backward + step() (overlap=True starts the shard-group gathers in backward) of each, their ratios, and the largest difference between the two models' weights after the last step (0: same bits).
+"""TPDMuon's step time with overlap=True (shard-group gathers started in backward, the TP stages
+pipelined one matrix apart: runtime/tp_overlap.py) against overlap=False (all at step(), one matrix after
+another), on 4 gloo CPU ranks, in one run: two copies of the same FSDP2 x TP model (dp 2 x tp 2; blocks
+of a column-parallel wq, w1 and a row-parallel wo, w2), one optimizer each, steps alternated so that both
+see the same machine load. Prints the median time of step() and of backward + step() for each, their
+ratios, and the largest difference between the two models' weights after the last step (0: same bits).
 
     python scripts/tp_overlap_step.py [--dim 256] [--layers 4] [--steps 12] [--tp-mode gather|group|auto]
 """

@@ -2,7 +2,8 @@
 scenario (tests/tp_cases.py): TP alone (tp 4), the torchtitan FSDP2 x TP recipe (dp 2 x tp 2: Colwise /
 RowwiseParallel, then fully_shard on mesh["dp"]) and HSDP x TP (replicate 2 x shard 1 x tp 2) agree with
 single-process Muon within 1e-5 (fp32) in both TP modes; bf16 on the wire stays close; a NaN gradient on one
-rank skips the step on every rank; a DCP checkpoint saved at dp 2 x tp 2 loads at tp 4 and the next
+rank skips the step on every rank; overlap=True (gathers started in backward, the TP stages pipelined)
+gives the same bits as overlap=False; a DCP checkpoint saved at dp 2 x tp 2 loads at tp 4 and the next
 step there equals Muon's."""
 
 from __future__ import annotations

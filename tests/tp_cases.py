@@ -185,7 +185,8 @@ def run_all(rank: int, world_size: int, ckpt_dir: str) -> dict:
     one, ref = reference()
     out: dict = {}
     runs = [("tp", (4,), "DMuon", {}), ("tp", (4,), "NaiveMuon", {}),
-            ("fsdp_tp", (2, 2), "DMuon", {"tp_mode": "group", "touch": True}), ("fsdp_tp", (2, 2), "NaiveMuon", {}),
+            ("fsdp_tp", (2, 2), "DMuon", {"tp_mode": "group", "touch": True}),
+            ("fsdp_tp", (2, 2), "NaiveMuon", {}),
             ("fsdp_tp", (2, 2), "DMuon", {"tp_mode": "gather", "comm_dtype": "bf16"}),
             ("hsdp_tp", (2, 1, 2), "DMuon", {}), ("hsdp_tp", (2, 1, 2), "DMuon", {"overlap": False}),
             ("fsdp_tp", (2, 2), "DMuon", {"tp_mode": "gather"}),

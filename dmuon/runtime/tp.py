@@ -13,8 +13,8 @@ of an evenly divisible dim); fully_shard then cuts that block's rows torch.chunk
 ranks (what _StridedShard(0, sf=tp) and (Shard(0), Shard(1)) say in global terms), so a rank's local
 tensor is rows chunk s of TP block t.
 
-DMuon, per step (all at step(); overlap=True pipelines B and C one matrix apart, runtime/tp_overlap.py;
-what is and is not overlapped is listed in docs/runtime.md):
+DMuon, per step (overlap=False: all at step(), in this order; overlap=True starts A in backward and
+pipelines B and C one matrix apart, the same bits: runtime/tp_overlap.py and docs/runtime.md):
   momentum on the local shards (every rank; kept there, so DCP saves and re-shards it like the weight);
   A  each matrix's TP blocks are gathered over the shard group to the TP group that owns it (the plan's
      `TPChoice.dp_index`; one replica: the owner's), all matrices' gathers queued at once, AdamW runs
@@ -297,19 +297,7 @@ class TPDMuonSteps(TPPipeline, _TPMixin):
             if block is not None:
                 block = self._orthogonalize_block(i, block.to(self.params[i].dtype), t, mode)
             scatters[i] = self._scatter_rows(i, block, s, inputs[i])
-        results = {}
-        for i in active:
-            if i in scatters:
-                results[i] = self._finish_scatter(scatters[i])
-            r, s, t, mode = self._owner(i)
-            if r == geo.r and mode == "whole" and geo.T > 1:  # every TP rank holds the same rows
-                out = results.get(i, torch.empty_like(inputs[i]))
-                dist.broadcast(out, group_src=t, group=geo.tp_group)
-                results[i] = out
-            if geo.R > 1:
-                out = results.get(i, torch.empty_like(inputs[i]))
-                dist.broadcast(out.contiguous(), group_src=r, group=geo.replicate_group)
-                results[i] = out
+        results = self._broadcast_back(active, inputs, scatters, wait_each=True)
         self._apply_tp([(i, results[i]) for i in active], group)
 
     def _gather_rows(self, i, x, s):

@@ -213,9 +213,9 @@ class TPPipeline:
         out = torch.empty_like(wire)
         return out, dist.scatter(out, back, group_src=t, group=geo.tp_group, async_op=True)
 
-    def _broadcast_back(self, active, inputs, scatters) -> dict:
+    def _broadcast_back(self, active, inputs, scatters, wait_each: bool = False) -> dict:
         """Wait the shard-group scatters; whole matrices over the TP group and (HSDP) every matrix over the
-        replicas, all started before any is waited for."""
+        replicas, all started before any is waited for (wait_each, overlap=False: each waited at once)."""
         geo = self._geo
         results, tp_works, rep_works = {}, {}, []
         for i in active:
@@ -226,6 +226,8 @@ class TPPipeline:
                 out = results.get(i, torch.empty_like(inputs[i]))
                 tp_works[i] = dist.broadcast(out, group_src=t, group=geo.tp_group, async_op=True)
                 results[i] = out
+                if wait_each:
+                    tp_works.pop(i).wait()
         if geo.R > 1:
             for i in active:
                 if i in tp_works:
@@ -234,6 +236,8 @@ class TPPipeline:
                 rep_works.append(dist.broadcast(out, group_src=self._owner(i)[0], group=geo.replicate_group,
                                                 async_op=True))
                 results[i] = out
+                if wait_each:
+                    rep_works.pop().wait()
         for w in [*tp_works.values(), *rep_works]:
             w.wait()
         return results
