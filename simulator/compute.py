@@ -66,8 +66,11 @@ class LayerCompute:
         return 2.0 * self.fwd_flops
 
 
-def layer_flops(workload: Workload, seq_len: int, micro_batch: int) -> list[LayerCompute]:
-    """Forward FLOPs per layer on one GPU for one micro-batch (see the module docstring)."""
+def layer_flops(workload: Workload, seq_len: int, micro_batch: int,
+                causal_fraction: float = CAUSAL_FRACTION) -> list[LayerCompute]:
+    """Forward FLOPs per layer on one GPU for one micro-batch (see the module docstring). causal_fraction:
+    the share of the s x s score matrix the attention kernel computes (1.0 for kernels that multiply the
+    whole matrix and mask it, as Megatron-LM's 2021-2022 attention did: simulator.validate_megatron)."""
     tokens = seq_len * micro_batch
     has_head = any("head" in p.matrix.lower() for p in workload.params)
     out = []
@@ -83,7 +86,7 @@ def layer_flops(workload: Workload, seq_len: int, micro_batch: int) -> list[Laye
             mm += 2.0 * p.numel * tokens * p.matmuls_per_token
             d_q = p.attn_width or _query_width(p)
             if d_q:
-                attn += 4.0 * micro_batch * seq_len * seq_len * d_q * CAUSAL_FRACTION
+                attn += 4.0 * micro_batch * seq_len * seq_len * d_q * causal_fraction
         out.append(LayerCompute(layer, mm, attn))
     if tied_head:  # the tied head runs at the end of the forward pass: charge it to the last layer
         last = out[-1]
