@@ -25,8 +25,9 @@ One iteration of one pipeline, priced per micro-batch on the slowest (last) stag
                    backward; selective: only the attention core (QK^T, softmax, dropout, attention x V: 4 b s^2
                    h / t FLOPs and the 5 a s^2 b / t bytes); with sequence parallelism the backward redoes
                    the all-gathers (Korthikanti Sec. 4.2.2)
-    stage sends    per micro-batch one activation (s b h x 2 bytes / tp: Narayanan's scatter-gather) forward
-                   and one gradient backward on the stage's NIC, blocking, x vpp with interleaving
+    stage sends    per micro-batch one activation (s b h x 2 bytes, / tp with Narayanan's scatter-gather:
+                   column p2p_scatter, 0 for DeepSpeed's pipeline engine, which sends the whole tensor)
+                   forward and one gradient backward on the GPU's NIC, blocking, x vpp with interleaving
     pipeline       (m + (pp - 1) / vpp) x the slowest stage's micro-batch time (1F1B; interleaved: bubble /
                    vpp, Narayanan Sec. 2.2), m = global batch / (dp x micro-batch)
     DP             one all-reduce of the stage's gradients (grad_bytes per parameter) after the pipeline
@@ -64,9 +65,9 @@ OTHER_BOUND = 0.20  # issue 29: other published TP/PP tables within 20% each
 CALIBRATION_ROWS = ("n21_t1_18.4b", "n21_t1_145.6b")  # the CSV marks the same rows role=calibration
 NVLINK_ALLREDUCE_BUSBW = 232.54e9  # 8 x A100 all_reduce_perf -g 8, NVIDIA/nccl#1048 (bytes/s)
 ADAM_BYTES_PER_PARAM = 30.0  # fp32 master, m, v read + written (24), fp32 grad read (4), fp16 weight written (2)
-GEMM_SCALE = 1.0  # fitted on CALIBRATION_ROWS by `python -m simulator.validate_megatron --fit`
+GEMM_SCALE = 1.0084  # fit: CALIBRATION_ROWS (mean log error 0), `python -m simulator.validate_megatron --fit`
 _INT = ("heads", "hidden", "layers", "seq_len", "vocab", "tp", "pp", "vpp", "gpus", "global_batch",
-        "micro_batch", "sp", "grad_bytes", "gpus_per_node", "nics_per_node")
+        "micro_batch", "sp", "grad_bytes", "p2p_scatter", "gpus_per_node", "nics_per_node")
 METRICS = ("tflops_per_gpu", "step_s")
 ROLES = ("calibration", "held_out")
 
@@ -90,6 +91,7 @@ class Run:
     recompute: str
     sp: int
     grad_bytes: int
+    p2p_scatter: int
     gpus_per_node: int
     nics_per_node: int
     nic_gbps: float
@@ -190,7 +192,8 @@ def stage_times(r: Run, gemm_scale: float = GEMM_SCALE, profile: str = PROFILE) 
     p2p = 0.0
     if r.pp > 1:
         nic = r.nic_gbps * 1e9 / 8 * r.nics_per_node / r.gpus_per_node * prof.network.inter_efficiency
-        p2p = 2 * r.vpp * (prof.network.base_latency_s + 2.0 * sbh / t / nic)
+        split = t if r.p2p_scatter else 1
+        p2p = 2 * r.vpp * (prof.network.base_latency_s + 2.0 * sbh / split / nic)
     out["p2p"] = p2p
     return out
 
