@@ -74,9 +74,15 @@ class DistributedMuonBase(torch.optim.Optimizer):
     _muon_units = True  # Muon matrices are exchanged by units (False: fsdp2-sharded, FSDP2 moves them)
 
     sharded_variant = None  # the class that runs this strategy on the fsdp2-sharded layout
+    tp_variant = None  # the class that runs it on a tensor-parallel mesh (runtime/tp.py)
 
     def __new__(cls, model=None, *args, **kwargs):
         target = cls
+        if cls.tp_variant is not None and isinstance(model, torch.nn.Module):
+            from .tp import is_tp_model  # TP meshes (runtime/tp.py)
+
+            if is_tp_model(model, kwargs.get("muon_predicate")):
+                return super().__new__(cls.tp_variant)
         if cls.sharded_variant is not None and isinstance(model, torch.nn.Module) and resolve_layout(
                 model, kwargs.get("layout", "auto"), kwargs.get("muon_predicate")) == "fsdp2-sharded":
             target = cls.sharded_variant
