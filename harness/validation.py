@@ -155,7 +155,7 @@ def multinode_checks() -> list[dict]:
 
 
 def megatron_checks() -> list[dict]:
-    from simulator.validate_megatron import PROFILE, megatron_rows
+    from simulator.validate_megatron import PROFILE, megatron_rows, simulator_rows
 
     out = []
     for r in megatron_rows():
@@ -165,6 +165,12 @@ def megatron_checks() -> list[dict]:
             f"; {r['note']}" if r["note"] else "")
         out.append(_row("megatron_public", label, r["model"], "adamw", r["metric"], r["unit"], r["published"],
                         f"public: {r['source']}", r["simulated"], r["bound"], not cal, note, PROFILE))
+    for r in simulator_rows():
+        label = f"{r['id']} {r['model']} tp{r['tp']} pp{r['pp']} dp{r['dp']} on {r['gpus']} (simulator step)"
+        out.append(_row("megatron_public", label, r["model"], "adamw", r["metric"], r["unit"], r["published"],
+                        f"public: {r['source']}", r["simulated"], None, False,
+                        "shown: the simulator's own TP x PP step (simulate --tp --pp), a100 profile as is; "
+                        "docs/simulator.md says why it differs", PROFILE))
     return out
 
 

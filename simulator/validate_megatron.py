@@ -249,6 +249,32 @@ def megatron_rows(gemm_scale: float = GEMM_SCALE, path: Path = MEGATRON_PATH) ->
     return out
 
 
+def simulator_rows(tables: tuple[str, ...] = ("narayanan21_table1",), path: Path = MEGATRON_PATH) -> list[dict]:
+    """The same rows through the simulator's own TP x PP x DP step (`simulate(SimConfig(tp=, pp=, ...))`,
+    simulator.parallel_run) on the a100 profile as it is, AdamW over DDP: shown beside the checked pricing
+    above, not checked (docs/simulator.md, Validation at thousands of GPUs, says why they differ)."""
+    from .api import SimConfig, simulate
+    from .hf_config import workload_from_config
+
+    out = []
+    for row in public_rows(path):
+        if row["table"] not in tables:
+            continue
+        r = run_of(row)
+        w = workload_from_config({"model_type": "gpt2", "n_embd": r.hidden, "n_layer": r.layers,
+                                  "n_head": r.heads, "vocab_size": r.vocab, "n_positions": r.seq_len},
+                                 name=row["model"])
+        res = simulate(SimConfig(workload=w, gpus=r.gpus, gpu=PROFILE, strategy="adamw", layout="ddp",
+                                 tp=r.tp, pp=r.pp, vpp=r.vpp, sp=bool(r.sp), microbatches=r.microbatches,
+                                 recompute=r.recompute, seq_len=r.seq_len, micro_batch=r.micro_batch))
+        got = res.step_s if row["metric"] == "step_s" else model_flops(r) / res.step_s / r.gpus / 1e12
+        pub = float(row["value"])
+        out.append({"id": r.id, "model": row["model"], "gpus": r.gpus, "tp": r.tp, "pp": r.pp, "dp": r.dp,
+                    "metric": row["metric"], "unit": row["unit"], "published": pub, "simulated": got,
+                    "error": got / pub - 1, "source": row["source"]})
+    return out
+
+
 def fit_gemm_scale(path: Path = MEGATRON_PATH) -> float:
     """The GEMM-rate factor that zeroes the mean log error over the calibration rows (simulated TFLOP/s
     goes nearly as the factor: a few Newton steps)."""
@@ -268,6 +294,10 @@ def fit_gemm_scale(path: Path = MEGATRON_PATH) -> float:
 if __name__ == "__main__":
     import sys
 
+    if "--simulator" in sys.argv:
+        for x in simulator_rows():
+            print(f"{x['id']:22s} {x['gpus']:5d} {x['published']:8.2f} {x['simulated']:8.2f} {x['error']:+7.1%} "
+                  "(simulator TP x PP step)")
     if "--fit" in sys.argv:
         print(f"GEMM_SCALE = {fit_gemm_scale():.4f}")
     for x in megatron_rows():
