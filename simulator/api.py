@@ -119,6 +119,11 @@ class SimConfig:
                             "its p90 (0 = none)")
     jitter_steps: int = _f(8, "steps sampled when jitter > 0 (after one warm-up step)")
     seed: int = _f(0, "seed of the jitter draws")
+    # ---- memory model (simulator.memory): activations recomputation and the master weights' dtype ----
+    recompute: str = _f("none", "activation recomputation: none | selective (Korthikanti et al. 2022: the "
+                                "attention core) | full (every layer's input only)")
+    param_dtype: str = _f("fp32", "dtype of master weights, gradients (FSDP: sharded) and replicated "
+                                  "parameters: bf16 | fp16 | fp32 (compute copies in the profile's dtype)")
     # ---- tensor / sequence / pipeline parallelism (simulator.parallel, simulator.parallel_run) ----
     tp: int = _f(1, "tensor-parallel degree: each matrix cut over tp GPUs of a node (Megatron column / row "
                     "split), 2 all-reduces per layer forward and 2 backward on NVLink; 1 = none")
@@ -130,8 +135,8 @@ class SimConfig:
                          "reduce-scatter (Korthikanti et al. 2022)")
     microbatches: int | None = _f(None, "micro-batches of micro_batch sequences per step and DP rank (None: "
                                         "1 without pp, else 4 x pp); >= pp with pp > 1")
-    recompute: str = _f("none", "activation recomputation: none | selective (the attention core again in "
-                                "backward) | full (the whole forward again in backward)")
+    # `recompute` (the memory model's field above) also sets the time: full re-runs the forward in backward,
+    # selective the attention core (simulator.parallel_run)
     plan: object = _f(None, "a dmuon.plan.Plan built elsewhere (e.g. by the runtime); None: build_plan")
     cost: object = _f(None, "a dmuon CostTable (or any object with ns_time / elementwise_time); None: "
                             "CostTable.load(profile.cost_profile)")
@@ -170,6 +175,9 @@ class SimResult:
     provenance: dict
     notes: tuple[str, ...]
     step_p90_s: float = 0.0  # p90 of the sampled steps with jitter (= step_s without)
+    peak_mem_gib: float = 0.0  # simulator.memory: peak memory of the busiest rank over the step
+    mem_fits: bool = True  # peak_mem_gib within the profile's memory_gib (per rank)
+    memory: dict = field(default_factory=dict)  # simulator.memory.MemoryBreakdown.to_dict()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -222,6 +230,12 @@ def validate_config(cfg: SimConfig) -> None:
             raise InputError(f"ep > 1 runs with layout {' | '.join(EP_LAYOUTS)}, got {cfg.layout!r}")
         if cfg.max_split > 1:
             raise InputError("max_split > 1 is not supported with ep > 1; accepted: max_split=1")
+    from .memory_activations import RECOMPUTE
+
+    if cfg.recompute not in RECOMPUTE:
+        raise choice_error("recompute", cfg.recompute, RECOMPUTE)
+    if cfg.param_dtype not in DTYPE_BYTES:
+        raise choice_error("param_dtype", cfg.param_dtype, DTYPE_BYTES)
     if cfg.split_exchange not in SPLIT_EXCHANGES:
         raise choice_error("split_exchange", cfg.split_exchange, SPLIT_EXCHANGES)
     _check_int("cpu_threads", cfg.cpu_threads)
@@ -329,6 +343,11 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
         out = run_parallel(cfg, resolve_workload(cfg.workload, cfg.model, cfg.per_head), profile, per_node, run)
         settings = {k: v for k, v in asdict_shallow(cfg).items() if k not in ("workload", "plan", "cost", "gpu")}
         out["settings"] = {**settings, "nodes": nodes, "ranks_per_node": per_node, **out["settings"]}
+        if cfg.tp == cfg.pp == 1:  # micro-batches / recomputation only: the memory model's data-parallel step
+            out.update(_memory_fields(cfg, None))
+        else:
+            out["notes"] += ("memory per rank not modelled with tp or pp > 1 (simulator.memory is the "
+                             "data-parallel step's): peak_mem_gib / mem_fits are not set",)
         return SimResult(gpus=cfg.gpus, gpus_per_node=per_node_cap, strategy=cfg.strategy, layout=cfg.layout,
                          **out), None
     from .workload import resolve_workload
@@ -373,8 +392,25 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
         ns_makespan_s=info["ns_makespan_s"], ns_busy_max_s=m["ns_busy_max_s"],
         plan_balancer=info["balancer"], plan_method=info["method"], settings=settings,
         provenance=info["provenance"](), notes=tuple(info["notes"] + built.notes), step_p90_s=p90,
+        **_memory_fields(cfg, spec.plan),
     )
     return result, built
+
+
+def memory_of(cfg: SimConfig, plan=None):
+    """Memory per rank of `cfg` without simulating the step (simulator.memory.memory_of): a
+    MemoryBreakdown with .peak_bytes, .peak_gib, .fits, .capacity_bytes, .gib() and one field per part.
+    Stable API for layout searches: cheap (no plan is built; DMuon owners balanced by elements unless
+    `plan` or cfg.plan gives them)."""
+    from .memory import memory_of as _memory_of
+
+    return _memory_of(cfg, plan)
+
+
+def _memory_fields(cfg: SimConfig, plan) -> dict:
+    """SimResult's memory fields: simulator.memory of the plan the step ran."""
+    mem = memory_of(cfg, plan)
+    return {"peak_mem_gib": mem.peak_gib, "mem_fits": mem.fits, "memory": mem.to_dict()}
 
 
 def build_programs(cfg: SimConfig, all_ranks: bool = True):
@@ -394,4 +430,4 @@ def timed_simulate(cfg: SimConfig) -> tuple[SimResult, float]:
     return r, time.perf_counter() - t0
 
 
-__all__ = ["SimConfig", "SimResult", "simulate", "run", "build_programs", "timed_simulate"]
+__all__ = ["SimConfig", "SimResult", "simulate", "run", "build_programs", "timed_simulate", "memory_of"]

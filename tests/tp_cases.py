@@ -61,17 +61,19 @@ def fresh_model() -> Tiny:
     return Tiny()
 
 
-def reference(steps: int = STEPS) -> dict:
-    """Single-process Muon on the full batch."""
+def reference(steps: int = STEPS) -> list[dict]:
+    """Single-process Muon on the full batch: the parameters after each step."""
     from dmuon import Muon
 
     model = fresh_model()
     opt = Muon(model, lr=LR, adamw_lr=ADAMW_LR)
+    out = []
     for s in range(steps):
         opt.zero_grad()
         loss_of(model, *data(s)).backward()
         opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+        out.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return out
 
 
 def build(kind: str, rank: int, grid: tuple[int, ...]):
@@ -142,29 +144,23 @@ def run_all(rank: int, world_size: int, ckpt_dir: str) -> dict:
     import dmuon
     from dmuon.plan.tp import tp_summary
 
-    ref = reference()
+    one, ref = reference()
     out: dict = {}
-    cases = [("tp", (4,)), ("fsdp_tp", (2, 2)), ("hsdp_tp", (2, 1, 2))]
-    for kind, grid in cases:
-        for cls, kw in (("DMuon", {}), ("DMuon", {"tp_mode": "group"}), ("DMuon", {"tp_mode": "gather"}),
-                        ("NaiveMuon", {})):
-            if kind == "hsdp_tp" and kw:
-                continue
-            model, opt = train(kind, grid, cls, **kw)
-            key = f"{kind}/{cls}/{kw.get('tp_mode', 'auto')}"
-            out[key] = deviation(model, ref)
-            out[key + "/type"] = type(opt).__name__
-            if cls == "DMuon":
-                s = tp_summary(opt.plan)
-                out[key + "/modes"] = (s["group"]["count"], s["gather"]["count"])
-                out[key + "/ns"] = opt.ns_matrices
-            opt.close()
-    # bf16 on the wire (gathers, scatters; the Gram all-reduces stay fp32)
-    model, opt = train("fsdp_tp", (2, 2), "DMuon", comm_dtype="bf16", tp_mode="gather")
-    out["bf16"] = deviation(model, ref)
-    opt.close()
+    runs = [("tp", (4,), "DMuon", {}), ("tp", (4,), "NaiveMuon", {}),
+            ("fsdp_tp", (2, 2), "DMuon", {"tp_mode": "group"}), ("fsdp_tp", (2, 2), "NaiveMuon", {}),
+            ("fsdp_tp", (2, 2), "DMuon", {"tp_mode": "gather", "comm_dtype": "bf16"}),
+            ("hsdp_tp", (2, 1, 2), "DMuon", {})]
+    for kind, grid, cls, kw in runs:
+        model, opt = train(kind, grid, cls, **kw)
+        key = f"{kind}/{cls}/{kw.get('tp_mode', 'auto')}" + ("/bf16" if "comm_dtype" in kw else "")
+        out[key] = deviation(model, ref)
+        out[key + "/type"] = type(opt).__name__
+        if cls == "DMuon":
+            s = tp_summary(opt.plan)
+            out[key + "/modes"] = (s["group"]["count"], s["gather"]["count"])
+            out[key + "/ns"] = opt.ns_matrices
+        opt.close()
     # a NaN gradient on rank 1 at step 1: the step is skipped everywhere
-    one = reference(1)
     model, opt = train("fsdp_tp", (2, 2), "DMuon", nan_step=1, nonfinite="skip")
     out["nan_skipped"] = opt.skipped_steps
     out["nan_dev_vs_1_step"] = deviation(model, one)
@@ -174,8 +170,14 @@ def run_all(rank: int, world_size: int, ckpt_dir: str) -> dict:
     model2, _ = build("tp", rank, (4,))
     opt2 = dmuon.DMuon(model2, lr=LR, adamw_lr=ADAMW_LR)
     dmuon.load_checkpoint(ckpt_dir, model2, opt2)
+    opt2.synchronize()
     out["reshard_weights"] = deviation(model2, one)
-    mom = opt2.state[model2.layers[1].w2.weight]["momentum_buffer"]
-    out["reshard_momentum_shape"] = tuple(mom.shape)
+    out["reshard_momentum_shape"] = tuple(opt2.state[model2.layers[1].wk2.weight]["momentum_buffer"].shape)
+    loss = loss_of(model2, *data(1))  # the step the NaN skipped, now at tp 4: two steps of Muon in all
+    opt2.zero_grad()
+    loss.backward()
+    opt2.step()
+    opt2.synchronize()
+    out["reshard_then_step"] = deviation(model2, ref)
     opt2.close()
     return out

@@ -34,7 +34,8 @@ falls back to gather, with a note, where the blocks cut the short side).
 DP share. Each matrix is orthogonalized by one TP group only, the data-parallel copies do not repeat it:
 greedy longest-first (LPT) over TP groups d = 0 .. dp - 1 on the per-rank loads: a group-mode matrix
 charges its time to every rank of the TP group with the least loaded busiest rank, a gather-mode matrix
-charges its owner's NS to the least loaded rank (any TP group, any TP rank). Matrices that are not
+charges its owner's NS to the least loaded rank (any TP group, any TP rank; among equals the one whose TP
+group is least loaded, so gathers spread over the groups' links). Matrices that are not
 TP-sharded (shard_dim None: replicated under TP) go the same LPT way over all N ranks as one owner each.
 
 Public API (signatures kept stable; the simulator prices DMuon's TP modes with them):
@@ -193,6 +194,7 @@ def build_tp_plan(matrices: Sequence[MatrixSpec], world_size: int, cost, *, tp: 
         return min(METHODS, key=lambda k: (cost.ns_time(n, m, 1, k, dtype).time_s, k))
     dp = world_size // tp
     loads = [0.0] * world_size
+    group_load = [0.0] * dp
     jobs = []  # (time, index, kind, price)
     meths = [method_of(m.rows, m.cols) for m in matrices]
     for i, (mat, s) in enumerate(zip(matrices, shard_dims, strict=True)):
@@ -217,10 +219,13 @@ def build_tp_plan(matrices: Sequence[MatrixSpec], world_size: int, cost, *, tp: 
             ranks = tuple(range(d * tp, (d + 1) * tp))
             for r in ranks:
                 loads[r] += t
+            group_load[d] += tp * t
             owner = ranks[0]
-        else:
-            owner = min(range(world_size), key=lambda r: (loads[r], r))
+        else:  # the least loaded rank; among equals, the one of the least loaded TP group (spreads the
+            # gathers over the TP groups' links)
+            owner = min(range(world_size), key=lambda r: (loads[r], group_load[r // tp], r))
             loads[owner] += t
+            group_load[owner // tp] += t
         owners[i] = owner
         if price is not None:
             forced += mode == "group" and not price.group_ok

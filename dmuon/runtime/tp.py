@@ -76,6 +76,9 @@ def _kind(pl) -> str:
     return name
 
 
+_TABLES: dict[tuple, object] = {}  # (profile, device, dtype) -> the cost table TP plans read
+
+
 class TPGeometry:
     """The mesh of the TP Muon matrices as a (R replicas, S shard ranks, T TP ranks) grid, this rank's
     coordinates, private process groups along each axis, and every matrix's TP shard dim."""
@@ -221,7 +224,10 @@ class TPDMuonSteps(_TPMixin):
         method = methods.pop() if len(methods) == 1 else "auto"
         base = method.removesuffix("_sym") if method != "auto" else "standard"
         dtype = DTYPE_NAMES[iteration_dtype(base, self.device, self.ns.dtype)]
-        table = load_cost(profile, self.device, dtype)
+        key = (profile, str(self.device), dtype)
+        table = _TABLES.get(key)
+        if table is None:  # fitting a profile's curves takes seconds on a CPU: once per process
+            table = _TABLES[key] = load_cost(profile, self.device, dtype)
         links = links_for(table) if not isinstance(table, FlopCost) else None
         if links is None:
             from ..plan.split import LINKS
