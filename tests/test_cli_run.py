@@ -143,8 +143,9 @@ def test_validate_exits_1_when_a_bound_breaks(paper_run, tmp_path, capsys):
     )
     assert code == 1
     df = pd.read_csv(val / "validation.csv")
-    assert set(df["check"]) == {"published_8xa800", "ns_replay", "headline", "closed_loop",
-                                "multinode_public", "megatron_public"}
+    assert set(df["check"]) - {"memory_cpu"} == {"published_8xa800", "ns_replay", "headline", "closed_loop",
+                                                 "multinode_public", "memory_formulas", "memory_public",
+                                                 "megatron_public"}  # memory_cpu: once measured
     cl = df[df["check"] == "closed_loop"]
     assert list(cl["metric"]) == ["step", "optimizer"] and not cl["within_bound"].any()
     pub = df[df["check"] == "published_8xa800"]
