@@ -343,11 +343,7 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
         out = run_parallel(cfg, resolve_workload(cfg.workload, cfg.model, cfg.per_head), profile, per_node, run)
         settings = {k: v for k, v in asdict_shallow(cfg).items() if k not in ("workload", "plan", "cost", "gpu")}
         out["settings"] = {**settings, "nodes": nodes, "ranks_per_node": per_node, **out["settings"]}
-        if cfg.tp == cfg.pp == 1:  # micro-batches / recomputation only: the memory model's data-parallel step
-            out.update(_memory_fields(cfg, None))
-        else:
-            out["notes"] += ("memory per rank not modelled with tp or pp > 1 (simulator.memory is the "
-                             "data-parallel step's): peak_mem_gib / mem_fits are not set",)
+        out.update(_memory_fields(cfg, None))  # simulator.memory: tp, pp, vpp, microbatches, recompute
         return SimResult(gpus=cfg.gpus, gpus_per_node=per_node_cap, strategy=cfg.strategy, layout=cfg.layout,
                          **out), None
     from .workload import resolve_workload
