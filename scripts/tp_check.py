@@ -53,10 +53,11 @@ def tp_recipe(model, mesh):
 
 
 def run(kind: str, cls: str, steps: int, wire, tp_mode: str = "auto") -> dict:
-    import dmuon
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
+
+    import dmuon
 
     model = llama()
     if kind == "tp":

@@ -8,8 +8,6 @@ step there equals Muon's."""
 from __future__ import annotations
 
 import pytest
-import torch
-
 from dist_utils import run_distributed, scratch_dir
 from tp_cases import KV, run_all
 
@@ -59,3 +57,12 @@ def test_dcp_reshards_dp2_tp2_to_tp4(results):
         assert res["reshard_weights"] < TOL
         assert res["reshard_momentum_shape"] == (16, KV // 4)  # wk2 (16 x 8) row-parallel over tp 4
         assert res["reshard_then_step"] < TOL  # momentum and AdamW state came back re-sharded
+
+
+def test_bad_input_one_line_errors(results):
+    r = results[0]
+    assert r["err_divide"].startswith("InputError: layers.0.weight: tp=4 does not divide dim 0 (30)")
+    assert "accepted: a TP degree dividing the sharded dimension" in r["err_divide"]
+    assert r["err_placement"].startswith("InputError: layers.0.weight: placements (Shard(dim=1), "
+                                         "Shard(dim=0)) are not handled on a TP mesh; accepted: ")
+    assert "\n" not in r["err_divide"] + r["err_placement"]

@@ -76,6 +76,40 @@ def reference(steps: int = STEPS) -> list[dict]:
     return out
 
 
+def errors() -> dict:
+    """The one-line errors for what a TP mesh does not accept (construction only, no step)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import dmuon
+
+    def tiny(rows):
+        m = nn.Module()
+        m.embed = nn.Embedding(VOCAB, DIM)
+        m.layers = nn.ModuleList([nn.Linear(DIM, rows, bias=False), nn.Linear(rows, DIM, bias=False)])
+        return m
+
+    out = {}
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    m = tiny(30)  # 30 rows over tp 4
+    parallelize_module(m.layers[0], mesh, ColwiseParallel())
+    parallelize_module(m.layers[1], mesh, RowwiseParallel())
+    try:
+        dmuon.DMuon(m)
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        out["err_divide"] = f"{type(e).__name__}: {e}"
+    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    m = tiny(32)
+    for lin in m.layers:
+        lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), mesh2, [Shard(1), Shard(0)]))
+    try:
+        dmuon.DMuon(m)
+    except Exception as e:  # noqa: BLE001
+        out["err_placement"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def build(kind: str, rank: int, grid: tuple[int, ...]):
     """A TP model on a mesh: kind 'tp' (1-D), 'fsdp_tp' (dp, tp), 'hsdp_tp' (replicate, shard, tp)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -180,4 +214,5 @@ def run_all(rank: int, world_size: int, ckpt_dir: str) -> dict:
     opt2.synchronize()
     out["reshard_then_step"] = deviation(model2, ref)
     opt2.close()
+    out.update(errors())
     return out

@@ -28,7 +28,8 @@ n x m/tp products plus the replicated n x n work, and the collectives), what eve
 gather: the owner's NS of the whole matrix (`cost.ns_time`) plus a gather and a scatter, each priced as
 `links.all_gather_s(rows x cols x b, ranks)` (the owner's link carries (tp - 1) / tp of the matrix). The
 mode "auto" picks the one of fewer rank-seconds, tp x group (every TP rank is busy) against gather (the
-owner), the currency the DP share balances; a tie goes to group (no gather). "group" / "gather" force one (group
+owner), the currency the DP share balances; a tie goes to group (no gather). "group" / "gather" force
+one (group
 falls back to gather, with a note, where the blocks cut the short side).
 
 DP share. Each matrix is orthogonalized by one TP group only, the data-parallel copies do not repeat it:
@@ -242,7 +243,8 @@ def build_tp_plan(matrices: Sequence[MatrixSpec], world_size: int, cost, *, tp: 
     summary = _summary(choices)
     notes = [f"lower bound {lb * 1e3:.3f} ms (all rank-seconds over {world_size} ranks, longest matrix)",
              f"tensor parallelism: tp={tp}, dp={dp}; {summary['group']['count']} matrices by TP-group NS, "
-             f"{summary['gather']['count']} gathered to one owner, {sum(s is None for s in shard_dims)} whole"]
+             f"{summary['gather']['count']} gathered to one owner, "
+             f"{sum(s is None for s in shard_dims)} whole"]
     if forced:
         notes.append(f"mode='group': {forced} matrices sharded along their short side were gathered instead")
     return Plan(world_size=world_size, matrices=matrices, owners=tuple(owners), batches=tuple(batches),

@@ -26,7 +26,8 @@ tensor parallelism (`dmuon.plan.tp`, tp > 1) writes format_version 3 with "tp" a
 Tensor parallelism (tp > 1): `tp_choices[i]` says how TP-sharded matrix i is orthogonalized (mode
 "group": its TP group's distributed Gram NS, "gather": gathered to one TP rank), by which TP group
 (`dp_index`), and what both modes would move (bytes) and cost (seconds); `owners[i]` is the TP group's
-lead (group) or the owner (gather); its Batch (one matrix) has no `group`, so split NS code never sees it.
+lead (group) or the owner (gather); its Batch (one matrix) has no `group`, so split NS code never sees it
+(and `loads_s` charges a group-mode matrix to the lead only; the plan's makespan charges every member).
 """
 
 from __future__ import annotations
@@ -244,8 +245,8 @@ class Plan:
                              f"{PLAN_FORMAT_VERSION}, {GROUPS_FORMAT_VERSION} or {TP_FORMAT_VERSION})")
         inf = float("inf")
         d["tp_choices"] = tuple(
-            None if c is None else TPChoice(**{k: (inf if v is None and k in ("group_bytes", "group_s") else v)
-                                               for k, v in c.items()})
+            None if c is None else TPChoice(**{k: inf if v is None and k in ("group_bytes", "group_s")
+                                               else v for k, v in c.items()})
             for c in d.get("tp_choices", ()))
         d["matrices"] = tuple(MatrixSpec(**m) for m in d["matrices"])
         d["owners"] = tuple(d["owners"])

@@ -36,9 +36,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError
-from ..optim import muon_apply_many_, muon_momentum_
+from ..optim import muon_momentum_
 from ..plan.tp import check_tp_shape
 from .fsdp import chunk_rows, fsdp_owner_module, is_dtensor, local_tensor
+from .fsdp_sharded import _ShardedMixin
 from .planning import batch_method
 
 ACCEPTED = ("accepted: 2-D DTensor Muon matrices on a mesh whose TP dim is named 'tp' (or a 1-D mesh no "
@@ -65,6 +66,13 @@ def is_tp_model(model, predicate=None) -> bool:
         if r.use_muon and is_dtensor(r.param) and _tp_dim(r.param, model) is not None:
             return True
     return False
+
+
+def tp_variant_of(cls, model, predicate=None):
+    """The class DMuon / NaiveMuon (`cls`) becomes for `model`: its TP variant on a TP model, else cls."""
+    if cls.tp_variant is not None and isinstance(model, torch.nn.Module) and is_tp_model(model, predicate):
+        return cls.tp_variant
+    return cls
 
 
 def _kind(pl) -> str:
@@ -115,8 +123,8 @@ class TPGeometry:
         self.R, self.S, self.T = (int(x) for x in grid.shape)
         ranks = opt.groups.global_ranks
         if sorted(ranks) != sorted(grid.flatten().tolist()):
-            raise InputError(f"the optimizer's process group (ranks {list(ranks)}) differs from the TP mesh's "
-                             f"ranks ({grid.flatten().tolist()}); accepted: the mesh's ranks "
+            raise InputError(f"the optimizer's process group (ranks {list(ranks)}) differs from the TP "
+                             f"mesh's ranks ({grid.flatten().tolist()}); accepted: the mesh's ranks "
                              "(process_group=None when the mesh spans the world)")
         me = dist.get_rank()
         (self.r, self.s, self.t), = [(a, b, c) for a in range(self.R) for b in range(self.S)
@@ -142,7 +150,8 @@ class TPGeometry:
         for i in range(opt.n_muon):
             rows, cols = opt.params[i].shape
             sd = self.shard_dims[i]
-            shape = (rows, cols) if sd is None else (rows // self.T, cols) if sd == 0 else (rows, cols // self.T)
+            shape = ((rows, cols) if sd is None else (rows // self.T, cols) if sd == 0
+                     else (rows, cols // self.T))
             chunks = chunk_rows(shape[0], self.S)
             have = tuple(local_tensor(opt.params[i]).shape)
             if have != (chunks[self.s], shape[1]):
@@ -165,6 +174,13 @@ class _TPMixin:
     _muon_units = False
 
     def __init__(self, model, **kwargs):
+        from ..params import route
+
+        plain = [r.name for r in route(model, kwargs.get("muon_predicate"))
+                 if r.use_muon and not is_dtensor(r.param)]
+        if plain:
+            raise InputError(f"{plain[0]}: every Muon matrix of a TP model must be a DTensor on the TP mesh "
+                             f"({len(plain)} are plain tensors); {ACCEPTED}")
         self._tp_model = model
         super().__init__(model, **kwargs)
         self.layout = "tp"
@@ -189,16 +205,12 @@ class _TPMixin:
         return muon_momentum_(local_tensor(p.grad).to(p.dtype), st["momentum_buffer"], group["momentum"],
                               group["nesterov"])
 
-    def _apply_tp(self, items, group) -> None:
-        params, updates, scales = [], [], []
-        for i, u in items:
-            mine = local_tensor(self.params[i])
-            if mine.numel():
-                params.append(mine)
-                updates.append(u.reshape(mine.shape))
-                scales.append(self._lr_scale(i, group["adjust_lr"]))
-        if params:
-            muon_apply_many_(params, updates, group["lr"], group["weight_decay"], scales)
+    _apply_tp = _ShardedMixin._apply_local  # rows of the update onto the local shards, one foreach call
+
+    def _active(self, has_any: torch.Tensor) -> list[int]:
+        """The Muon matrices some rank has a gradient for (the agreed flags)."""
+        flags = has_any.tolist()
+        return [i for i in range(self.n_muon) if flags[i]]
 
 
 class TPDMuonSteps(_TPMixin):
@@ -256,8 +268,7 @@ class TPDMuonSteps(_TPMixin):
         if self.plan is None:
             return
         geo, group = self._geo, self.param_groups[0]
-        flags = has_any.tolist()
-        active = [i for i in range(self.n_muon) if flags[i]]
+        active = self._active(has_any)
         inputs = {i: self._momentum(i, group) for i in active}
         mine = {}  # matrices whose owner replica is mine and that my TP rank takes part in
         for i in active:
@@ -294,12 +305,16 @@ class TPDMuonSteps(_TPMixin):
         geo = self._geo
         if geo.S == 1:
             return x
-        (shape, chunks) = geo.block[i]
-        c = max(chunks)
-        send = torch.zeros(c, shape[1], dtype=self.comm_dtype or x.dtype, device=x.device)
+        send, _ = self._row_buffer(i, x)
         send[:x.shape[0]].copy_(x)
         recv = [torch.empty_like(send) for _ in range(geo.S)] if geo.s == s else None
         return recv, dist.gather(send, recv, group_dst=s, group=geo.shard_group, async_op=True)
+
+    def _row_buffer(self, i, like):
+        """A zeroed buffer of the largest rows chunk of matrix i's TP block in the wire dtype, the chunks."""
+        shape, chunks = self._geo.block[i]
+        dtype = self.comm_dtype or like.dtype
+        return torch.zeros(max(chunks), shape[1], dtype=dtype, device=like.device), chunks
 
     def _finish_gather(self, i, pending, s):
         geo = self._geo
@@ -348,9 +363,7 @@ class TPDMuonSteps(_TPMixin):
         geo = self._geo
         if geo.S == 1:
             return block
-        (shape, chunks) = geo.block[i]
-        c = max(chunks)
-        out = torch.empty(c, shape[1], dtype=self.comm_dtype or like.dtype, device=like.device)
+        out, chunks = self._row_buffer(i, like)
         parts = None
         if geo.s == s:
             parts, pos = [], 0
@@ -382,8 +395,7 @@ class TPNaiveSteps(_TPMixin):
         from torch.distributed.tensor import DTensor
 
         geo, group = self._geo, self.param_groups[0]
-        flags = has_any.tolist()
-        idx = [i for i in range(self.n_muon) if flags[i]]
+        idx = self._active(has_any)
         fulls = []
         for i in idx:
             p = self.params[i]
