@@ -135,10 +135,12 @@ def simulate_row(row: dict, profile=PROFILE) -> dict:
                              sp=bool(r.sp), microbatches=r.microbatches, recompute=r.recompute,
                              seq_len=r.seq_len, micro_batch=r.micro_batch, gpus_per_node=r.gpus_per_node,
                              nic_gbps=r.nics_per_node * r.nic_gbps))
-    return {"step_s": res.step_s, "tflops_per_gpu": model_flops(r) / res.step_s / r.gpus / 1e12, "result": res}
+    tflops = model_flops(r) / res.step_s / r.gpus / 1e12
+    return {"step_s": res.step_s, "tflops_per_gpu": tflops, "result": res}
 
 
-def megatron_rows(path: Path = MEGATRON_PATH, profile=PROFILE, ids: tuple[str, ...] | None = None) -> list[dict]:
+def megatron_rows(path: Path = MEGATRON_PATH, profile=PROFILE,
+                  ids: tuple[str, ...] | None = None) -> list[dict]:
     """One row per published configuration (or those of `ids`): published vs the simulator's step, the error
     and its bound."""
     out = []
