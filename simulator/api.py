@@ -298,7 +298,10 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
     from .step import build
 
     validate_config(cfg)
+    from .symmetry import enabled
     from .workload import resolve_workload
+
+    all_ranks = all_ranks or not enabled()  # DMUON_SIM_SYMMETRY=off: every rank (simulator.symmetry)
 
     workload = resolve_workload(cfg.workload, cfg.model, cfg.per_head)
     profile = profile_of(cfg)

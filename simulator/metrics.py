@@ -38,14 +38,12 @@ def measure(built, step: int) -> dict:
                 grad_end[s] = e
     t0 = opt_end[step - 1] if step >= 1 else 0.0
     t1 = opt_end[step]
-    exposed = []
+    exposed = {}
     ns_busy = []
-    weights = []
     weight = getattr(cl, "weight", [1] * n)  # ranks each simulated rank stands for (0: not simulated)
     for r in range(n):
         if not weight[r]:
             continue
-        weights.append(weight[r])
         prev_end = None
         waited = 0.0
         busy = 0.0
@@ -58,7 +56,7 @@ def measure(built, step: int) -> dict:
             if op.step == step and op.name.startswith(("batch", "ns")):
                 busy += op.end - start
             prev_end = op.end
-        exposed.append(waited)
+        exposed[r] = waited
         ns_busy.append(busy)
     total = muon = 0.0
     for c in cl.collectives:
@@ -73,8 +71,10 @@ def measure(built, step: int) -> dict:
         "backward_s": bwd - fwd_end[step],
         "optimizer_s": t1 - bwd,
         "grad_sync_tail_s": max(0.0, min(grad_end[step], t1) - bwd),
-        "exposed_max_s": max(exposed),
-        "exposed_mean_s": sum(e * w for e, w in zip(exposed, weights, strict=True)) / sum(weights),
+        "exposed_max_s": max(exposed.values()),
+        # summed over every rank in rank order, each its representative's time: the full simulation's sum,
+        # bit for bit (simulator.symmetry)
+        "exposed_mean_s": sum([exposed[r] for r in getattr(cl, "rep_of", range(n))]) / n,
         "ns_busy_max_s": max(ns_busy),
         "bytes": total / n,
         "muon_bytes": muon / n,

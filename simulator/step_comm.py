@@ -31,19 +31,25 @@ from __future__ import annotations
 
 from collections import Counter
 
+from dmuon.errors import InputError
 from dmuon.plan.exchange_cost import LinkEstimate, choose_mode
 
 from .collectives import Group, bytes_per_rank, collective_time_s
 from .engine import Op
+from .symmetry import Unsupported, rank_classes
+
+GROUP_KINDS = ("world", "intra", "inter", "ep", "rep")  # what `_real_instance` knows
 
 
 class CommPrograms:
     """Collectives of the step programs (mixed into `simulator.step._Programs`)."""
 
     present: dict = {}  # (group, instance) -> simulated participants (set by `select`)
+    copies: dict = {}  # (group, quotient instance) -> the real instances it stands for (set by `select`)
+    _quot = None  # group kind -> {real instance: quotient instance} with rank symmetry (set by `select`)
 
     # ---- groups ----------------------------------------------------------------------------------
-    def _instance(self, group: str, rank: int) -> tuple[Group, int]:
+    def _real_instance(self, group: str, rank: int) -> tuple[Group, int]:
         if group == "world":
             return self.world, 0
         if group == "intra":
@@ -52,7 +58,20 @@ class CommPrograms:
             return self.ep_group, rank // self.ep
         if group == "rep":  # the ranks holding the same experts
             return self.rep_group, rank % self.ep
-        return self.inter, rank % self.s.per_node
+        if group == "inter":
+            return self.inter, rank % self.s.per_node
+        raise InputError(f"unknown process group kind {group!r}; accepted: {', '.join(GROUP_KINDS)}")
+
+    def _instance(self, group: str, rank: int) -> tuple[Group, int]:
+        """The group and the instance of it `rank` joins: the real one, or with rank symmetry its quotient
+        instance (simulator.symmetry: the instances holding the same classes are one)."""
+        g, inst = self._real_instance(group, rank)
+        q = self._quot
+        if q is not None:
+            if group not in q:
+                raise Unsupported(group)
+            inst = q[group][inst]
+        return g, inst
 
     def coll(self, rank: int, key: tuple, group: str, kind: str, size_bytes: float, *, muon_fraction: float,
              max_share: float = 0.0, step: int = 0, repeat: int = 1, nccl: bool = True, owners: int = 1,
@@ -77,10 +96,7 @@ class CommPrograms:
                                       bytes_per_rank=bytes_per_rank(kind, size_bytes, n) * repeat,
                                       muon_fraction=muon_fraction, group=f"{group}{inst}", step=step,
                                       sm_share=self.s.sm_share, size=n)
-            if group == "intra":  # one node's group stands for every node of the same signature
-                c.copies = self.c.weight[rank]
-            elif group in ("ep", "rep"):  # the instances its simulated members stand for
-                c.copies = self.present_weight.get((group, inst), n) / n
+            c.copies = self.copies.get((group, inst), 1)  # the real instances it stands for (symmetry)
             self.colls[full] = c
             kid = self._col_ids.setdefault((key, group), len(self._col_ids))  # simulator.step_template
             self._col_of[id(c)] = (group, kid)
@@ -172,50 +188,43 @@ class CommPrograms:
             op = self._cop(col, r, "bwd", step, (dep,))
         return op
 
-    # ---- which ranks to simulate -----------------------------------------------------------------
-    def _signature(self, rank: int) -> tuple:
-        if not getattr(self, "dm", False):
-            return ()
-        pr = self.plan_rank(rank)
-        return (pr,) if pr in self._owners else ()
+    # ---- which ranks to simulate (simulator.symmetry) --------------------------------------------
+    def rank_signature(self, rank: int) -> tuple:
+        """Everything rank-specific rank's program is built from, apart from the group instances it joins
+        (those refine the classes: simulator.symmetry): dmuon's owned plan batches and, with EP, its replica
+        group's owner exchange (`_opt_signature`, `_ep_signature`). A new rank-specific input of the
+        programs must be added here, or the classes would merge ranks whose programs differ."""
+        return (self._opt_signature(rank), self._ep_signature(rank))
+
+    def group_kinds(self) -> tuple[str, ...]:
+        """The group kinds the programs' collectives run over, apart from the world (one instance)."""
+        kinds = ("intra", "inter") if self.s.layout.startswith("hsdp") else ()
+        return kinds + (("ep", "rep") if getattr(self, "ep", 1) > 1 else ())
 
     def select(self, all_ranks: bool = False) -> tuple[list[int], list[int]]:
-        """(ranks to simulate, how many ranks each stands for) and the participants per group instance."""
-        s = self.s
-        n, p = s.n_ranks, s.per_node
-        plan = s.plan if getattr(self, "dm", False) else None
-        self._owners = set(plan.owners) if plan is not None else set()
-        ep_dm = plan is not None and getattr(self, "ep", 1) > 1  # per-replica-group exchanges: every rank
-        if all_ranks or ep_dm or (plan is not None and getattr(plan, "split_batches", None)):
-            reps, weight = list(range(n)), [1] * n
-        elif s.layout.startswith("hsdp"):
-            first: dict[tuple, int] = {}
-            count: Counter = Counter()
-            for node in range(n // p):
-                sig = tuple(self._signature(node * p + i) for i in range(p))
-                first.setdefault(sig, node)
-                count[first[sig]] += 1
-            reps = [node * p + i for node in sorted(count) for i in range(p)]
-            weight = [0] * n
-            for node, k in count.items():
-                for i in range(p):
-                    weight[node * p + i] = k
-        else:
-            first, count = {}, Counter()
-            for r in range(n):
-                sig = self._signature(r)
-                first.setdefault(sig, r)
-                count[first[sig]] += 1
-            reps = sorted(count)
-            weight = [0] * n
-            for r, k in count.items():
-                weight[r] = k
-        present: Counter = Counter()
-        self.present_weight = Counter()
-        groups = ("world", "intra", "inter") + (("ep", "rep") if getattr(self, "ep", 1) > 1 else ())
-        for r in reps:
-            for group in groups:
-                present[(group, self._instance(group, r)[1])] += 1
-                self.present_weight[(group, self._instance(group, r)[1])] += weight[r]
-        self.present = dict(present)
+        """(ranks to simulate, how many ranks each stands for); sets the quotient instances, their
+        participants (`present`) and what each stands for (`copies`)."""
+        n = self.s.n_ranks
+        self._quot, self.present, self.copies = None, {}, {}
+        plan = self.s.plan if getattr(self, "dm", False) else None
+        if all_ranks or (plan is not None and getattr(plan, "split_batches", None)):
+            self.rep_of = list(range(n))
+            return list(range(n)), [1] * n
+        kinds = self.group_kinds()
+        color, quot = rank_classes(n, kinds, lambda g, r: self._real_instance(g, r)[1], self.rank_signature)
+        first: dict = {}
+        weight = [0] * n
+        for r, c in enumerate(color):
+            f = first.setdefault(c, r)
+            weight[f] += 1
+        self.rep_of = [first[c] for c in color]
+        reps = sorted(first.values())
+        self._quot = {"world": {0: 0}, **quot}
+        self.present = {("world", 0): len(reps)}
+        for g in kinds:
+            for q in quot[g].values():
+                self.copies[(g, q)] = self.copies.get((g, q), 0) + 1
+            for r in reps:
+                key = (g, quot[g][self._real_instance(g, r)[1]])
+                self.present[key] = self.present.get(key, 0) + 1
         return reps, weight
