@@ -27,6 +27,7 @@ representatives' programs are built: `Unsupported`, then the full build; the res
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 from dmuon.errors import InputError
@@ -75,6 +76,14 @@ def rank_classes(n: int, groups, instance, signature) -> tuple[list[int], dict]:
         color, k = new, len(new_ids)
 
 
+def result_digest(res) -> str:
+    """sha256 of every field of a SimResult but provenance (files and versions), floats by repr: equal
+    digests = bit-identical results."""
+    d = res.to_dict()
+    d.pop("provenance", None)
+    return hashlib.sha256(repr(sorted(d.items())).encode()).hexdigest()
+
+
 def program_fingerprints(cluster, ranks) -> dict[int, tuple]:
     """Per rank, its built program up to names and group instances: per stream the ops' (phase, step,
     duration, collective's kind / cost / group size, dependencies as (stream, position)). Ranks of one
@@ -96,4 +105,4 @@ def program_fingerprints(cluster, ranks) -> dict[int, tuple]:
     return out
 
 
-__all__ = ["SWITCH", "Unsupported", "enabled", "program_fingerprints", "rank_classes"]
+__all__ = ["SWITCH", "Unsupported", "enabled", "program_fingerprints", "rank_classes", "result_digest"]
