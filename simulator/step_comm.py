@@ -17,14 +17,11 @@ Pricing (`simulator.collectives.collective_time_s`, every collective NCCL-native
       EP's replica group always flat (`ExpertMuon`'s process groups have no node_size).
   Each collective holds `StepSpec.sm_share` of its participants' SMs while it runs (simulator.engine).
 
-Representative ranks (`representatives`): ranks whose programs are identical and whose collectives all
-run over groups in which they are interchangeable finish at the same times, so only one of each kind is
-simulated and every collective counts only its simulated participants (`Collective.size` keeps the real
-group size for bytes). Layouts whose collectives span the world (fsdp, ddp, sharded): one rank per
-distinct owner set (dmuon: every owner, plus one rank that owns nothing; adamw / naive: one rank).
-HSDP (groups per node and per local index): one node per distinct tuple of its ranks' owner sets. Plans
-with split batches (owner groups) keep every rank. Exact, not an approximation: the metrics weight each
-simulated rank by how many it stands for (`Cluster.weight`).
+Which ranks are simulated: one per class of ranks whose programs are the same and whose collectives meet
+the same classes (`select`, `rank_signature`, `group_kinds`; simulator.symmetry and docs/simulator.md,
+"Rank symmetry"). Exact: each collective counts only its simulated participants (`Collective.size` keeps
+the real group size for bytes, `copies` the real instances it stands for) and the metrics read every
+rank's times from its class's representative (`Cluster.weight`, `Cluster.rep_of`).
 """
 
 from __future__ import annotations
