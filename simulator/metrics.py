@@ -40,6 +40,7 @@ def measure(built, step: int) -> dict:
     t1 = opt_end[step]
     exposed = {}
     ns_busy = []
+    rep_of = getattr(cl, "rep_of", range(n))  # the simulated rank whose times each rank has
     weight = getattr(cl, "weight", [1] * n)  # ranks each simulated rank stands for (0: not simulated)
     for r in range(n):
         if not weight[r]:
@@ -72,9 +73,10 @@ def measure(built, step: int) -> dict:
         "optimizer_s": t1 - bwd,
         "grad_sync_tail_s": max(0.0, min(grad_end[step], t1) - bwd),
         "exposed_max_s": max(exposed.values()),
-        # summed over every rank in rank order, each its representative's time: the full simulation's sum,
-        # bit for bit (simulator.symmetry)
-        "exposed_mean_s": sum([exposed[r] for r in getattr(cl, "rep_of", range(n))]) / n,
+        # the same sum whichever ranks were simulated: fixed groups of equal ranks, each its representative's
+        # time x its size (simulator.step_comm._mean_groups)
+        "exposed_mean_s": sum([exposed[rep_of[r]] * k for r, k in getattr(cl, "mean_groups", None)
+                               or [(r, 1) for r in range(n)]]) / n,
         "ns_busy_max_s": max(ns_busy),
         "bytes": total / n,
         "muon_bytes": muon / n,

@@ -378,7 +378,7 @@ def build(spec: StepSpec, overlap_slowdown: float = 0.0, comm_overlap_slowdown: 
             full.notes.insert(0, f"rank symmetry off: a collective over group kind {e.args[0]!r}, which "
                               "simulator.symmetry does not refine over; every rank simulated")
             return full
-    cluster.rep_of = progs.rep_of
+    cluster.rep_of, cluster.mean_groups = progs.rep_of, progs.mean_groups
     if spec.layout == "sharded" and spec.strategy != "dmuon":
         notes.append(f"layout 'sharded' only changes the dmuon optimizer; {spec.strategy} runs as fsdp-keep")
     return Built(cluster, spec, notes)

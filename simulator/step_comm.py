@@ -198,12 +198,35 @@ class CommPrograms:
         kinds = ("intra", "inter") if self.s.layout.startswith("hsdp") else ()
         return kinds + (("ep", "rep") if getattr(self, "ep", 1) > 1 else ())
 
+    def _mean_groups(self, plan) -> list[tuple[int, int]]:
+        """[(first rank, ranks)] the exposed-communication mean sums, in rank order, each group's time x
+        its size: the groups of identical ranks the simulator used before rank symmetry (every rank of
+        EP DMuon or split plans; one node per distinct tuple of owners with HSDP; else each owner and one
+        rank for the rest), so the mean keeps its floating-point sum, bit for bit, whichever ranks are
+        simulated (the ranks of a group have equal times: they are of one class)."""
+        s = self.s
+        n, p = s.n_ranks, s.per_node
+        if plan is not None and (getattr(self, "ep", 1) > 1 or getattr(plan, "split_batches", None)):
+            return [(r, 1) for r in range(n)]
+        owners = set(plan.owners) if plan is not None else set()
+        if s.layout.startswith("hsdp"):
+            first: dict = {}
+            count: Counter = Counter()
+            for node in range(n // p):
+                sig = tuple((r,) if r in owners else () for r in range(node * p, node * p + p))
+                count[first.setdefault(sig, node)] += 1
+            return [(node * p + i, count[node]) for node in sorted(count) for i in range(p)]
+        count = Counter(r if r in owners else -1 for r in range(n))
+        firsts = {k: (k if k >= 0 else next(r for r in range(n) if r not in owners)) for k in count}
+        return sorted((firsts[k], c) for k, c in count.items())
+
     def select(self, all_ranks: bool = False) -> tuple[list[int], list[int]]:
         """(ranks to simulate, how many ranks each stands for); sets the quotient instances, their
         participants (`present`) and what each stands for (`copies`)."""
         n = self.s.n_ranks
         self._quot, self.present, self.copies = None, {}, {}
         plan = self.s.plan if getattr(self, "dm", False) else None
+        self.mean_groups = self._mean_groups(plan)
         if all_ranks or (plan is not None and getattr(plan, "split_batches", None)):
             self.rep_of = list(range(n))
             return list(range(n)), [1] * n
