@@ -356,7 +356,10 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
         out.update(_memory_fields(cfg, None))  # simulator.memory: tp, pp, vpp, microbatches, recompute
         return SimResult(gpus=cfg.gpus, gpus_per_node=per_node_cap, strategy=cfg.strategy, layout=cfg.layout,
                          **out), None
+    from .symmetry import enabled
     from .workload import resolve_workload
+
+    all_ranks = all_ranks or not enabled()  # DMUON_SIM_SYMMETRY=off: every rank (simulator.symmetry)
 
     workload = resolve_workload(cfg.workload, cfg.model, cfg.per_head)
     profile = profile_of(cfg)
