@@ -18,8 +18,9 @@ with tensor / pipeline parallelism (`tp`, `pp` where the config has them) every 
                   on the owner only (`plan.owners`: the rank's owned elements; summed over the ranks they
                   are the whole momentum once); adamw strategy: the Muon matrices on AdamW (2 moments)
   param_copies    compute-dtype copies the forward / backward read: FSDP keep every layer's gathered
-                  parameters after forward (FSDP2 reshard_after_forward=False), free two layers (the one
-                  running and one prefetched); DMuon 'free' two owner units; ddp / owner layouts with a
+                  parameters after forward (FSDP2 reshard_after_forward=False), free the root unit
+                  (embeddings, head, final norm: FSDP2 never reshards the root after forward) and two
+                  blocks (the one running and one prefetched); DMuon 'free' two owner units; ddp / owner layouts with a
                   param_dtype wider than the compute dtype: autocast's casts of every weight, saved for
                   backward
   activations     `simulator.memory_activations.activation_bytes` (Korthikanti et al. 2022's count per
@@ -183,15 +184,20 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
     owner_layout = strategy == "dmuon" and layout != "sharded"
     free = layout.endswith("-free") if free is None else free
 
-    params = grads = states = copies = 0.0
+    params = grads = states = copies = root = 0.0
     layer_numel: dict[int, float] = {}
     layer_muon: dict[int, float] = {}
+    block_numel: dict[int, float] = {}
     for p in workload.params:
         expert = cfg.ep > 1 and ".experts." in p.name
         n = p.numel / model_split / (cfg.ep if expert else 1)
         s = max(1, shard // cfg.ep) if expert else shard
         muon = p.optimizer == "muon" and strategy != "adamw"
         layer_numel[p.layer] = layer_numel.get(p.layer, 0.0) + n
+        if p.block is None and not (muon and owner_layout):
+            root += n  # FSDP2's root unit: embeddings, head, final norm (never resharded after forward)
+        elif p.block is not None:
+            block_numel[p.layer] = block_numel.get(p.layer, 0.0) + n
         if muon and owner_layout:  # whole on every rank (keep); owned + units in use (free)
             layer_muon[p.layer] = layer_muon.get(p.layer, 0.0) + n
             params += 0.0 if free else n * e_m
@@ -209,8 +215,8 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
     largest = max(layer_numel.values(), default=0.0)
     if layout == "ddp":
         copies = sum(layer_numel.values()) * e_c if e_c != e_m else 0.0
-    elif free:
-        copies = 2 * largest * e_c
+    elif free:  # the root unit stays gathered (FSDP2 skips its reshard after forward) + two blocks
+        copies = (root + 2 * max(block_numel.values(), default=0.0)) * e_c
     else:
         copies = sharded_numel * e_c + (sum(layer_muon.values()) * e_c if owner_layout and e_c != e_m else 0)
     if owner_layout and free:
