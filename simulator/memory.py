@@ -11,7 +11,8 @@ with tensor / pipeline parallelism (`tp`, `pp` where the config has them) every 
                   memory 'free' layouts only the owned ones plus the two units in use (param_copies)
   gradients       FSDP / HSDP / sharded: n / S in param_dtype (FSDP2 keeps sharded gradients in the
                   parameter's dtype); ddp and DMuon's owner-layout Muon matrices: n (every rank computes the
-                  whole gradient before it is reduced)
+                  whole gradient before it is reduced; the FSDP2 owner layouts drop it once packed into
+                  the unit's buffer, `consume_grads`: one layer's in flight)
   optimizer       AdamW: 2 moments (exp_avg, exp_avg_sq) of its parameters' local elements, fp32;
                   DMuon's ddp layout updates AdamW parameters in 1/N pieces (`shard_adamw`): their moments / N;
                   Muon momentum (fp32): naive and sharded on the local shard (n / S), DMuon owner layouts
@@ -39,8 +40,9 @@ with tensor / pipeline parallelism (`tp`, `pp` where the config has them) every 
                   and every update (2 x the Muon elements, param_dtype) + the largest shape's call; DMuon:
                   its owner's largest batch
 Peaks (the step's two phases; `peak_phase` names the larger):
-  forward/backward = parameters + optimizer + param_copies + comm_buckets
-                     + max(activations, gradients)   (backward frees activations as gradients arrive)
+  forward/backward = parameters + optimizer + param_copies + the runtime's buffers
+                     + max(activations, gradients + FSDP2's reduction in flight)   (activations peak as
+                     backward starts and are freed as gradients arrive; the last reduction ends it)
   optimizer        = parameters + optimizer + gradients + the runtime's buffers + ns_workspace
                      (FSDP2's reduce-scatter in flight is over by then)
 Capacity: the profile's `memory_gib` (datasheets; CPU: the host's RAM, shared by the node's ranks).
@@ -201,7 +203,8 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
         if muon and owner_layout:  # whole on every rank (keep); owned + units in use (free)
             layer_muon[p.layer] = layer_muon.get(p.layer, 0.0) + n
             params += 0.0 if free else n * e_m
-            grads += n * e_m
+            # FSDP2 owner layouts drop each gradient once packed into its unit's buffer (consume_grads)
+            grads += n * e_m if layout == "ddp" else 0.0
             continue
         params += n / s * e_m
         grads += n / s * e_m
@@ -232,6 +235,7 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
         owner_numel = sum(layer_muon.values())  # DMuon's owner-layout Muon matrices: its own units
         buckets = owner_numel * (e_g + e_pc)
         in_flight = largest * (e_c + e_g) if total > owner_numel else 0.0
+        in_flight += max(layer_muon.values(), default=0.0) * e_m  # one layer's gradients before packing
 
     sp = bool(getattr(cfg, "sp", tp > 1))  # sequence parallelism where the config says (else with any TP)
     acts = activation_bytes(workload, cfg.seq_len, cfg.micro_batch, e_c, tp=tp, sp=sp, pp=pp,
@@ -276,9 +280,9 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
         if batched:  # dmuon.NaiveMuon: every matrix's input gathered, then every update, before applying
             ns_base += 2.0 * sum(m.rows * m.cols * m.count for m in muon) / model_split * e_m
 
-    base_fb = params + states + copies + buckets + in_flight
+    base_fb = params + states + copies + buckets
     base_opt = params + states + grads + buckets
-    fb = base_fb + max(act_total, grads)
+    fb = base_fb + max(act_total, grads + in_flight)  # activations peak as backward starts, gradients at its end
     opt = base_opt + ns_base
     best = (max(fb, opt), 0, fb >= opt, owned[0] if owned else 0.0, work[0] if work else ns_base)
     for rank in range(len(owned)):
