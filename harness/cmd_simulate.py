@@ -173,6 +173,12 @@ def register(app, bench) -> None:
         ep: int = typer.Option(1, help="Expert parallelism degree: experts / ep per rank, expert gradients "
                                        "over their gpus / ep replica group, token all-to-alls over ep "
                                        "consecutive ranks (MoE models; 1 = none)."),
+        # tensor / sequence / pipeline parallelism (simulator.parallel_run)
+        tp: int = typer.Option(1, help="Tensor-parallel degree (inside a node, NVLink; 1 = none)."),
+        pp: int = typer.Option(1, help="Pipeline-parallel degree (1F1B; 1 = none)."),
+        vpp: int = typer.Option(1, help="Model chunks per pipeline stage (interleaved schedule; 1 = none)."),
+        sp: bool = typer.Option(False, "--sp/--no-sp", help="Sequence parallelism (with --tp > 1)."),
+        microbatches: int = typer.Option(None, help="Micro-batches per step (default: 1, or 4 x pp)."),
         naive_batching: bool = typer.Option(False, "--naive-batching/--no-naive-batching",
                                             help="naive: one batched NS call per shape (as dmuon.NaiveMuon) "
                                                  "instead of one per matrix."),
@@ -184,6 +190,12 @@ def register(app, bench) -> None:
         jitter: float = typer.Option(0.0, help="Stragglers: coefficient of variation of every compute op "
                                                "(e.g. 0.03); the step is then the median of 8 sampled steps "
                                                "(p90 printed too)."),
+        system: str = typer.Option("ours", help="dmuon's schedule: ours | published (the public "
+                                                "implementation's, simulator.step_published)."),
+        published_off: str = typer.Option("", help="--system published: its mechanisms to turn off, comma "
+                                                   "separated (simulator.step_published.MECHANISMS)."),
+        published_on: str = typer.Option("", help="--system published: opt-in public modes, comma separated "
+                                                  "(sync_publish, prefetch_wait)."),
         bands: bool = typer.Option(False, "--bands/--no-bands",
                                    help="Error band of the step time over the profile's uncertain inputs "
                                         "(NIC, efficiency, SM share, overlap penalty, compute fit)."),
@@ -208,8 +220,11 @@ def register(app, bench) -> None:
                       overlap=overlap, hierarchical=hierarchical, nic_gbps=nic_gbps,
                       overlap_slowdown=overlap_slowdown, naive_batching=naive_batching,
                       cpu_threads=cpu_threads, bucket_numel=bucket_numel, max_split=max_split,
-                      split_exchange=split_exchange, ep=ep, recompute=recompute, param_dtype=param_dtype,
-                      jitter=jitter)
+                      split_exchange=split_exchange, ep=ep, tp=tp, pp=pp, vpp=vpp, sp=sp,
+                      microbatches=microbatches, recompute=recompute, param_dtype=param_dtype,
+                      jitter=jitter, system=system,
+                      published_off=tuple(x for x in published_off.split(",") if x),
+                      published_on=tuple(x for x in published_on.split(",") if x))
             for s in strategies_of(strategy)
         ]
         results = run_simulations(configs, trace)

@@ -124,7 +124,27 @@ class SimConfig:
                                 "attention core) | full (every layer's input only)")
     param_dtype: str = _f("fp32", "dtype of master weights, gradients (FSDP: sharded) and replicated "
                                   "parameters: bf16 | fp16 | fp32 (compute copies in the profile's dtype)")
+    # ---- tensor / sequence / pipeline parallelism (simulator.parallel, simulator.parallel_run) ----
+    tp: int = _f(1, "tensor-parallel degree: each matrix cut over tp GPUs of a node (Megatron column / row "
+                    "split), 2 all-reduces per layer forward and 2 backward on NVLink; 1 = none")
+    pp: int = _f(1, "pipeline-parallel degree: the transformer layers in pp stages (embeddings on the first, "
+                    "head on the last), 1F1B schedule; 1 = none")
+    vpp: int = _f(1, "model chunks per pipeline stage (interleaved schedule, Megatron's virtual pipeline); "
+                     "1 = plain 1F1B")
+    sp: bool = _f(False, "sequence parallelism (with tp > 1): each TP all-reduce becomes an all-gather + a "
+                         "reduce-scatter (Korthikanti et al. 2022)")
+    microbatches: int | None = _f(None, "micro-batches of micro_batch sequences per step and DP rank (None: "
+                                        "1 without pp, else 4 x pp); >= pp with pp > 1")
+    # `recompute` (the memory model's field above) also sets the time: full re-runs the forward in backward,
+    # selective the attention core (simulator.parallel_run)
     plan: object = _f(None, "a dmuon.plan.Plan built elsewhere (e.g. by the runtime); None: build_plan")
+    # issue 28: the public implementation's schedule beside ours (simulator.step_published)
+    system: str = _f("ours", "ours (this project's runtime) | published (the public implementation's "
+                             "schedule, X-Square-Robot/dmuon: simulator.step_published)")
+    published_off: tuple = _f((), "system published: its mechanisms to turn off (simulator.step_published."
+                                  "MECHANISMS), e.g. ('fwd_prefetch',)")
+    published_on: tuple = _f((), "system published: public modes that are not its runs' defaults to turn "
+                                 "on (simulator.step_published.OPT_IN: sync_publish)")
     cost: object = _f(None, "a dmuon CostTable (or any object with ns_time / elementwise_time); None: "
                             "CostTable.load(profile.cost_profile)")
 
@@ -204,6 +224,9 @@ def validate_config(cfg: SimConfig) -> None:
     _check_int("max_batch", cfg.max_batch)
     _check_int("max_split", cfg.max_split, maximum=MAX_GPUS)
     _check_int("ep", cfg.ep, maximum=MAX_GPUS)
+    from .parallel import check_fields
+
+    check_fields(cfg)  # tp, pp, vpp, sp, microbatches, recompute
     if cfg.ep > 1:
         from .step_ep import EP_LAYOUTS
 
@@ -258,6 +281,9 @@ def validate_config(cfg: SimConfig) -> None:
         raise InputError(f"nic_gbps must be a positive number (Gbit/s per node), got {cfg.nic_gbps!r}")
     _check_number("overlap_slowdown", cfg.overlap_slowdown, positive=False, what=" (0 = no slowdown)")
     _check_number("milp_time_limit_s", cfg.milp_time_limit_s, positive=True, none_ok=False, what=" seconds")
+    from .step_published import published_mechanisms
+
+    published_mechanisms(cfg.system, cfg.published_off, cfg.published_on)
 
 
 def node_shape(gpus: int, gpus_per_node: int) -> tuple[int, int]:
@@ -312,6 +338,24 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
     from .step import build
 
     validate_config(cfg)
+    from .parallel import is_parallel
+
+    if is_parallel(cfg):  # TP x PP x DP (simulator.parallel_run): no single step program to return
+        if not _execute or all_ranks:
+            raise InputError("traces and built programs are for data-parallel steps; accepted: tp=pp=1, one "
+                             "micro-batch, recompute none")
+        from .parallel_run import run_parallel
+        from .workload import resolve_workload
+
+        profile = profile_of(cfg)
+        per_node_cap = cfg.gpus_per_node or profile.gpus_per_node
+        nodes, per_node = node_shape(cfg.gpus, per_node_cap)
+        out = run_parallel(cfg, resolve_workload(cfg.workload, cfg.model, cfg.per_head), profile, per_node, run)
+        settings = {k: v for k, v in asdict_shallow(cfg).items() if k not in ("workload", "plan", "cost", "gpu")}
+        out["settings"] = {**settings, "nodes": nodes, "ranks_per_node": per_node, **out["settings"]}
+        out.update(_memory_fields(cfg, None))  # simulator.memory: tp, pp, vpp, microbatches, recompute
+        return SimResult(gpus=cfg.gpus, gpus_per_node=per_node_cap, strategy=cfg.strategy, layout=cfg.layout,
+                         **out), None
     from .workload import resolve_workload
 
     workload = resolve_workload(cfg.workload, cfg.model, cfg.per_head)

@@ -152,8 +152,14 @@ def _dims(cfg) -> tuple[int, int, int, int]:
     """(tp, pp, virtual stages, pipeline micro-batches) of the config (1s where it has no such fields)."""
     tp = int(getattr(cfg, "tp", 1) or 1)
     pp = int(getattr(cfg, "pp", 1) or 1)
-    virtual = int(getattr(cfg, "virtual_stages", 1) or 1)
-    micro = int(getattr(cfg, "micro_batches", pp) or pp)
+    # SimConfig's names (simulator.parallel: vpp, microbatches; None = its default), else the older ones
+    virtual = int(getattr(cfg, "vpp", None) or getattr(cfg, "virtual_stages", 1) or 1)
+    if hasattr(cfg, "microbatches"):
+        from .parallel import default_microbatches
+
+        micro = int(cfg.microbatches or default_microbatches(pp))
+    else:
+        micro = int(getattr(cfg, "micro_batches", pp) or pp)
     return tp, pp, virtual, micro
 
 
