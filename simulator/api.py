@@ -407,7 +407,7 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
 
 
 def memory_of(cfg: SimConfig, plan=None, **kw):
-    """Memory per rank of `cfg` without simulating the step (simulator.memory.memory_of): a
+    """Memory per rank of `cfg` without simulating the step (simulator.memory.breakdown): a
     MemoryBreakdown with .peak_bytes, .peak_gib, .fits, .capacity_bytes, .gib() and one field per part.
     Stable API for layout searches: cheap (no plan is built; DMuon owners balanced by elements unless
     `plan` or cfg.plan gives them). kw: simulator.memory.breakdown's recompute / loss_fp32 / free."""
