@@ -356,7 +356,10 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
         out.update(_memory_fields(cfg, None))  # simulator.memory: tp, pp, vpp, microbatches, recompute
         return SimResult(gpus=cfg.gpus, gpus_per_node=per_node_cap, strategy=cfg.strategy, layout=cfg.layout,
                          **out), None
+    from .symmetry import enabled
     from .workload import resolve_workload
+
+    all_ranks = all_ranks or not enabled()  # DMUON_SIM_SYMMETRY=off: every rank (simulator.symmetry)
 
     workload = resolve_workload(cfg.workload, cfg.model, cfg.per_head)
     profile = profile_of(cfg)
@@ -404,7 +407,7 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
 
 
 def memory_of(cfg: SimConfig, plan=None, **kw):
-    """Memory per rank of `cfg` without simulating the step (simulator.memory.memory_of): a
+    """Memory per rank of `cfg` without simulating the step (simulator.memory.breakdown): a
     MemoryBreakdown with .peak_bytes, .peak_gib, .fits, .capacity_bytes, .gib() and one field per part.
     Stable API for layout searches: cheap (no plan is built; DMuon owners balanced by elements unless
     `plan` or cfg.plan gives them). kw: simulator.memory.breakdown's recompute / loss_fp32 / free."""

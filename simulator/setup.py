@@ -117,8 +117,13 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
         else:
             layer_adamw[p.layer] += p.numel
             layer_adamw_tensors[p.layer] += 1
+    heads = hidden = None
+    if profile.activation_rw_passes:  # memory-bound passes (simulator.compute): the model's heads and width
+        from .parallel import hidden_of, model_heads
+
+        heads, hidden = (model_heads(cfg.model) or (None,))[0], hidden_of(workload)
     times = [(f * k, b * k) for f, b in layer_times(workload, profile, cfg.seq_len, cfg.micro_batch, per_node,
-                                                     cfg.cpu_threads)]
+                                                     cfg.cpu_threads, heads=heads, hidden=hidden or 0)]
 
     ns_answers = {}
     naive_methods = [cfg.naive_ns_method]
