@@ -74,6 +74,6 @@ def print_stage_plans(plans, json_out: bool, tp: int, pp: int, plan_summary, pri
               f"{len(w.muon_matrices)} Muon matrices over {p.world_size} ranks (TP group d = ranks "
               f"d x {tp} .. d x {tp} + {tp - 1})")
         print_plan(p, w.name)
-        print(f"its DP view, what the simulator runs: {v.world_size} TP groups, each running its matrices one "
-              "after another (simulator.parallel_dmuon)")
+        print(f"its DP view, what the simulator runs: {v.world_size} TP groups, each running its matrices "
+              "one after another (simulator.parallel_dmuon)")
         print_plan(v, w.name)

@@ -98,7 +98,8 @@ def dp_view(plan: Plan, shards, times: list[float]) -> Plan:
     tp = plan.tp
     dp = plan.world_size // tp
     if [s.name for s in shards] != [m.name for m in plan.matrices]:
-        raise InputError("the TP plan's matrices are not the stage's shards (a bug in simulator.parallel_dmuon)")
+        raise InputError("the TP plan's matrices are not the stage's shards (a bug in "
+                         "simulator.parallel_dmuon)")
     owners = tuple(o // tp for o in plan.owners)
     method_of = {i: b.method for b in plan.batches for i in b.members}
     batches = tuple(Batch(owner=owners[i], rows=min(s.rows, s.cols), cols=max(s.rows, s.cols), members=(i,),
@@ -134,5 +135,6 @@ def mode_note(views) -> str:
     parts = []
     for v in views:
         what = next((n.split("; ", 1)[1] for n in v.notes if n.startswith("tensor parallelism:")), "")
-        parts.append(f"{what}; busiest TP group {v.makespan_s * 1e3:.1f} ms (even {v.lower_bound_s * 1e3:.1f})")
+        parts.append(f"{what}; busiest TP group {v.makespan_s * 1e3:.1f} ms "
+                     f"(even {v.lower_bound_s * 1e3:.1f})")
     return " | ".join(parts)

@@ -112,8 +112,8 @@ def _dp_config(cfg, stage_wl, lay, profile, cost, full):
     dp_profile = replace(dp_profile, activation_rw_passes=0.0)
     return replace(cfg, workload=stage_wl, model=None, per_head=False, gpus=lay.dp,
                    gpus_per_node=lay.dp_per_node, gpu=dp_profile, cluster=None, nic_gbps=None,
-                   overlap_slowdown=None, cost=cost, plan=plan, tp=1, pp=1, vpp=1, sp=False, microbatches=None,
-                   recompute="none")
+                   overlap_slowdown=None, cost=cost, plan=plan, tp=1, pp=1, vpp=1, sp=False,
+                   microbatches=None, recompute="none")
 
 
 def run_parallel(cfg, workload, profile, per_node: int, run_dp) -> dict:
