@@ -16,13 +16,11 @@ simulator.pipeline: the schedule):
      torchtitan runs it with reshard_after_forward=False); its optimizer time (gradient-reduction tail,
      Muon's exchanges and NS, AdamW) follows the stage's last backward;
   4. the pipeline schedule runs every micro-batch; the step ends when the slowest stage's optimizer ends.
-Muon on TP shards (naive and dmuon): a TP-split matrix must be orthogonalized whole. dmuon: the mode
-dmuon.plan.tp picks per matrix (TP-group distributed NS, or gather to one TP owner, NS, scatter back), priced
-by its price_tp_modes on this profile's NVLink, a gathered matrix's time spread evenly over the tp ranks
-(ASSUMPTION: a TP group's matrices balance over its ranks, as build_tp_plan's LPT share does); the DP
-share of the matrices over the TP groups is the stage's DMuon plan over its DP ranks. naive: duplicated,
-every TP rank all-gathers the matrix over NVLink and orthogonalizes it whole. Both enter the step programs
-as the shard's NS time (`TPCost`), so they run where NS runs.
+Muon on TP shards (naive and dmuon): a TP-split matrix must be orthogonalized whole. dmuon: each stage
+runs the Plan dmuon.plan.tp.build_tp_plan returns for it, as the runtime does (simulator.parallel_dmuon:
+the stage's DP step program runs its DP view, owners the plan's TP groups, each matrix's time its TP group's
+gather + NS + scatter or group NS on this profile's NVLink). naive: duplicated, every TP rank all-gathers
+the matrix over NVLink and orthogonalizes it whole (`TPCost`, the shard's NS time), where NS runs.
 With tp = pp = 1, one micro-batch and no recomputation, simulator.api.run runs today's step unchanged.
 """
 
@@ -40,20 +38,15 @@ from .pipeline import simulate_pipeline
 
 
 class TPCost:
-    """A cost table whose NS time of a TP shard is its whole matrix's, in the mode the runtime runs it,
-    priced by dmuon.plan.tp.price_tp_modes on the simulator's NVLink (simulator.split_links): dmuon the
-    mode of fewer rank-seconds (`TPModePrice.best`, as build_tp_plan picks it): group (every TP rank runs
-    the distributed Gram NS: group_s each) or gather (one owner: gather + NS + scatter, spread over the tp
-    ranks: / tp); naive duplicated (every TP rank all-gathers and runs the whole NS). A batch of b same-shape
-    shards: gather / duplicated run one batched NS of b whole matrices and b gathers, group b calls.
-    Everything else is `base`'s."""
+    """A cost table whose NS time of a TP shard is its whole matrix's as NaiveMuon runs it: duplicated,
+    every TP rank all-gathers the matrix (priced by dmuon.plan.tp.price_tp_modes on the simulator's NVLink,
+    simulator.split_links) and runs the whole NS. A batch of b same-shape shards: one batched NS of b whole
+    matrices and b all-gathers. Everything else is `base`'s."""
 
-    def __init__(self, base, full: dict, tp: int, links, elem_bytes: int, duplicated: bool):
+    def __init__(self, base, full: dict, tp: int, links, elem_bytes: int):
         self.base, self.full, self.tp, self.links = base, full, tp, links
-        self.elem_bytes, self.duplicated = elem_bytes, duplicated
-        self.modes: dict = {}  # whole (rows, cols) -> the mode dmuon picks (provenance, tests)
-        self.name = f"{getattr(base, 'name', type(base).__name__)} + TP{tp} " + (
-            "duplicated" if duplicated else "modes of dmuon.plan.tp")
+        self.elem_bytes = elem_bytes
+        self.name = f"{getattr(base, 'name', type(base).__name__)} + TP{tp} duplicated"
 
     def __getattr__(self, k):
         return getattr(self.base, k)
@@ -68,16 +61,8 @@ class TPCost:
         price = price_tp_modes(R, C, dim, self.tp, self.base, method=method, dtype=dtype, links=self.links,
                                wire_bytes=self.elem_bytes)
         a = self.base.ns_time(min(R, C), max(R, C), batch, method, dtype)
-        if self.duplicated:
-            return CostAnswer(a.time_s + batch * (price.duplicated_s - price.ns_s), a.measured,
-                              f"{a.detail}; whole {R}x{C} on every TP rank + TP all-gather (duplicated)")
-        mode = self.modes[(R, C)] = price.best(self.tp)
-        if mode == "group":
-            return CostAnswer(batch * price.group_s, a.measured,
-                              f"TP-group distributed NS of the whole {R}x{C} (dmuon.plan.tp)")
-        return CostAnswer((a.time_s + batch * price.gather_comm_s) / self.tp, a.measured,
-                          f"{a.detail}; whole {R}x{C} gathered to one of {self.tp} TP ranks, scattered back, "
-                          "/ tp (dmuon.plan.tp)")
+        return CostAnswer(a.time_s + batch * (price.duplicated_s - price.ns_s), a.measured,
+                          f"{a.detail}; whole {R}x{C} on every TP rank + TP all-gather (duplicated)")
 
 
 def _shard_shapes(stage_wl, full: dict) -> dict:
@@ -106,6 +91,7 @@ def _dp_config(cfg, stage_wl, lay, profile, cost, full):
         dp_profile = replace(dp_profile, provenance={**dp_profile.provenance, "nic_gbps_per_node": (
             f"{gbps:g} Gb/s per node / tp={lay.tp}: the node's tp DP groups share its NICs; "
             + profile.provenance.get("nic_gbps_per_node", ""))})
+    plan = None
     if lay.tp > 1 and cfg.strategy in ("naive", "dmuon") and full:
         from .costs import load_cost
 
@@ -113,16 +99,21 @@ def _dp_config(cfg, stage_wl, lay, profile, cost, full):
         from .split_links import SimulatorLinks
         from .step import DTYPE_BYTES
 
-        links = SimulatorLinks(profile.network, lay.per_node, source=f"simulator profile {profile.name}")
-        cost = TPCost(base, _shard_shapes(stage_wl, full), lay.tp, links,
-                      DTYPE_BYTES[cfg.grad_comm_dtype or profile.dtype], cfg.strategy == "naive")
+        if cfg.strategy == "dmuon":  # the stage runs build_tp_plan's Plan (simulator.parallel_dmuon)
+            from .parallel_dmuon import stage_dp_plan
+
+            tp_plan, plan = stage_dp_plan(cfg, stage_wl, full, lay, profile, base)
+        else:
+            links = SimulatorLinks(profile.network, lay.per_node, source=f"simulator profile {profile.name}")
+            cost = TPCost(base, _shard_shapes(stage_wl, full), lay.tp, links,
+                          DTYPE_BYTES[cfg.grad_comm_dtype or profile.dtype])
     # the stage's compute is parallel_run's (with the profile's memory-bound passes, which need the model's
     # heads); the DP step's own layer times only set how much of its communication they hide
     dp_profile = replace(dp_profile, activation_rw_passes=0.0)
     return replace(cfg, workload=stage_wl, model=None, per_head=False, gpus=lay.dp,
                    gpus_per_node=lay.dp_per_node, gpu=dp_profile, cluster=None, nic_gbps=None,
-                   overlap_slowdown=None, cost=cost, tp=1, pp=1, vpp=1, sp=False, microbatches=None,
-                   recompute="none")
+                   overlap_slowdown=None, cost=cost, plan=plan, tp=1, pp=1, vpp=1, sp=False,
+                   microbatches=None, recompute="none")
 
 
 def run_parallel(cfg, workload, profile, per_node: int, run_dp) -> dict:
@@ -145,7 +136,7 @@ def run_parallel(cfg, workload, profile, per_node: int, run_dp) -> dict:
     send = p2p_time(lay, tokens, hidden, elem, net, across) if lay.pp > 1 else 0.0
 
     cache: dict = {}
-    modes: dict = {}  # dmuon on TP: whole shape -> the mode dmuon.plan.tp picks
+    views: list = []  # dmuon on TP: each distinct stage's DP view of its TP plan (simulator.parallel_dmuon)
     f_s, b_s, first_extra, last_extra, dp_res, tp_s, blocks_of = [], [], [], [], [], [], []
     for s, chunks in enumerate(stages):
         layers = [l for c in chunks for l in c]
@@ -155,7 +146,7 @@ def run_parallel(cfg, workload, profile, per_node: int, run_dp) -> dict:
         if sig not in cache:
             dcfg = _dp_config(cfg, stage_wl, lay, profile, cfg.cost, full)
             r, built = run_dp(dcfg, all_ranks=False)
-            modes.update(getattr(dcfg.cost, "modes", {}))
+            views += [dcfg.plan] if dcfg.plan is not None else []
             fc, bc = sum(built.spec.layer_fwd_s), sum(built.spec.layer_bwd_s)
             cache[sig] = (r, max(0.0, r.forward_s - fc), max(0.0, r.backward_s - bc))
         r, ef, eb = cache[sig]
@@ -205,13 +196,13 @@ def run_parallel(cfg, workload, profile, per_node: int, run_dp) -> dict:
         f"{m} micro-batches of {cfg.micro_batch} sequences, recompute {lay.recompute}; stage {s_max} sets "
         "the "
         f"step; bubble {pipe.bubble_s * 1e3:.1f} ms (simulator.parallel_run)"]
-    if lay.tp > 1 and cfg.strategy in ("naive", "dmuon"):
-        notes.append("Muon on TP shards: " + ("every TP rank gathers and orthogonalizes each matrix "
-                                             "(duplicated)"
-                                             if cfg.strategy == "naive" else
-                                             "the mode dmuon.plan.tp picks per shape: " + ", ".join(
-                                                 f"{R}x{C} {k}" for (R, C), k in sorted(modes.items()))
-                                             + " (ASSUMPTION: a TP group's matrices balance over its ranks)"))
+    if lay.tp > 1 and cfg.strategy == "naive":
+        notes.append("Muon on TP shards: every TP rank gathers and orthogonalizes each matrix (duplicated)")
+    if views:
+        from .parallel_dmuon import mode_note
+
+        notes.append("Muon on TP shards: each stage runs dmuon.plan.tp.build_tp_plan's Plan "
+                     f"(simulator.parallel_dmuon): {mode_note(views)}")
     return dict(
         workload=workload.name, profile=profile.name, step_s=step, forward_s=fwd,
         backward_s=step - fwd - r.optimizer_s, optimizer_s=r.optimizer_s, grad_sync_tail_s=r.grad_sync_tail_s,
