@@ -59,7 +59,7 @@ def print_summary(exp_name: str, rows: list[dict]) -> None:
         and {"strategy", "optimizer_s"} <= set(df.columns)
         and {"adamw", "naive", "dmuon"} <= set(df["strategy"])  # a --set strategy=... subset: no headline
     ):
-        from simulator.reference import claims
+        from simulator.validation.reference import claims
 
         from .figures.paper import headline
 

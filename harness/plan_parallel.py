@@ -1,10 +1,10 @@
 """`harness plan --tp T --pp P [--vpp V]`: the DMuon plan of each pipeline stage over its data-parallel group.
 
-Each stage's Muon matrices are its TP shards (simulator.parallel: Megatron's column / row split, the stage
-split of simulator.parallel.stage_layers). tp = 1: the plan over the stage's gpus / pp DP ranks. tp > 1:
+Each stage's Muon matrices are its TP shards (simulator.programs.parallel: Megatron's column / row split, the stage
+split of simulator.programs.parallel.stage_layers). tp = 1: the plan over the stage's gpus / pp DP ranks. tp > 1:
 the Plan dmuon.plan.tp.build_tp_plan returns for the stage's whole matrices over its gpus / pp ranks, the
 very plan (same call, arguments, cost table and cache) the simulator's step runs
-(simulator.parallel_dmuon.stage_dp_plan), then its DP view: each TP group's load as the runtime runs it
+(simulator.programs.parallel_dmuon.stage_dp_plan), then its DP view: each TP group's load as the runtime runs it
 (one matrix after another). Stages with the same matrices have the same plan: printed once, with the
 stages they stand for.
 """
@@ -17,8 +17,8 @@ import json
 def stage_plans(wl, model, ranks: int, tp: int, pp: int, vpp: int, profile: str, cost, plan_fn) -> list:
     """[(stages, stage workload, plan, its DP view or None)] per distinct stage (module docstring)."""
     from dmuon.errors import InputError
-    from simulator.hardware import load_profile, profile_names
-    from simulator.parallel import layout_of, model_heads, stage_layers, stage_workload
+    from simulator.fabric.hardware import load_profile, profile_names
+    from simulator.programs.parallel import layout_of, model_heads, stage_layers, stage_workload
 
     if profile not in profile_names():
         raise InputError(f"--tp / --pp price TP collectives on a simulator profile's NVLink; accepted: "
@@ -37,12 +37,12 @@ def stage_plans(wl, model, ranks: int, tp: int, pp: int, vpp: int, profile: str,
         if key in seen:
             seen[key][0].append(s)
             continue
-        if tp > 1 and full:  # the simulator's own call (simulator.parallel_dmuon; `plan_fn`'s --method,
+        if tp > 1 and full:  # the simulator's own call (simulator.programs.parallel_dmuon; `plan_fn`'s --method,
             # --dtype and --bucket-numel as SimConfig's ns_method, ns_dtype and bucket_numel; the
             # simulator profile's cost table, as its step loads it)
             from simulator.api import SimConfig
             from simulator.costs import load_cost
-            from simulator.parallel_dmuon import stage_dp_plan
+            from simulator.programs.parallel_dmuon import stage_dp_plan
 
             kw = plan_fn.keywords
             cfg = SimConfig(workload=wl.name, gpus=ranks, gpu=profile, tp=tp, pp=pp, vpp=vpp,
@@ -75,5 +75,5 @@ def print_stage_plans(plans, json_out: bool, tp: int, pp: int, plan_summary, pri
               f"d x {tp} .. d x {tp} + {tp - 1})")
         print_plan(p, w.name)
         print(f"its DP view, what the simulator runs: {v.world_size} TP groups, each running its matrices "
-              "one after another (simulator.parallel_dmuon)")
+              "one after another (simulator.programs.parallel_dmuon)")
         print_plan(v, w.name)

@@ -1,4 +1,4 @@
-"""Wall time of `simulator.api.simulate` with rank symmetry (one rank per class, simulator.symmetry) and
+"""Wall time of `simulator.api.simulate` with rank symmetry (one rank per class, simulator.engine.symmetry) and
 without (DMUON_SIM_SYMMETRY=off: every rank), side by side, each in a fresh process (plans are cached
 per process), with each result's digest (sha256 of every SimResult field but provenance, floats by repr:
 equal digests = bit-identical results) and the number of simulated ranks.
@@ -40,8 +40,8 @@ def parse(text: str) -> dict:
 
 def _child(cfg: str) -> None:
     from simulator.api import SimConfig, run
-    from simulator.engine import paused_gc
-    from simulator.symmetry import enabled, result_digest
+    from simulator.engine.engine import paused_gc
+    from simulator.engine.symmetry import enabled, result_digest
 
     t = time.perf_counter()
     with paused_gc():

@@ -43,7 +43,7 @@ def plan_for(matrices, world_size: int, cost, *, balancer: str, method: str, dty
              max_batch: int, bucket_numel: int, time_limit_s: float, max_split: int = 1, links=None,
              ep: int = 1, owner_momentum: bool = True, orientation=False):
     """build_plan once per distinct input (cached in this process). links (max_split > 1): a
-    `simulator.split_links.SimulatorLinks`, keyed by its network, node size and ring choice.
+    `simulator.programs.split_links.SimulatorLinks`, keyed by its network, node size and ring choice.
     orientation: build_plan's (`simulator.setup.orientation_of`; not with ep > 1, as the runtime)."""
     link_key = None
     if max_split > 1 and links is not None:
@@ -74,7 +74,7 @@ def plan_for(matrices, world_size: int, cost, *, balancer: str, method: str, dty
 def tp_plan_for(matrices, world_size: int, cost, *, tp: int, shard_dims, method: str, dtype: str, links,
                 wire_bytes: int, bucket_numel: int):
     """`dmuon.plan.tp.build_tp_plan` once per distinct input (cached in this process; the simulator's TP
-    stages, simulator.parallel_dmuon, and `harness plan --tp` ask for it)."""
+    stages, simulator.programs.parallel_dmuon, and `harness plan --tp` ask for it)."""
     key = ("tp", tuple(matrices), world_size, id(cost), tp, tuple(shard_dims), method, dtype, id(links),
            wire_bytes, bucket_numel)
     if key not in _PLANS:

@@ -1,4 +1,4 @@
-"""Rank symmetry (simulator.symmetry): one rank per class gives the full simulation's results bit for bit."""
+"""Rank symmetry (simulator.engine.symmetry): one rank per class gives the full simulation's results bit for bit."""
 
 import json
 
@@ -6,7 +6,7 @@ import pytest
 
 from dmuon.errors import InputError
 from simulator.api import SimConfig, run, simulate
-from simulator.symmetry import SWITCH, program_fingerprints, result_digest
+from simulator.engine.symmetry import SWITCH, program_fingerprints, result_digest
 
 TINY_MOE = {"model_type": "qwen3_moe", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024, "moe_intermediate_size": 128,
@@ -91,7 +91,7 @@ def test_switch_off_simulates_every_rank(monkeypatch):
 
 def test_undeclared_group_kind_falls_back_to_every_rank(moe, monkeypatch):
     """A collective over a group kind the classes were not refined over: every rank, and a note says so."""
-    from simulator.step import _Programs
+    from simulator.programs.step import _Programs
 
     cfg = _cfg(moe, dict(moe=True, gpus=16, ep=4))
     full, _ = run(cfg, all_ranks=True)

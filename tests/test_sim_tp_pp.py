@@ -1,4 +1,4 @@
-"""Tensor, sequence and pipeline parallelism in the simulator (simulator.parallel, .pipeline,
+"""Tensor, sequence and pipeline parallelism in the simulator (simulator.programs.parallel, .pipeline,
 .parallel_run)."""
 
 from dataclasses import replace
@@ -7,12 +7,12 @@ import pytest
 
 from dmuon.errors import InputError
 from simulator.api import SimConfig, profile_of, run, simulate
-from simulator.collectives import Group, collective_time_s
-from simulator.hardware import load_profile
-from simulator.parallel import Layout, layout_of, stage_layers, tp_layer_comm
-from simulator.parallel_run import TPCost, run_parallel
-from simulator.pipeline import simulate_pipeline
-from simulator.workload import resolve_workload
+from simulator.fabric.collectives import Group, collective_time_s
+from simulator.fabric.hardware import load_profile
+from simulator.programs.parallel import Layout, layout_of, stage_layers, tp_layer_comm
+from simulator.programs.parallel_run import TPCost, run_parallel
+from simulator.programs.pipeline import simulate_pipeline
+from simulator.models.workload import resolve_workload
 
 L70 = "experiments/models/llama-3.1-70b/config.json"
 
@@ -81,7 +81,7 @@ def test_naive_muon_on_tp_shards_is_duplicated():
     """naive: every TP rank all-gathers the whole matrix and runs its NS (price_tp_modes' duplicated)."""
     from dmuon.plan.tp import price_tp_modes
     from simulator.costs import load_cost
-    from simulator.split_links import SimulatorLinks
+    from simulator.programs.split_links import SimulatorLinks
 
     prof = load_profile("h100")
     base = load_cost(prof.cost_profiles)
@@ -128,8 +128,8 @@ def test_dmuon_on_tp_runs_build_tp_plans_plan(monkeypatch):
     from dmuon.plan.tp import build_tp_plan, price_tp_modes
     from harness.plan_parallel import stage_plans
     from simulator.costs import load_cost
-    from simulator.parallel import stage_workload
-    from simulator.split_links import SimulatorLinks
+    from simulator.programs.parallel import stage_workload
+    from simulator.programs.split_links import SimulatorLinks
 
     out, seen = _dmuon_tp_run(monkeypatch)
     w = resolve_workload(None, L70)

@@ -1,6 +1,6 @@
 """Validation at thousands of GPUs (issue 29 item 4): experiments/reference/megatron_public.csv vs the
-simulator's own TP x PP x DP step on the a100 profile (simulator.validate_megatron), and the profile
-entries that make that step price Megatron-LM's software (simulator.compute)."""
+simulator's own TP x PP x DP step on the a100 profile (simulator.validation.validate_megatron), and the profile
+entries that make that step price Megatron-LM's software (simulator.models.compute)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from dataclasses import replace
 import pytest
 
 from dmuon.errors import InputError
-from simulator import validate_megatron as vm
-from simulator.compute import activation_memory_s, layer_flops, layer_times
-from simulator.hardware import load_profile
-from simulator.hf_config import load_model
+from simulator.validation import validate_megatron as vm
+from simulator.models.compute import activation_memory_s, layer_flops, layer_times
+from simulator.fabric.hardware import load_profile
+from simulator.models.hf_config import load_model
 
 # Table 1 whole, and one row of every other table (`harness validate` runs them all)
 CHECKED = ("n21_t2_174.6b_1536", "k22_22b_sel", "k22_175b_full", "mtnlg_420n", "bloom_176b")
@@ -121,7 +121,7 @@ def test_bad_settings_get_one_line_errors(tmp_path):
         with pytest.raises(InputError, match=msg):
             vm.megatron_rows(path=bad)
     prof = tmp_path / "p.toml"
-    prof.write_text((vm.Path(vm.__file__).parent / "profiles" / "a100.toml").read_text().replace(
+    prof.write_text((vm.Path(vm.__file__).parents[1] / "profiles" / "a100.toml").read_text().replace(
         'attention_causal_fraction = { value = 1.0', 'attention_causal_fraction = { value = 1.5'))
     with pytest.raises(InputError, match=r"attention_causal_fraction must be in \(0, 1\] and activation_rw"):
         load_profile(prof)
