@@ -87,7 +87,7 @@ class MatrixLayout:
 
     def matrix_names(self, name: str) -> list[str]:
         """Every matrix's name, from the parameter's name less a trailing '.weight' (the names
-        `simulator.hf_config` gives its matrices): that name for a whole parameter; expert e of
+        `simulator.models.hf_config` gives its matrices): that name for a whole parameter; expert e of
         `<head>.experts.<tail>` is `<head>.experts.<e>.<block or tail>` (the unfused model's names, e.g.
         `mlp.experts.3.gate_proj`); a block of one matrix is `<name>:<block>` (`qkv_proj:q`, `q_proj:h3`)."""
         base = name.removesuffix(".weight")

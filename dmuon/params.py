@@ -16,7 +16,7 @@ A predicate `muon_predicate(name, param) -> bool` replaces the default decision 
 
 As which matrices (`Route.layout`, a `dmuon.matrices.MatrixLayout`; `Route.matrices` names them): one rule,
 `decide(name, shape, kind)`, that the optimizers and the simulator's config.json reader
-(`simulator.hf_config`) both call, so the simulator prices the matrices the runtime runs:
+(`simulator.models.hf_config`) both call, so the simulator prices the matrices the runtime runs:
   3-D `.experts.` parameters   fused MoE experts (E, out, in): E matrices; a fused gate / up
                                (`gate_up_proj`, `w13`) 2 per expert (rows [0, I) gate, [I, 2I) up)
   routers                      a module named `gate` / `router` (the MoE router, E x hidden) or

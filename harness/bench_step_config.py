@@ -90,8 +90,8 @@ def parse_scale(text) -> float:
 
 def check_config(cfg: StepConfig) -> None:
     """Every InputError the run could raise, before any process starts."""
-    from simulator.benchmodel import decoder_spec
-    from simulator.workload import load_workload
+    from simulator.models.benchmodel import decoder_spec
+    from simulator.models.workload import load_workload
 
     for name, v, lo in (("ranks", cfg.ranks, 1), ("seq_len", cfg.seq_len, 1),
                         ("micro_batch", cfg.micro_batch, 1), ("steps", cfg.steps, 1),
@@ -137,7 +137,7 @@ def check_config(cfg: StepConfig) -> None:
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= cfg.ranks:
             raise InputError(f"max split must be an integer from 1 (no splitting) to --ranks ({cfg.ranks}), "
                              f"got {k!r}")
-    from simulator.benchmodel import check_wide
+    from simulator.models.benchmodel import check_wide
 
     check_wide(cfg.wide)
     if cfg.layout not in LAYOUTS:

@@ -1,5 +1,5 @@
 """What one rank of `harness bench step` does: train every variant in blocks on the bench model
-(simulator.benchmodel), time each phase on its compute thread, count the bytes of one extra step, probe
+(simulator.models.benchmodel), time each phase on its compute thread, count the bytes of one extra step, probe
 the machine's speed (--speed-probe), and aggregate the ranks' records into rows (rank 0).
 The measured quantities are defined in harness/cmd_bench_step.py's docstring.
 """
@@ -59,7 +59,7 @@ def _peak_rss() -> int:
 def _count_step(cfg: StepConfig, built: Built, opt, rank: int, device, it: int) -> dict:
     """One more (untimed) iteration with every collective counted (see the module docstring)."""
     from dmuon.runtime.bytecount import CollectiveBytes
-    from simulator.benchmodel import synthetic_batch
+    from simulator.models.benchmodel import synthetic_batch
 
     counter = CollectiveBytes()
     workers = [w for w in (opt._worker, getattr(opt, "_pub_worker", None)) if w is not None]
@@ -83,7 +83,7 @@ def _count_step(cfg: StepConfig, built: Built, opt, rank: int, device, it: int) 
 
 
 class Built:
-    """The model a block trains: the bench model (simulator.benchmodel, forward(tokens, targets) -> loss)
+    """The model a block trains: the bench model (simulator.models.benchmodel, forward(tokens, targets) -> loss)
     or a Hugging Face causal LM (--model: harness.hf_model, labels = input_ids, its output's .loss)."""
 
     def __init__(self, cfg: StepConfig, device, dtype):
@@ -94,8 +94,8 @@ class Built:
             self.model = build_model(cfg.model_raw, seed=cfg.seed, device=device, dtype=dtype)
             self.vocab = vocab_size(cfg.model_raw)
         else:
-            from simulator.benchmodel import build_bench_model
-            from simulator.workload import load_workload
+            from simulator.models.benchmodel import build_bench_model
+            from simulator.models.workload import load_workload
 
             self.workload = load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers)
             self.model = build_bench_model(self.workload, seed=cfg.seed, device=device, dtype=dtype,
@@ -118,16 +118,16 @@ def _speed_probe(model, workload, cfg: StepConfig, device) -> tuple[float, float
     """--speed-probe: the machine's speed right now, on every rank at once: median seconds of
     PROBE_REPEATS forward + backward passes of the freshly built model (after one untimed), before the
     optimizer exists (no hooks, no communication; compared with the profile's compute model for this
-    model, simulator.validate.speed_scale_of), of PROBE_REPEATS calls of the NS the runtime makes that
-    `simulator.validate.ns_probe_call` names, and of PROBE_REPEATS AdamW passes over
-    simulator.validate.EW_PROBE_NUMEL elements (the last two: what the cost table prices)."""
+    model, simulator.validation.validate.speed_scale_of), of PROBE_REPEATS calls of the NS the runtime makes that
+    `simulator.validation.validate.ns_probe_call` names, and of PROBE_REPEATS AdamW passes over
+    simulator.validation.validate.EW_PROBE_NUMEL elements (the last two: what the cost table prices)."""
     import torch
     import torch.distributed as dist
 
     from dmuon import orthogonalize
     from dmuon.plan.profile import elementwise_calls
-    from simulator.benchmodel import synthetic_batch
-    from simulator.validate import EW_PROBE_NUMEL, EW_PROBE_OP, ns_probe_call
+    from simulator.models.benchmodel import synthetic_batch
+    from simulator.validation.validate import EW_PROBE_NUMEL, EW_PROBE_OP, ns_probe_call
 
     x, y = synthetic_batch(model.vocab, cfg.seq_len, cfg.micro_batch, seed=0, step=0, rank=0, device=device)
     batch, rows, cols, method = ns_probe_call(workload)
@@ -175,7 +175,7 @@ def run_variant(cfg: StepConfig, variant: tuple, rank: int, world: int, device, 
     import torch
     import torch.distributed as dist
 
-    from simulator.benchmodel import bench_optimizer, synthetic_batch
+    from simulator.models.benchmodel import bench_optimizer, synthetic_batch
 
     strategy, overlap, exchange, ns_method, ns_dtype, max_split = variant
     cuda = device.type == "cuda"

@@ -36,7 +36,7 @@ def bench_shapes(shapes: str, scale: int = 1) -> list[tuple[str, int, int]]:
         raise choice_error("shape set", shapes, SHAPE_SETS)
     found: dict[tuple[int, int], list[str]] = {}
     if shapes in ("qwen", "wall-oss", "all"):
-        from simulator.workload import load_workload
+        from simulator.models.workload import load_workload
 
         for key in (("qwen", "wall-oss") if shapes == "all" else (shapes,)):
             for p in load_workload(_WORKLOADS[key]).params:

@@ -1,7 +1,7 @@
 """`harness bench step`: real training steps of DMuon, NaiveMuon and replicated AdamW on N processes.
 
 Spawns N ranks (gloo on the CPU, nccl on CUDA) -- or runs as one rank under torchrun (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT, LOCAL_RANK set) -- builds `simulator.benchmodel` for the workload (or, with
+MASTER_ADDR, MASTER_PORT, LOCAL_RANK set) -- builds `simulator.models.benchmodel` for the workload (or, with
 --model, a Hugging Face causal LM from a config.json with transformers, shrunk by --layers / --hidden /
 --vocab as harness.hf_model says; trained with labels = input_ids and the model's own loss), and trains
 every requested variant (strategy x overlap) in turn on seeded synthetic data, in the same processes.
@@ -51,7 +51,7 @@ probe_s (--speed-probe): before each block builds its optimizer, every rank time
 backward passes of the fresh model at once (median; max over ranks, then the median over blocks): the
 machine's speed during the run, which `harness validate` compares with the profile's compute model (a
 shared VM's speed drifts by tens of percent within minutes); probe_ns_s and probe_ew_s: the same for
-one NS call the runtime makes (simulator.validate.ns_probe_call) and one AdamW pass over 4M elements,
+one NS call the runtime makes (simulator.validation.validate.ns_probe_call) and one AdamW pass over 4M elements,
 compared with the cost table's times for them.
 comm_bytes_per_step: bytes a rank sends per step (max over ranks), counted on one extra untimed step at
 the end of the block by `dmuon.runtime.bytecount` (every collective of every thread: the optimizer's
@@ -176,14 +176,14 @@ def append_csv(path: str, rows: list[dict]) -> None:
 
 def add_modelled_memory(rows: list[dict], cfg: StepConfig) -> None:
     """model_peak_mem_bytes / model_peak_mem_error beside each CPU row's measured peak
-    (harness.validation_memory.modelled_peak: simulator.memory of the same run; not for --wide-matrix)."""
+    (harness.validation_memory.modelled_peak: simulator.models.memory of the same run; not for --wide-matrix)."""
     if cfg.wide is not None:
         return
     from .validation_memory import modelled_peak
 
     workload = None
     if cfg.model_raw is None:
-        from simulator.workload import load_workload
+        from simulator.models.workload import load_workload
 
         workload = load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers)
     for r in rows:

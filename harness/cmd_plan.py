@@ -57,10 +57,10 @@ def _fraction(text: str) -> float:
 
 def load_matrices(workload: str, scale: float | None = None, blocks: int | None = None,
                   per_head: bool = False):
-    from simulator.workload import load_workload
+    from simulator.models.workload import load_workload
 
     if per_head:  # a Hugging Face model's attention matrices cut per head (dmuon.params.decide)
-        from simulator.hf_config import load_model
+        from simulator.models.hf_config import load_model
 
         wl = load_model(workload, per_head=True)
     else:
@@ -265,10 +265,10 @@ SIM_DEFAULTS = "fsdp-keep, seq 2048 x micro-batch 2"  # simulator.api.SimConfig'
 
 
 def plan_memory(workload, plan, profile: str, ep: int = 1):
-    """simulator.memory of the plan's owners: DMuon, layout fsdp-keep, the SimConfig defaults' sequence
+    """simulator.models.memory of the plan's owners: DMuon, layout fsdp-keep, the SimConfig defaults' sequence
     and micro-batch, on the simulator profile named `profile` (None where there is none)."""
     from simulator.api import SimConfig, memory_of
-    from simulator.hardware import PROFILE_DIR
+    from simulator.fabric.hardware import PROFILE_DIR
 
     profile = profile.removesuffix("-roofline")  # a GPU's datasheet roofline: that GPU's simulator profile
     if not (PROFILE_DIR / f"{profile}.toml").is_file():
@@ -449,7 +449,7 @@ def register(app, bench) -> None:
             print(json.dumps({**plan_summary(plan, wl.name), "memory": mem and mem.to_dict()}, indent=1))
         else:
             print_plan(plan, wl.name)
-            print(f"simulator.memory of this plan (dmuon, layout {SIM_DEFAULTS}, on {profile}):\n"
+            print(f"simulator.models.memory of this plan (dmuon, layout {SIM_DEFAULTS}, on {profile}):\n"
                   + mem.table() if mem else f"memory: {profile!r} is no simulator profile (simulator/profiles/); "
                   "the memory model needs one")
             for note in wl.notes:

@@ -59,7 +59,7 @@ def print_summary(exp_name: str, rows: list[dict]) -> None:
         and {"strategy", "optimizer_s"} <= set(df.columns)
         and {"adamw", "naive", "dmuon"} <= set(df["strategy"])  # a --set strategy=... subset: no headline
     ):
-        from simulator.reference import claims
+        from simulator.validation.reference import claims
 
         from .figures.paper import headline
 
@@ -309,7 +309,8 @@ def register(app, bench) -> None:
         t0 = time.perf_counter()
         from .validation_memory import memory_checks
 
-        rows = v.published_checks() + v.ns_replay_checks() + v.multinode_checks() + memory_checks()
+        rows = (v.published_checks() + v.ns_replay_checks() + v.multinode_checks() + memory_checks()
+                + v.megatron_checks())
         paper_csv = Path(paper_results)
         if not paper_csv.is_file():
             print(f"{paper_csv} missing: running the paper experiment first", file=sys.stderr)

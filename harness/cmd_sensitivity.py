@@ -1,6 +1,6 @@
 """`harness sensitivity`: which uncertain input of the profile moves a simulated output most.
 
-One-at-a-time over the profile's `[uncertainty]` ranges (simulator.bands): the configuration is simulated
+One-at-a-time over the profile's `[uncertainty]` ranges (simulator.calibration.bands): the configuration is simulated
 with each input at its low and at its high end; the rows, ranked by swing, go to a CSV (with the
 configuration's columns, so the chart can be redrawn from it) and a tornado chart. The configuration of
 figure 11 (qwen2.5-7b DMuon on 128 A800s, `--csv results/sensitivity/qwen2.5-7b_128_dmuon_step.csv`) is
@@ -43,7 +43,7 @@ def register(app, bench) -> None:
         """Rank the profile's uncertain inputs by how much each moves OUTPUT; tornado chart + table."""
         from dmuon.errors import InputError
         from simulator.api import SimConfig
-        from simulator.bands import sensitivity
+        from simulator.calibration.bands import sensitivity
 
         if not Path(figure_dir).is_dir():
             raise InputError(f"--figure-dir {figure_dir!r} is not a directory")

@@ -3,8 +3,8 @@
 Prints forward / backward / optimizer / step time, exposed communication, tokens/s, bytes on the wire
 and the NS makespan for adamw, naive and dmuon (or the one `--strategy` names), then the profile and
 which inputs were measured, fitted or modelled. The model is `--workload` (catalog, TOML, CSV) or
-`--model` (a Hugging Face config.json: simulator.hf_config); the hardware `--gpu` (a profile) or
-`--cluster` (a cluster file: simulator.cluster_file), which --gpu, --gpus-per-node and --nic-gbps
+`--model` (a Hugging Face config.json: simulator.models.hf_config); the hardware `--gpu` (a profile) or
+`--cluster` (a cluster file: simulator.fabric.cluster_file), which --gpu, --gpus-per-node and --nic-gbps
 override. `--json` prints the same as JSON (one object per
 strategy, a list when several). `--trace FILE` writes a Chrome-trace timeline (Perfetto) per strategy
 (FILE itself for one strategy, FILE with the strategy before the suffix for several).
@@ -36,7 +36,7 @@ _ROWS = (  # (label, SimResult field, scale, unit)
 
 def strategies_of(strategy: str) -> tuple[str, ...]:
     from dmuon.errors import choice_error
-    from simulator.step import STRATEGIES
+    from simulator.programs.step import STRATEGIES
 
     if strategy == ALL:
         return STRATEGIES
@@ -56,7 +56,7 @@ def gpu_of(gpu: str | None, cluster: str | None):
     own GPU profile, or the --gpu profile given explicitly (loaded here, so that even --gpu a800, the
     default's name, replaces the file's)."""
     from simulator.api import SimConfig
-    from simulator.hardware import load_profile
+    from simulator.fabric.hardware import load_profile
 
     if cluster is None:
         return gpu or SimConfig.gpu
@@ -65,7 +65,7 @@ def gpu_of(gpu: str | None, cluster: str | None):
 
 def run_simulations(configs, trace: str | None):
     from simulator.api import run
-    from simulator.trace import write_trace
+    from simulator.engine.trace import write_trace
 
     results = []
     for cfg in configs:
@@ -105,7 +105,7 @@ def print_table(results) -> None:
         if not r.mem_fits:
             cap = r.memory.get("capacity_bytes", 0.0) / 2**30
             console.print(f"{r.strategy}: DOES NOT FIT: peak {r.peak_mem_gib:.1f} GiB per rank > {cap:.1f} GiB "
-                          f"({r.profile} memory_gib; simulator.memory)", highlight=False)
+                          f"({r.profile} memory_gib; simulator.models.memory)", highlight=False)
     by = {r.strategy: r for r in results}
     if "naive" in by and "dmuon" in by:
         n, d = by["naive"], by["dmuon"]
@@ -173,7 +173,7 @@ def register(app, bench) -> None:
         ep: int = typer.Option(1, help="Expert parallelism degree: experts / ep per rank, expert gradients "
                                        "over their gpus / ep replica group, token all-to-alls over ep "
                                        "consecutive ranks (MoE models; 1 = none)."),
-        # tensor / sequence / pipeline parallelism (simulator.parallel_run)
+        # tensor / sequence / pipeline parallelism (simulator.programs.parallel_run)
         tp: int = typer.Option(1, help="Tensor-parallel degree (inside a node, NVLink; 1 = none)."),
         pp: int = typer.Option(1, help="Pipeline-parallel degree (1F1B; 1 = none)."),
         vpp: int = typer.Option(1, help="Model chunks per pipeline stage (interleaved schedule; 1 = none)."),
@@ -191,9 +191,9 @@ def register(app, bench) -> None:
                                                "(e.g. 0.03); the step is then the median of 8 sampled steps "
                                                "(p90 printed too)."),
         system: str = typer.Option("ours", help="dmuon's schedule: ours | published (the public "
-                                                "implementation's, simulator.step_published)."),
+                                                "implementation's, simulator.programs.step_published)."),
         published_off: str = typer.Option("", help="--system published: its mechanisms to turn off, comma "
-                                                   "separated (simulator.step_published.MECHANISMS)."),
+                                                   "separated (simulator.programs.step_published.MECHANISMS)."),
         published_on: str = typer.Option("", help="--system published: opt-in public modes, comma separated "
                                                   "(sync_publish, prefetch_wait)."),
         bands: bool = typer.Option(False, "--bands/--no-bands",
@@ -230,7 +230,7 @@ def register(app, bench) -> None:
         results = run_simulations(configs, trace)
         band = {}
         if bands:
-            from simulator.bands import bands as band_of
+            from simulator.calibration.bands import bands as band_of
 
             band = {c.strategy: band_of(c) for c in configs}
         if json_out:
@@ -246,4 +246,4 @@ def register(app, bench) -> None:
                 if band:
                     b = band[r.strategy]
                     print(f"{r.strategy}: step {b['base'] * 1e3:.1f} ms, band {b['low'] * 1e3:.1f} .. "
-                          f"{b['high'] * 1e3:.1f} ms over {', '.join(b['inputs'])} (simulator.bands)")
+                          f"{b['high'] * 1e3:.1f} ms over {', '.join(b['inputs'])} (simulator.calibration.bands)")

@@ -44,7 +44,7 @@ def _key(raw: dict, *names: str) -> str | None:
 def read_config(text) -> tuple[Path, dict]:
     """The config.json `text` names (a .json file, a folder holding config.json, or a model shipped in
     experiments/models/) and its contents; InputError if it cannot be read."""
-    from simulator.hf_config import model_names, model_path
+    from simulator.models.hf_config import model_names, model_path
 
     path = model_path(text)
     if path is None:

@@ -1,7 +1,7 @@
 """`harness plan --max-split K`: what the plan's owner groups look like, and which collectives price them.
 
   --links dmuon      the planner's own alpha-beta model (`dmuon.plan.split.LINKS`, collectives.md figures)
-  --links simulator  the simulator profile's network (`simulator.split_links.SimulatorLinks`: the
+  --links simulator  the simulator profile's network (`simulator.programs.split_links.SimulatorLinks`: the
                      profile's measured intra-node curves, NICs and latencies), so plan and simulator price
                      a group's all-reduces alike (the simulator plans with the same links)
 """
@@ -19,14 +19,14 @@ def resolve_links(links: str, profile: str):
         raise choice_error("links", links, LINK_CHOICES)
     if links == "dmuon":
         return None
-    from simulator.hardware import profile_names
+    from simulator.fabric.hardware import profile_names
 
     if profile not in profile_names():
         from dmuon.errors import InputError
 
         raise InputError(f"--links simulator needs a simulator profile named like the cost profile; "
                          f"{profile!r} is none of {', '.join(profile_names())}")
-    from simulator.split_links import SimulatorLinks
+    from simulator.programs.split_links import SimulatorLinks
 
     return SimulatorLinks.for_profile(profile)
 

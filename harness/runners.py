@@ -47,7 +47,7 @@ _SIM_METRICS = (
     "plan_balancer",
     "plan_method",
     "profile",
-    "peak_mem_gib",  # simulator.memory: the busiest rank's peak; mem_fits False flags a run that does not fit
+    "peak_mem_gib",  # simulator.models.memory: the busiest rank's peak; mem_fits False flags a run that does not fit
     "mem_fits",
 )
 # settings that cannot change a dmuon plan (rows differing only in these share a worker)
@@ -68,7 +68,7 @@ _NOT_PLAN = (
     "ns_speed_scale",
     "elementwise_speed_scale",
     "cpu_threads",
-    "sp",  # TP / PP settings that leave each stage's plan as it is (simulator.parallel_run)
+    "sp",  # TP / PP settings that leave each stage's plan as it is (simulator.programs.parallel_run)
     "microbatches",
     "recompute",
 )
@@ -138,7 +138,7 @@ def _traced(s: dict, traces) -> bool:
 def _write_trace(built, res, s: dict, out_dir: Path) -> str:
     """The last simulated step (steady state) as a Chrome trace; returns its path relative to out_dir."""
     from dmuon.io import atomic_write_text as write_text_atomic
-    from simulator.trace import trace_events
+    from simulator.engine.trace import trace_events
 
     tag = "_".join(
         str(s[k]) for k in ("workload", "gpus", "gpu", "strategy", "variant") if s.get(k) is not None
@@ -171,7 +171,7 @@ class PlanRunner:
     lead = ("workload", "gpus", "balancer")
     settings = {
         "workload": "qwen2.5-7b",
-        "model": None,  # a Hugging Face config.json; replaces workload (simulator.hf_config)
+        "model": None,  # a Hugging Face config.json; replaces workload (simulator.models.hf_config)
         "gpus": 8,
         "profile": "a800",
         "balancer": "lpt",
@@ -199,7 +199,7 @@ class PlanRunner:
 
         from dmuon.plan.ep import build_ep_plan
         from simulator.costs import load_cost
-        from simulator.workload import resolve_workload
+        from simulator.models.workload import resolve_workload
 
         for s in group:
             cost = load_cost(s["profile"])
@@ -292,7 +292,7 @@ def kernel_shape(workload: str, matrix: str, scale: int) -> tuple[int, int, int]
     """(n, m, count): the NS shape (min, max) of a Muon matrix of the workload divided by `scale`, and how
     many matrices of that name the workload has."""
     from dmuon.errors import InputError
-    from simulator.workload import load_workload
+    from simulator.models.workload import load_workload
 
     from .cmd_bench_kernels import _scaled
 

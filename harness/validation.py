@@ -1,9 +1,9 @@
 """`harness validate`'s checks, as rows of one error table (results/validation/validation.csv). The numbers
-come from simulator.validate and simulator.reference; this module only decides which rows are checked and
+come from simulator.validation.validate and simulator.validation.reference; this module only decides which rows are checked and
 against which bound, and measures the closed-loop CPU runs with harness.bench_step_launch.
 
 checks (column `check`):
-  published_8xa800  reported.csv's 8 x A800 step table vs the simulation (simulator.validate.published_rows).
+  published_8xa800  reported.csv's 8 x A800 step table vs the simulation (simulator.validation.validate.published_rows).
                     Checked (25%): the FSDP2 rows (fsdp-keep) the simulator was not fitted to. Shown only:
                     in-sample rows (AdamW fit points) and DDP+Muon (not the paper's FSDP2 setting).
   ns_replay         reported.csv's NS-only replay (pi0, wall-oss; naive and DMuon, standard and Gram+SYRK NS)
@@ -15,7 +15,7 @@ checks (column `check`):
                     the simulated and published ranges overlap (speedups), the mean overhead over AdamW
                     within 2 percentage points. Endpoint errors are shown.
   closed_loop       real CPU runs of `harness bench step` vs the same runs simulated with the cpu profile
-                    (simulator.validate.closed_loop): step and optimizer time within 15% per strategy.
+                    (simulator.validation.validate.closed_loop): step and optimizer time within 15% per strategy.
                     Each configuration is launched BENCH_REPEATS times, interleaved with the others, and
                     the median over those launches is compared (a shared VM drifts by tens of percent
                     within minutes; the note gives the min-max and the CPU steal during the runs). A
@@ -27,12 +27,17 @@ checks (column `check`):
                     factors and the error at the profile's own speed.
   multinode_public  public multi-node nccl-tests numbers (experiments/reference/multinode_public.csv, a source
                     URL per row: A100 / H100 clusters, 2-32 nodes) vs the simulator's collective model on
-                    each row's cluster (simulator.validate_multinode). Checked: 20% per row. Also
+                    each row's cluster (simulator.validation.validate_multinode). Checked: 20% per row. Also
                     public multi-node FSDP throughput (experiments/reference/multinode_steps_public.csv:
                     llm-foundry's MPT 125M-13B on 16-128 A100s and 8-64 H100s, torchtitan's Llama 3.1
                     8B on 8 / 128 H100s): the scaling efficiency (tokens/s/GPU at N over the series'
                     smallest GPU count) published vs simulated on each row's cluster file. Checked: 20%
                     per row.
+  megatron_public   published Megatron-LM TP/PP/DP throughputs at 8-3360 A100s (experiments/reference/
+                    megatron_public.csv: Narayanan et al. 2021 Tables 1-2, Korthikanti et al. 2022, MT-NLG,
+                    BLOOM) vs the simulator's own TP x PP x DP step on the a100 profile
+                    (simulator.validation.validate_megatron). Checked: Table 1 within 15%, the others within 20% per
+                    row; nothing is fitted to these rows.
 Rows: check, label, workload, strategy, metric, unit, reference, reference_kind, simulated, error (relative),
 bound, bounded, within_bound, note, profile. Times in seconds.
 """
@@ -97,7 +102,7 @@ def _row(
 
 
 def published_checks() -> list[dict]:
-    from simulator.validate import published_rows
+    from simulator.validation.validate import published_rows
 
     out = []
     for r in published_rows():
@@ -131,7 +136,7 @@ def published_checks() -> list[dict]:
 
 
 def multinode_checks() -> list[dict]:
-    from simulator.validate_multinode import BOUND, multinode_rows, step_scaling_rows
+    from simulator.validation.validate_multinode import BOUND, multinode_rows, step_scaling_rows
 
     out = []
     for r in multinode_rows():
@@ -150,9 +155,22 @@ def multinode_checks() -> list[dict]:
     return out
 
 
+def megatron_checks() -> list[dict]:
+    from simulator.validation.validate_megatron import PROFILE, megatron_rows
+
+    out = []
+    for r in megatron_rows():
+        label = f"{r['id']} {r['model']} tp{r['tp']} pp{r['pp']} dp{r['dp']} on {r['gpus']}"
+        note = "held out: the simulator's own TP x PP x DP step (simulate --tp --pp), nothing fitted" + (
+            f"; {r['note']}" if r["note"] else "")
+        out.append(_row("megatron_public", label, r["model"], "adamw", r["metric"], r["unit"], r["published"],
+                        f"public: {r['source']}", r["simulated"], r["bound"], True, note, PROFILE))
+    return out
+
+
 def ns_replay_checks(gpu: str = "a800") -> list[dict]:
     from simulator.api import SimConfig, simulate
-    from simulator.reference import ns_replay_rows
+    from simulator.validation.reference import ns_replay_rows
 
     out = []
     for r in ns_replay_rows():
@@ -185,7 +203,7 @@ def ns_replay_checks(gpu: str = "a800") -> list[dict]:
 
 def headline_checks(paper_df, src: str) -> list[dict]:
     """The abstract's ranges vs ours over the paper experiment's rows (results/paper/results.csv)."""
-    from simulator.reference import claims
+    from simulator.validation.reference import claims
 
     from .figures.paper import headline
 
@@ -339,7 +357,7 @@ def median_rows(bench_rows: list[dict]) -> list[dict]:
 
 
 def closed_loop_checks(bench_rows: list[dict], source: str) -> list[dict]:
-    from simulator.validate import BenchRow, closed_loop
+    from simulator.validation.validate import BenchRow, closed_loop
 
     from .provenance import cpu_name
 
@@ -399,6 +417,7 @@ __all__ = [
     "headline_checks",
     "measure_bench",
     "median_rows",
+    "megatron_checks",
     "ns_replay_checks",
     "published_checks",
     "read_bench_rows",

@@ -1,7 +1,7 @@
-"""`harness validate`'s memory section: simulator.memory against measurement and public tables.
+"""`harness validate`'s memory section: simulator.models.memory against measurement and public tables.
 
 checks (column `check`):
-  memory_formulas  the per-tensor activation count (simulator.memory_activations) against Korthikanti et
+  memory_formulas  the per-tensor activation count (simulator.models.memory_activations) against Korthikanti et
                    al. 2022's printed formulas for a GPT-3 175B block (s 2048, b 1, h 12288, a 96, eager
                    attention, dropout): no TP (eq. 1), TP 8 without / with sequence parallelism (eqs. 2-3),
                    selective (eq. 6) and full recompute. Checked: exact (1e-9).
@@ -50,7 +50,7 @@ CPU_COMMON = ["--ranks", "2", "--strategy", "adamw,naive,dmuon", "--width-scale"
 
 # ---- the formulas ------------------------------------------------------------------------------------
 def _gpt_block(h: int, layer: int = 1):
-    from simulator.workload_spec import ParamSpec
+    from simulator.models.workload_spec import ParamSpec
 
     mats = [("ln_1", 1, h), ("c_attn", 3 * h, h), ("attn.c_proj", h, h), ("ln_2", 1, h), ("c_fc", 4 * h, h),
             ("mlp.c_proj", h, 4 * h)]
@@ -60,7 +60,7 @@ def _gpt_block(h: int, layer: int = 1):
 
 
 def formula_checks() -> list[dict]:
-    from simulator.memory_activations import attention_s2_bytes, block_bytes_per_token, korthikanti_layer_bytes
+    from simulator.models.memory_activations import attention_s2_bytes, block_bytes_per_token, korthikanti_layer_bytes
 
     s, b, h, a, t = 2048, 1, 12288, 96, 8
     block = _gpt_block(h)
@@ -75,29 +75,22 @@ def formula_checks() -> list[dict]:
             counted += attention_s2_bytes(s, b, a, tp)
         out.append(_row("memory_formulas", f"GPT-3 175B layer, {label}", "gpt3-175b", "-", "activations",
                         "bytes", paper, "Korthikanti et al. 2022 (arXiv:2205.05198) formula", counted,
-                        FORMULA_BOUND, True, "the per-tensor count of simulator.memory_activations"))
+                        FORMULA_BOUND, True, "the per-tensor count of simulator.models.memory_activations"))
     return out
 
 
 # ---- public tables -----------------------------------------------------------------------------------
 def _public_config(r: dict):
-    """(SimConfig-like with tp / pp, memory_of keyword arguments) of a memory_public.csv row."""
-    from dataclasses import dataclass
-
+    """(SimConfig with the row's tp / pp / sp, memory_of keyword arguments) of a memory_public.csv row."""
     from simulator.api import SimConfig
-
-    @dataclass(frozen=True)
-    class ParallelConfig(SimConfig):  # tensor / pipeline degrees memory_of reads where a config has them
-        tp: int = 1
-        pp: int = 1
-        sp: bool = True  # torchtitan's TP runs with sequence parallelism
 
     wl = r["workload"]
     model = wl if (ROOT / "experiments" / "models" / wl).is_dir() else None
-    cfg = ParallelConfig(workload=wl if model is None else "qwen2.5-7b", model=model, gpus=int(r["gpus"]),
-                         gpu=r["gpu"], strategy="adamw", layout=r["layout"], seq_len=int(r["seq_len"]),
-                         micro_batch=int(r["micro_batch"]), param_dtype=r["param_dtype"],
-                         grad_comm_dtype=r["grad_comm_dtype"], tp=int(r["tp"]), pp=int(r["pp"]))
+    cfg = SimConfig(workload=wl if model is None else "qwen2.5-7b", model=model, gpus=int(r["gpus"]),
+                    gpu=r["gpu"], strategy="adamw", layout=r["layout"], seq_len=int(r["seq_len"]),
+                    micro_batch=int(r["micro_batch"]), param_dtype=r["param_dtype"],
+                    grad_comm_dtype=r["grad_comm_dtype"], tp=int(r["tp"]), pp=int(r["pp"]),
+                    sp=int(r["tp"]) > 1)  # torchtitan's TP runs with sequence parallelism
     return cfg, {"recompute": r["recompute"], "loss_fp32": r["loss_fp32"] == "yes"}
 
 
@@ -127,7 +120,7 @@ def paper_rows() -> list[dict]:
     runtime trains on CUDA: harness bench step builds the model in bf16). Shown only."""
     from simulator.api import SimConfig
     from simulator.api import memory_of
-    from simulator.reference import reported_rows
+    from simulator.validation.reference import reported_rows
 
     out = []
     for r in reported_rows():
@@ -157,7 +150,7 @@ def modelled_peak(row: dict, model_raw: dict | None = None, workload=None) -> di
         return {}
     layout, free = BENCH_LAYOUTS[key]
     if model_raw is not None:
-        from simulator.hf_config import workload_from_config
+        from simulator.models.hf_config import workload_from_config
 
         workload = workload_from_config(model_raw, name=str(row.get("workload", "model")))
     if workload is None:
@@ -217,7 +210,7 @@ def remodel(row: dict, opts: list[str]) -> dict:
         _, model_raw = shrunk_config(opt("--model"), layers=opt("--layers", int), hidden=opt("--hidden", int),
                                      vocab=opt("--vocab", int))
     else:
-        from simulator.workload import load_workload
+        from simulator.models.workload import load_workload
 
         workload = load_workload(opt("--workload") or "qwen2.5-7b").scaled(opt("--width-scale", float),
                                                                            blocks=opt("--layers", int))

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from dmuon.plan.build import build_plan  # noqa: E402
 from dmuon.plan.cost import PROFILES_DIR, CostTable  # noqa: E402
 from dmuon.plan.profile_io import ProfileRow, write_profile  # noqa: E402
-from simulator.workload import load_workload  # noqa: E402
+from simulator.models.workload import load_workload  # noqa: E402
 
 REPORTED = ROOT / "experiments" / "reference" / "reported.csv"
 KERNEL_METHOD = {"dense GEMM (cuBLAS)": "gram", "symmetric kernel (SYRK)": "gram_sym"}

@@ -2,14 +2,14 @@
 programs of one configuration are built once, then each version's `run_fast` runs them in turn (op and
 collective times reset between runs), round after round in rotating order, so every version meets the
 same graph, the same memory layout and, pairwise, about the same machine load. Each version is a Python
-file defining `run_fast(cluster)` (e.g. simulator/engine_fast.py of this tree and of an older checkout), or
-`native` for this tree's compiled loop (simulator/engine_native.c).
+file defining `run_fast(cluster)` (e.g. simulator/engine/engine_fast.py of this tree and of an older checkout), or
+`native` for this tree's compiled loop (simulator/engine/engine_native.c).
 Prints each version's op-time digest (all must agree: the same simulation), its median and minimum, and
 the median over rounds of its time / the first version's.
 
-    python -m scripts.engine_ab "model=kimi-k2-like,gpus=1024,ep=64" OLD/simulator/engine_fast.py \
-        simulator/engine_fast.py --rounds 8
-    python -m scripts.engine_ab "model=kimi-k2-like,gpus=1024,ep=64" simulator/engine_fast.py native
+    python -m scripts.engine_ab "model=kimi-k2-like,gpus=1024,ep=64" OLD/simulator/engine/engine_fast.py \
+        simulator/engine/engine_fast.py --rounds 8
+    python -m scripts.engine_ab "model=kimi-k2-like,gpus=1024,ep=64" simulator/engine/engine_fast.py native
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import statistics
 import time
 
 from scripts.sim_time import _parse
-from simulator import engine
+from simulator.engine import engine
 from simulator.api import SimConfig, build_programs
 
 
@@ -40,7 +40,7 @@ def digest(cl) -> str:
 
 def load(path: str, k: int):
     if path == "native":
-        from simulator import engine_native
+        from simulator.engine import engine_native
 
         mod = engine_native.load()
         if mod is None:

@@ -19,7 +19,7 @@ def main() -> None:
     ap.add_argument("--layout", default="fsdp-keep")
     args = ap.parse_args()
     from simulator.api import SimConfig, simulate
-    from simulator.hf_config import load_model
+    from simulator.models.hf_config import load_model
 
     whole = load_model(args.model)
     apart = whole.experts_apart()

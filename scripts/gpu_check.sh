@@ -120,7 +120,7 @@ if cpu:
     device, name, dtypes, methods, max_batch, repeats = "cpu", "cpu-dryrun", ("fp32",), ("standard", "gram"), 2, 1
     shapes, numels = [(8, 24), (16, 40)], (1 << 10,)
 else:
-    from simulator.workload import load_workload
+    from simulator.models.workload import load_workload
     device, name, dtypes, methods, max_batch, repeats = "cuda", "h200", ("bf16", "fp16"), (
         "standard", "gram", "gram_sym"), 8, 5
     by_size = lambda s: s[0] * s[0] * s[1]  # noqa: E731

@@ -63,9 +63,9 @@ BASELINES = {"fsdp2_torch_adamw_foreach": "plain_torch_adamw_foreach_1",
 # ---- the model ---------------------------------------------------------------------------------------
 def qwen_dims(workload: str, scale: int) -> dict:
     """hidden, kv, inter, vocab, blocks and the head's tying of a Qwen/Llama-shaped workload of
-    simulator.workload, each dimension divided by `scale` (at least 1)."""
+    simulator.models.workload, each dimension divided by `scale` (at least 1)."""
     from dmuon.errors import InputError
-    from simulator.workload import load_workload
+    from simulator.models.workload import load_workload
 
     params = load_workload(workload).params
     first = {}

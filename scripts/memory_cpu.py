@@ -5,7 +5,7 @@ written to results/validation/memory_cpu.csv (what `harness validate`'s memory_c
     python scripts/memory_cpu.py                      # run them all (one after another)
     python scripts/memory_cpu.py --from-json a.json:LABEL ...   # rows of bench step --json outputs
                                                       # (LABEL: the CPU_RUNS label of that run)
-The modelled columns are recomputed with the current simulator.memory either way.
+The modelled columns are recomputed with the current simulator.models.memory either way.
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ def _rank(rank: int, args, port: int, queue) -> None:
     import torch.distributed as dist
 
     from dmuon import NSConfig
-    from simulator.benchmodel import bench_optimizer, build_bench_model, synthetic_batch
-    from simulator.workload import load_workload
+    from simulator.models.benchmodel import bench_optimizer, build_bench_model, synthetic_batch
+    from simulator.models.workload import load_workload
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks)

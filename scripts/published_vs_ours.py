@@ -1,6 +1,6 @@
 """DMuon's step overhead over AdamW with our schedule and the public implementation's (`system="published"`),
 side by side per layout, and what each mechanism of the published schedule costs there: the overhead with
-every mechanism on less the overhead with that one off (simulator.step_published.MECHANISMS; positive:
+every mechanism on less the overhead with that one off (simulator.programs.step_published.MECHANISMS; positive:
 the public code pays it, i.e. our schedule's change saves it). Then the public README's 128-GPU VLA rows
 (experiments/reference/published_128gpu_vla.csv) against both systems, in points.
 
@@ -17,7 +17,7 @@ import csv
 from pathlib import Path
 
 from simulator.api import SimConfig, simulate
-from simulator.step_published import MECHANISMS
+from simulator.programs.step_published import MECHANISMS
 
 LAYOUTS = ("fsdp-keep", "fsdp-free", "hsdp-keep", "hsdp-free")  # FSDP-Z2, FSDP-Z3, HSDP-Z2, HSDP-Z3
 PUBLIC_NAME = {"fsdp-keep": "FSDP-Z2", "fsdp-free": "FSDP-Z3", "hsdp-keep": "HSDP-Z2", "hsdp-free": "HSDP-Z3"}
@@ -66,7 +66,7 @@ def _traits(workload: str) -> dict:
     """The model's traits the breakdown is read against: AdamW (embedding, head, norms) share of the
     parameters, layers, Muon matrices per layer, and matrices under the public code's 5 M-element merge
     threshold (`SMALL_PARAM_THRESHOLD`)."""
-    from simulator.workload import resolve_workload
+    from simulator.models.workload import resolve_workload
 
     w = resolve_workload(workload, None, False)
     muon = [p for p in w.params if p.optimizer == "muon"]

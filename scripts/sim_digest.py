@@ -16,7 +16,7 @@ import time
 
 from dmuon.io import atomic_write_text
 from simulator.api import SimConfig, run
-from simulator.engine import paused_gc
+from simulator.engine.engine import paused_gc
 
 WORKLOADS = ("qwen2.5-7b", "pi0", "wall-oss", "wall-wm")
 
@@ -42,7 +42,7 @@ def configs(quick: bool) -> list[tuple[str, dict]]:
         ("qwen3-30b-a3b/128/ep16/free", dict(model="qwen3-30b-a3b", gpus=128, ep=16, layout="fsdp-free")),
     ]
     # EP on ddp and sharded (adamw / naive on sharded run as fsdp-keep); adamw / naive on fsdp-keep and
-    # hsdp-keep (their per-rank optimizer elements and tensors: simulator.step_ep._rank_muon)
+    # hsdp-keep (their per-rank optimizer elements and tensors: simulator.programs.step_ep._rank_muon)
     for lay, strategies in (("ddp", ("adamw", "naive", "dmuon")), ("sharded", ("dmuon",)),
                             ("fsdp-keep", ("adamw", "naive")), ("hsdp-keep", ("adamw", "naive", "dmuon"))):
         out += [(f"qwen3-30b-a3b/64/ep8/{lay}/{s}", dict(model="qwen3-30b-a3b", gpus=64, ep=8, layout=lay,

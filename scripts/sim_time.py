@@ -10,7 +10,7 @@ alternating with this one, and the ratio of the totals is printed (the machine's
     python -m scripts.sim_time --cli CONFIG    # the path of `harness simulate` / `harness run` instead
                                                # (simulator.api.run, which also returns the programs)
 "gc" is the CPU time of the garbage collector's passes, inside the total; "loop" the event loop that ran
-(native: simulator/engine_native.c; python: engine_fast; DMUON_SIM_ENGINE=python times the Python one).
+(native: simulator/engine/engine_native.c; python: engine_fast; DMUON_SIM_ENGINE=python times the Python one).
 """
 
 from __future__ import annotations
@@ -31,7 +31,11 @@ def _child(cfg: dict, cli: bool = False) -> None:
     "gc" is the CPU time of the cyclic garbage collector's passes inside the total."""
     import gc
 
-    from simulator import engine, metrics, setup, step
+    from simulator import setup
+
+    from simulator.engine import engine, metrics
+
+    from simulator.programs import step
     from simulator.api import SimConfig, simulate
 
     phases: dict = {"gc": 0.0}

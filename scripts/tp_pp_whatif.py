@@ -8,16 +8,16 @@ parallelism").
 Setting (stated, not measured): H100 profile (simulator/profiles/h100.toml), tp = 8 (one node), global batch
 2,048 sequences of 8,192 tokens (16M tokens: Llama 3 405B's final batch, Dubey et al. 2024,
 arXiv:2407.21783, Sec. 3.4.1) for both models, micro-batch 1 sequence, microbatches = 2048 / dp, FSDP
-over the data-parallel ranks. Grid: pp in 1, 2, 4, 8, 16 and vpp in 1, 2 wherever simulator.parallel
+over the data-parallel ranks. Grid: pp in 1, 2, 4, 8, 16 and vpp in 1, 2 wherever simulator.programs.parallel
 accepts them (pp x vpp dividing the layers or layers + 2, microbatches >= pp, a multiple of pp when
 interleaved), data-parallel layout fsdp-keep or fsdp-free, each with the least recomputation (none,
-selective, full) with which that strategy fits the GPU's memory by simulator.memory.memory_of (for DMuon
+selective, full) with which that strategy fits the GPU's memory by simulator.api.memory_of (for DMuon
 also its largest NS batch, max_batch 8, 2 or 1: the NS workspace of a batch of whole 405B matrices is
 tens of GB; a configuration where nothing fits is left out). Each strategy's best = its shortest
 fitting step; overhead = its best step / AdamW's best step - 1 (best against best).
-Bands: simulator.bands.sensitivity of each strategy at its best configuration, each uncertain input at its low
+Bands: simulator.calibration.bands.sensitivity of each strategy at its best configuration, each uncertain input at its low
 and high end; the overhead (dmuon / adamw - 1) is recomputed at each end and the deviations combined in
-quadrature, as simulator.bands combines a step's. The h100 profile has no [uncertainty] table of its own:
+quadrature, as simulator.calibration.bands combines a step's. The h100 profile has no [uncertainty] table of its own:
 the a800 profile's ranges are borrowed (inter_efficiency, curve_scale, nccl_channels, overlap_slowdown, and
 fwd / bwd_tflops as relative fit residuals; the NIC's absolute A800 range is left out: the H100 NICs are
 the datasheet's 8 x 400 Gb/s), each source saying so.
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dmuon.errors import InputError  # noqa: E402
 from simulator.api import SimConfig, memory_of, simulate  # noqa: E402
-from simulator.bands import sensitivity  # noqa: E402
-from simulator.hardware import load_profile  # noqa: E402
+from simulator.calibration.bands import sensitivity  # noqa: E402
+from simulator.fabric.hardware import load_profile  # noqa: E402
 
 SEQUENCES, SEQ_LEN = 2048, 8192
 MODELS = {"70b": "llama-3.1-70b", "405b": "llama-3.1-405b"}
@@ -90,7 +90,7 @@ def overhead_band(cfgs: dict) -> tuple[float, float, float, float]:
 
 def best_fitting(model: str, gpus: int, profile, strategy: str, lay: dict):
     """(config, SimResult) of `strategy` on layout `lay`: per data-parallel layout (fsdp-keep, fsdp-free)
-    the least recomputation with which it fits (simulator.memory), the faster of the two; None if none
+    the least recomputation with which it fits (simulator.models.memory), the faster of the two; None if none
     fits."""
     out = None
     for dp_layout in DP_LAYOUTS:

@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field, fields
 from dmuon.errors import InputError, choice_error
 
 from .costs import load_cost, thread_cost_for
-from .step import DTYPE_BYTES, LAYOUTS, STRATEGIES
-from .step_split import SPLIT_EXCHANGES
+from simulator.programs.step import DTYPE_BYTES, LAYOUTS, STRATEGIES
+from simulator.programs.step_split import SPLIT_EXCHANGES
 
 BALANCERS = ("round_robin", "lpt", "milp")
 NS_METHODS = ("standard", "standard_sym", "gram", "gram_sym", "auto")
@@ -42,20 +42,20 @@ def _f(default, help: str, **kw):
 class SimConfig:
     """One simulated configuration. Every field has help text in its metadata (`SimConfig.help()`)."""
 
-    workload: object = _f("qwen2.5-7b", "catalog name, a .toml / .csv path, or a simulator.workload.Workload")
+    workload: object = _f("qwen2.5-7b", "catalog name, a .toml / .csv path, or a simulator.models.workload.Workload")
     gpus: int = _f(8, "data-parallel ranks (GPUs, or processes on a CPU)")
     gpus_per_node: int | None = _f(None, "ranks per node (None: the profile's node size); gpus must be "
                                          "<= it (one node) or a multiple of it")
     gpu: object = _f("a800", "hardware profile: a name in simulator/profiles/ (a800, h100, h200, cpu), a "
-                             ".toml path, or a simulator.hardware.Profile; with `cluster`, anything but the "
+                             ".toml path, or a simulator.fabric.hardware.Profile; with `cluster`, anything but the "
                              "default 'a800' replaces the cluster file's GPU profile")
     model: str | None = _f(None, "a Hugging Face config.json (path, folder holding one, or a model in "
-                                 "experiments/models/); replaces `workload` (simulator.hf_config)")
+                                 "experiments/models/); replaces `workload` (simulator.models.hf_config)")
     per_head: bool = _f(False, "with `model`: q / k / v / o cut into one matrix per attention head, as "
                                "DMuon(model, per_head=True) runs them (dmuon.params.decide)")
     cluster: str | None = _f(None, "a cluster file (experiments/clusters/<name> or a .toml path: GPU "
                                    "profile, GPUs per node, NVLink, NICs, rails); gpus_per_node, nic_gbps "
-                                   "and overlap_slowdown, where set, override it (simulator.cluster_file)")
+                                   "and overlap_slowdown, where set, override it (simulator.fabric.cluster_file)")
     strategy: str = _f("dmuon", "adamw | naive | dmuon")
     layout: str = _f("fsdp-keep", "fsdp-keep | fsdp-free | hsdp-keep | hsdp-free | ddp | sharded")
     seq_len: int = _f(2048, "tokens per sequence")
@@ -101,10 +101,10 @@ class SimConfig:
     naive_batching: bool = _f(False, "naive: one batched NS call per matrix shape, as dmuon.NaiveMuon runs "
                                      "it (False: one call per matrix, the published FSDP2+Muon baseline)")
     max_batch: int = _f(8, "dmuon: largest NS batch")
-    ep: int = _f(1, "expert parallelism degree (simulator.step_ep): each rank holds experts / ep of every "
+    ep: int = _f(1, "expert parallelism degree (simulator.programs.step_ep): each rank holds experts / ep of every "
                     "MoE "
                     "layer, experts sharded / reduced over their gpus / ep replica group, token all-to-alls "
-                    "over ep consecutive ranks; 1 = none. Every layout (simulator.step_ep)")
+                    "over ep consecutive ranks; 1 = none. Every layout (simulator.programs.step_ep)")
     max_split: int = _f(1, "dmuon: largest owner group of one batch (split NS over 2, 4, ... ranks up to "
                            "it, where the plan finds it pays; 1 = one owner per batch, the paper's design)")
     split_exchange: str = _f("lead", "dmuon, split batches: lead (as the runtime: the lead holds gradient, "
@@ -119,12 +119,12 @@ class SimConfig:
                             "its p90 (0 = none)")
     jitter_steps: int = _f(8, "steps sampled when jitter > 0 (after one warm-up step)")
     seed: int = _f(0, "seed of the jitter draws")
-    # ---- memory model (simulator.memory): activations recomputation and the master weights' dtype ----
+    # ---- memory model (simulator.models.memory): activations recomputation and the master weights' dtype ----
     recompute: str = _f("none", "activation recomputation: none | selective (Korthikanti et al. 2022: the "
                                 "attention core) | full (every layer's input only)")
     param_dtype: str = _f("fp32", "dtype of master weights, gradients (FSDP: sharded) and replicated "
                                   "parameters: bf16 | fp16 | fp32 (compute copies in the profile's dtype)")
-    # ---- tensor / sequence / pipeline parallelism (simulator.parallel, simulator.parallel_run) ----
+    # ---- tensor / sequence / pipeline parallelism (simulator.programs.parallel, simulator.programs.parallel_run) ----
     tp: int = _f(1, "tensor-parallel degree: each matrix cut over tp GPUs of a node (Megatron column / row "
                     "split), 2 all-reduces per layer forward and 2 backward on NVLink; 1 = none")
     pp: int = _f(1, "pipeline-parallel degree: the transformer layers in pp stages (embeddings on the first, "
@@ -136,15 +136,15 @@ class SimConfig:
     microbatches: int | None = _f(None, "micro-batches of micro_batch sequences per step and DP rank (None: "
                                         "1 without pp, else 4 x pp); >= pp with pp > 1")
     # `recompute` (the memory model's field above) also sets the time: full re-runs the forward in backward,
-    # selective the attention core (simulator.parallel_run)
+    # selective the attention core (simulator.programs.parallel_run)
     plan: object = _f(None, "a dmuon.plan.Plan built elsewhere (e.g. by the runtime); None: build_plan")
-    # issue 28: the public implementation's schedule beside ours (simulator.step_published)
+    # issue 28: the public implementation's schedule beside ours (simulator.programs.step_published)
     system: str = _f("ours", "ours (this project's runtime) | published (the public implementation's "
-                             "schedule, X-Square-Robot/dmuon: simulator.step_published)")
-    published_off: tuple = _f((), "system published: its mechanisms to turn off (simulator.step_published."
+                             "schedule, X-Square-Robot/dmuon: simulator.programs.step_published)")
+    published_off: tuple = _f((), "system published: its mechanisms to turn off (simulator.programs.step_published."
                                   "MECHANISMS), e.g. ('fwd_prefetch',)")
     published_on: tuple = _f((), "system published: public modes that are not its runs' defaults to turn "
-                                 "on (simulator.step_published.OPT_IN: sync_publish)")
+                                 "on (simulator.programs.step_published.OPT_IN: sync_publish)")
     cost: object = _f(None, "a dmuon CostTable (or any object with ns_time / elementwise_time); None: "
                             "CostTable.load(profile.cost_profile)")
 
@@ -182,9 +182,9 @@ class SimResult:
     provenance: dict
     notes: tuple[str, ...]
     step_p90_s: float = 0.0  # p90 of the sampled steps with jitter (= step_s without)
-    peak_mem_gib: float = 0.0  # simulator.memory: peak memory of the busiest rank over the step
+    peak_mem_gib: float = 0.0  # simulator.models.memory: peak memory of the busiest rank over the step
     mem_fits: bool = True  # peak_mem_gib within the profile's memory_gib (per rank)
-    memory: dict = field(default_factory=dict)  # simulator.memory.MemoryBreakdown.to_dict()
+    memory: dict = field(default_factory=dict)  # simulator.models.memory.MemoryBreakdown.to_dict()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -224,11 +224,11 @@ def validate_config(cfg: SimConfig) -> None:
     _check_int("max_batch", cfg.max_batch)
     _check_int("max_split", cfg.max_split, maximum=MAX_GPUS)
     _check_int("ep", cfg.ep, maximum=MAX_GPUS)
-    from .parallel import check_fields
+    from simulator.programs.parallel import check_fields
 
     check_fields(cfg)  # tp, pp, vpp, sp, microbatches, recompute
     if cfg.ep > 1:
-        from .step_ep import EP_LAYOUTS
+        from simulator.programs.step_ep import EP_LAYOUTS
 
         if cfg.gpus % cfg.ep:
             raise InputError(f"ep={cfg.ep} does not divide gpus={cfg.gpus}; accepted: a divisor of the GPU "
@@ -237,7 +237,7 @@ def validate_config(cfg: SimConfig) -> None:
             raise InputError(f"ep > 1 runs with layout {' | '.join(EP_LAYOUTS)}, got {cfg.layout!r}")
         if cfg.max_split > 1:
             raise InputError("max_split > 1 is not supported with ep > 1; accepted: max_split=1")
-    from .memory_activations import RECOMPUTE
+    from simulator.models.memory_activations import RECOMPUTE
 
     if cfg.recompute not in RECOMPUTE:
         raise choice_error("recompute", cfg.recompute, RECOMPUTE)
@@ -281,7 +281,7 @@ def validate_config(cfg: SimConfig) -> None:
         raise InputError(f"nic_gbps must be a positive number (Gbit/s per node), got {cfg.nic_gbps!r}")
     _check_number("overlap_slowdown", cfg.overlap_slowdown, positive=False, what=" (0 = no slowdown)")
     _check_number("milp_time_limit_s", cfg.milp_time_limit_s, positive=True, none_ok=False, what=" seconds")
-    from .step_published import published_mechanisms
+    from simulator.programs.step_published import published_mechanisms
 
     published_mechanisms(cfg.system, cfg.published_off, cfg.published_on)
 
@@ -300,12 +300,12 @@ def node_shape(gpus: int, gpus_per_node: int) -> tuple[int, int]:
 
 
 def profile_of(cfg: SimConfig):
-    """The hardware profile `cfg` runs on: its cluster file (simulator.cluster_file) or its gpu profile,
+    """The hardware profile `cfg` runs on: its cluster file (simulator.fabric.cluster_file) or its gpu profile,
     then the config's nic_gbps and overlap_slowdown overrides."""
-    from .hardware import Profile, load_profile
+    from simulator.fabric.hardware import Profile, load_profile
 
     if cfg.cluster is not None:
-        from .cluster_file import load_cluster
+        from simulator.fabric.cluster_file import load_cluster
 
         gpu = None if isinstance(cfg.gpu, str) and cfg.gpu == SimConfig.gpu else cfg.gpu
         profile = load_cluster(cfg.cluster, gpu)
@@ -320,32 +320,32 @@ def profile_of(cfg: SimConfig):
 
 def simulate(cfg: SimConfig) -> SimResult:
     """Simulate `cfg` (2 steps, the second reported). Deterministic: same config -> same result. The garbage
-    collector stays paused until the ops are freed (simulator.engine.paused_gc: a MoE run's ~10^6 ops would
+    collector stays paused until the ops are freed (simulator.engine.engine.paused_gc: a MoE run's ~10^6 ops would
     otherwise be walked by a full collection once it resumes)."""
-    from .engine import paused_gc
+    from simulator.engine.engine import paused_gc
 
     with paused_gc():
         return run(cfg, all_ranks=False)[0]
 
 
 def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
-    """(SimResult, the finished simulator.step.Built) — the trace writer needs the second. all_ranks=False:
+    """(SimResult, the finished simulator.programs.step.Built) — the trace writer needs the second. all_ranks=False:
     ranks with identical programs are simulated once (the same result, faster; the trace then holds only
     those ranks). _execute=False: (None, the Built not run yet): `build_programs`."""
-    from .engine import paused_gc
-    from .metrics import measure
+    from simulator.engine.engine import paused_gc
+    from simulator.engine.metrics import measure
     from .setup import make_spec
-    from .step import build
+    from simulator.programs.step import build
 
     validate_config(cfg)
-    from .parallel import is_parallel
+    from simulator.programs.parallel import is_parallel
 
-    if is_parallel(cfg):  # TP x PP x DP (simulator.parallel_run): no single step program to return
+    if is_parallel(cfg):  # TP x PP x DP (simulator.programs.parallel_run): no single step program to return
         if not _execute or all_ranks:
             raise InputError("traces and built programs are for data-parallel steps; accepted: tp=pp=1, one "
                              "micro-batch, recompute none")
-        from .parallel_run import run_parallel
-        from .workload import resolve_workload
+        from simulator.programs.parallel_run import run_parallel
+        from simulator.models.workload import resolve_workload
 
         profile = profile_of(cfg)
         per_node_cap = cfg.gpus_per_node or profile.gpus_per_node
@@ -353,10 +353,13 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
         out = run_parallel(cfg, resolve_workload(cfg.workload, cfg.model, cfg.per_head), profile, per_node, run)
         settings = {k: v for k, v in asdict_shallow(cfg).items() if k not in ("workload", "plan", "cost", "gpu")}
         out["settings"] = {**settings, "nodes": nodes, "ranks_per_node": per_node, **out["settings"]}
-        out.update(_memory_fields(cfg, None))  # simulator.memory: tp, pp, vpp, microbatches, recompute
+        out.update(_memory_fields(cfg, None))  # simulator.models.memory: tp, pp, vpp, microbatches, recompute
         return SimResult(gpus=cfg.gpus, gpus_per_node=per_node_cap, strategy=cfg.strategy, layout=cfg.layout,
                          **out), None
-    from .workload import resolve_workload
+    from simulator.engine.symmetry import enabled
+    from simulator.models.workload import resolve_workload
+
+    all_ranks = all_ranks or not enabled()  # DMUON_SIM_SYMMETRY=off: every rank (simulator.engine.symmetry)
 
     workload = resolve_workload(cfg.workload, cfg.model, cfg.per_head)
     profile = profile_of(cfg)
@@ -368,10 +371,10 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
     cost = cfg.cost if cfg.cost is not None else load_cost(profile.cost_profiles)
     thread_cost = thread_cost_for(profile, cfg) if cfg.cost is None else None
     spec, info = make_spec(cfg, workload, profile, cost, per_node, thread_cost)
-    spec.sm_share = profile.sm_share  # SMs an NCCL collective holds (simulator.engine)
+    spec.sm_share = profile.sm_share  # SMs an NCCL collective holds (simulator.engine.engine)
     if cfg.jitter > 0:  # stragglers: every rank draws its own times, so every rank is simulated
         spec.steps, all_ranks = 1 + cfg.jitter_steps, True
-    with paused_gc():  # one pause for building, running and reading the ops (simulator.engine.paused_gc)
+    with paused_gc():  # one pause for building, running and reading the ops (simulator.engine.engine.paused_gc)
         built = build(spec, overlap_slowdown=profile.overlap_slowdown,
                       comm_overlap_slowdown=profile.comm_overlap_slowdown, all_ranks=all_ranks,
                       jitter=(cfg.jitter, cfg.seed))
@@ -404,12 +407,12 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
 
 
 def memory_of(cfg: SimConfig, plan=None, **kw):
-    """Memory per rank of `cfg` without simulating the step (simulator.memory.memory_of): a
+    """Memory per rank of `cfg` without simulating the step (simulator.models.memory.breakdown): a
     MemoryBreakdown with .peak_bytes, .peak_gib, .fits, .capacity_bytes, .gib() and one field per part.
     Stable API for layout searches: cheap (no plan is built; DMuon owners balanced by elements unless
-    `plan` or cfg.plan gives them). kw: simulator.memory.breakdown's recompute / loss_fp32 / free."""
-    from .memory import breakdown
-    from .workload import resolve_workload
+    `plan` or cfg.plan gives them). kw: simulator.models.memory.breakdown's recompute / loss_fp32 / free."""
+    from simulator.models.memory import breakdown
+    from simulator.models.workload import resolve_workload
 
     validate_config(cfg)
     profile = profile_of(cfg)
@@ -419,13 +422,13 @@ def memory_of(cfg: SimConfig, plan=None, **kw):
 
 
 def _memory_fields(cfg: SimConfig, plan) -> dict:
-    """SimResult's memory fields: simulator.memory of the plan the step ran."""
+    """SimResult's memory fields: simulator.models.memory of the plan the step ran."""
     mem = memory_of(cfg, plan)
     return {"peak_mem_gib": mem.peak_gib, "mem_fits": mem.fits, "memory": mem.to_dict()}
 
 
 def build_programs(cfg: SimConfig, all_ranks: bool = True):
-    """The simulator.step.Built that `run(cfg, all_ranks)` would run, built and not run (its cluster's
+    """The simulator.programs.step.Built that `run(cfg, all_ranks)` would run, built and not run (its cluster's
     `run()` gives the same op times): for timing or comparing event loops on one graph."""
     return run(cfg, all_ranks, _execute=False)[1]
 

@@ -3,7 +3,8 @@
 `load_cost(names)` loads the first of a profile's cost tables that dmuon's CostTable can read;
 `thread_cost_for(profile, cfg)` the table measured at cfg.cpu_threads threads (CPU profiles);
 `plan_for(...)` is `dmuon.plan.build.build_plan`, once per distinct input, so that the adamw / naive /
-dmuon rows of one sweep point (run in one worker, harness.runners) never solve the same MILP twice.
+dmuon rows of one sweep point (run in one worker, harness.runners) never solve the same MILP twice;
+`tp_plan_for(...)` is `dmuon.plan.tp.build_tp_plan`, cached the same way.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def plan_for(matrices, world_size: int, cost, *, balancer: str, method: str, dty
              max_batch: int, bucket_numel: int, time_limit_s: float, max_split: int = 1, links=None,
              ep: int = 1, owner_momentum: bool = True, orientation=False):
     """build_plan once per distinct input (cached in this process). links (max_split > 1): a
-    `simulator.split_links.SimulatorLinks`, keyed by its network, node size and ring choice.
+    `simulator.programs.split_links.SimulatorLinks`, keyed by its network, node size and ring choice.
     orientation: build_plan's (`simulator.setup.orientation_of`; not with ep > 1, as the runtime)."""
     link_key = None
     if max_split > 1 and links is not None:
@@ -70,6 +71,21 @@ def plan_for(matrices, world_size: int, cost, *, balancer: str, method: str, dty
     return _PLANS[key][-1]
 
 
+def tp_plan_for(matrices, world_size: int, cost, *, tp: int, shard_dims, method: str, dtype: str, links,
+                wire_bytes: int, bucket_numel: int):
+    """`dmuon.plan.tp.build_tp_plan` once per distinct input (cached in this process; the simulator's TP
+    stages, simulator.programs.parallel_dmuon, and `harness plan --tp` ask for it)."""
+    key = ("tp", tuple(matrices), world_size, id(cost), tp, tuple(shard_dims), method, dtype, id(links),
+           wire_bytes, bucket_numel)
+    if key not in _PLANS:
+        from dmuon.plan.tp import build_tp_plan
+
+        plan = build_tp_plan(matrices, world_size, cost, tp=tp, shard_dims=shard_dims, method=method,
+                             dtype=dtype, links=links, wire_bytes=wire_bytes, bucket_numel=bucket_numel)
+        _PLANS[key] = (cost, links, plan)
+    return _PLANS[key][-1]
+
+
 def thread_cost_for(profile, cfg):
     """CPU profiles with cfg.cpu_threads > 1: the cost table measured at that many threads per call
     (`harness profile --threads T` saved as <cost profile>-t<T>), or None where there is none (then
@@ -84,4 +100,4 @@ def thread_cost_for(profile, cfg):
     return load_cost(found[0]) if found else None
 
 
-__all__ = ["load_cost", "plan_for", "thread_cost_for"]
+__all__ = ["load_cost", "plan_for", "thread_cost_for", "tp_plan_for"]

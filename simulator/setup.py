@@ -1,7 +1,7 @@
 """From a config to the numbers a step program runs on: layer times, NS costs, the plan, provenance.
 
 `make_spec` resolves a `SimConfig` against a workload, a hardware profile and a cost table into a
-`simulator.step.StepSpec`, and says where every input came from (measured / fitted / modelled).
+`simulator.programs.step.StepSpec`, and says where every input came from (measured / fitted / modelled).
 For dmuon the plan is `dmuon.plan.build.build_plan`'s (once per distinct input) or the one the config
 carries (a Plan built elsewhere, e.g. by the runtime): the simulator never re-derives owners, batches or
 buckets.
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dmuon.errors import InputError
 
-from .compute import layer_times
+from simulator.models.compute import layer_times
 from .costs import plan_for
-from .step import DTYPE_BYTES, StepSpec
+from simulator.programs.step import DTYPE_BYTES, StepSpec
 
 
 def _check_plan(plan, matrices, world: int) -> None:
@@ -82,7 +82,7 @@ def profile_pricer(name: str):
     """`elementwise_pricer` of hardware profile `name` as `harness simulate --gpu NAME` prices a pass at
     speed 1 on one thread without contention (its first loadable cost table, its elementwise_scale)."""
     from .costs import load_cost
-    from .hardware import load_profile
+    from simulator.fabric.hardware import load_profile
 
     profile = load_profile(name)
     return elementwise_pricer(load_cost(profile.cost_profiles), profile, profile.elementwise_scale)
@@ -117,8 +117,13 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
         else:
             layer_adamw[p.layer] += p.numel
             layer_adamw_tensors[p.layer] += 1
+    heads = hidden = None
+    if profile.activation_rw_passes:  # memory-bound passes (simulator.models.compute): the model's heads and width
+        from simulator.programs.parallel import hidden_of, model_heads
+
+        heads, hidden = (model_heads(cfg.model) or (None,))[0], hidden_of(workload)
     times = [(f * k, b * k) for f, b in layer_times(workload, profile, cfg.seq_len, cfg.micro_batch, per_node,
-                                                     cfg.cpu_threads)]
+                                                     cfg.cpu_threads, heads=heads, hidden=hidden or 0)]
 
     ns_answers = {}
     naive_methods = [cfg.naive_ns_method]
@@ -144,14 +149,14 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
     elementwise_s = elementwise_pricer(priced, profile, profile.elementwise_scale * ew_stretch, ew_answers)
 
     ep = None
-    if cfg.ep > 1:  # expert parallelism (simulator.step_ep): placement, all-to-all bytes, expert compute
-        from .step_ep import ep_spec
+    if cfg.ep > 1:  # expert parallelism (simulator.programs.step_ep): placement, all-to-all bytes, expert compute
+        from simulator.programs.step_ep import ep_spec
 
         ep = ep_spec(workload, muon, cfg.ep, cfg.seq_len, cfg.micro_batch, profile,
                      profile.contention(per_node, cfg.cpu_threads) * k, DTYPE_BYTES[profile.dtype])
         ns_naive_local = [t for t, w in zip(ns_naive, ep.muon_ep, strict=True) if w in (None, 0)]
     network = profile.network_for(per_node, k if profile.cpu_cores else 1.0)
-    from .step_published import published_mechanisms  # issue 28: system 'published'
+    from simulator.programs.step_published import published_mechanisms  # issue 28: system 'published'
 
     published = (published_mechanisms(cfg.system, cfg.published_off, cfg.published_on)
                  if cfg.strategy == "dmuon" else frozenset())
@@ -170,8 +175,8 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
             plan = cfg.plan
         else:  # planned from the table of this thread count, as the runtime plans (runtime.planning)
             links = None
-            if cfg.max_split > 1:  # owner groups priced on this step's network (simulator.split_links)
-                from .split_links import SimulatorLinks
+            if cfg.max_split > 1:  # owner groups priced on this step's network (simulator.programs.split_links)
+                from simulator.programs.split_links import SimulatorLinks
 
                 links = SimulatorLinks(network, per_node, hierarchical=cfg.hierarchical,
                                        source=f"simulator profile {profile.name} network")
@@ -234,7 +239,7 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
         info["notes"].append(f"expert parallelism ep={cfg.ep}: experts {how} over their "
                              f"{cfg.gpus // cfg.ep}-rank replica group, 2 + 2 token all-to-alls per MoE "
                              "layer "
-                             "over the EP group (simulator.step_ep); ASSUMPTION: balanced routing")
+                             "over the EP group (simulator.programs.step_ep); ASSUMPTION: balanced routing")
     if len({p.component for p in workload.params}) > 1:
         info["notes"].append("ASSUMPTION: every token passes through every component (per-component token "
                              "counts are not public)")

@@ -19,7 +19,7 @@ def sim_engine(request, monkeypatch):
     """Each simulator event loop in turn (DMUON_SIM_ENGINE): engine_fast's Python loop and the compiled
     one; skipped for native where it cannot be built here (no C compiler or Python headers)."""
     from dmuon.errors import InputError
-    from simulator import engine_native
+    from simulator.engine import engine_native
 
     monkeypatch.setenv("DMUON_SIM_ENGINE", request.param)
     if request.param == "native":

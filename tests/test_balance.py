@@ -232,7 +232,7 @@ def test_milp_falls_back_to_lpt_loudly_without_a_solver(monkeypatch):
 
 
 def test_milp_at_128_ranks_is_valid():
-    from simulator.workload import load_workload
+    from simulator.models.workload import load_workload
 
     mats = load_workload("wall-wm").muon_matrices
     plan = build_plan(mats, 128, A800, balancer="milp", time_limit_s=3)

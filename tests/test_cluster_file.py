@@ -1,4 +1,4 @@
-"""Cluster files (simulator.cluster_file): the shipped examples, how they map onto the hardware model,
+"""Cluster files (simulator.fabric.cluster_file): the shipped examples, how they map onto the hardware model,
 overrides by the config / CLI, errors, and the `cluster` / `model` keys in experiment files."""
 
 import json
@@ -10,8 +10,8 @@ from harness.cli import main
 from harness.experiment import expand, load_experiment
 from harness.sweep import run_sweep
 from simulator.api import SimConfig, profile_of, simulate
-from simulator.cluster_file import cluster_names, load_cluster
-from simulator.hardware import load_profile
+from simulator.fabric.cluster_file import cluster_names, load_cluster
+from simulator.fabric.hardware import load_profile
 
 GOOD = """
 name = "mine"
@@ -34,7 +34,7 @@ def _file(tmp_path, text: str):
 def test_shipped_clusters_are_labelled_and_cited():
     import tomllib
 
-    from simulator.cluster_file import CLUSTERS_DIR
+    from simulator.fabric.cluster_file import CLUSTERS_DIR
 
     assert {"a800-hdr", "h100-ndr", "gb200-nvl72-like"} <= set(cluster_names())
     for name in cluster_names():

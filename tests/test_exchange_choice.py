@@ -1,5 +1,5 @@
 """The "auto" owner-exchange choice (dmuon.runtime.exchange.choose_mode): cost-based, one rule for the
-runtime (units.auto_mode) and the simulator's owner exchange (simulator.step_comm.owner_coll)."""
+runtime (units.auto_mode) and the simulator's owner exchange (simulator.programs.step_comm.owner_coll)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_device_table_and_bad_input():
 def test_simulator_picks_what_the_runtime_would(gpu, gpus, layout):
     """Every bucket of a simulated DMuon step is exchanged in the mode units.auto_mode picks for the same
     bucket (its owners and sizes), given the fabric estimate the simulator prices with."""
-    from simulator import step_comm
+    from simulator.programs import step_comm
     from simulator.api import SimConfig, run
 
     seen = []
@@ -125,11 +125,11 @@ def test_simulator_picks_what_the_runtime_would(gpu, gpus, layout):
 
 def test_two_level_owner_inter_phase_picks_its_protocol():
     """The inter phase of a two-level owner broadcast is its own NCCL call: NCCL's tuner picks the
-    cheaper protocol, as for a flat ring (simulator.collectives)."""
+    cheaper protocol, as for a flat ring (simulator.fabric.collectives)."""
     from dataclasses import replace
 
-    from simulator.collectives import Group, _inter_bw_s, _intra, collective_time_s
-    from simulator.hardware import load_profile
+    from simulator.fabric.collectives import Group, _inter_bw_s, _intra, collective_time_s
+    from simulator.fabric.hardware import load_profile
 
     net = load_profile("a800").network
     simple = replace(net, protocols=())

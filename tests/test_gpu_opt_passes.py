@@ -15,7 +15,7 @@ import pytest
 from dmuon.errors import InputError
 from scripts import gpu_opt_passes as gop
 from simulator.setup import profile_pricer
-from simulator.workload import load_workload
+from simulator.models.workload import load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALE = 32

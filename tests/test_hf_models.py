@@ -54,7 +54,7 @@ def config_dict(family: str) -> dict:
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_runtime_routing_equals_simulator_routing(family, per_head):
     from dmuon.params import route
-    from simulator.hf_config import workload_from_config
+    from simulator.models.hf_config import workload_from_config
 
     model, cfg = build(family)
     routes = route(model, per_head=per_head)

@@ -1,15 +1,15 @@
-"""Hugging Face config.json models (simulator.hf_config): totals of the shipped configs against the model
+"""Hugging Face config.json models (simulator.models.hf_config): totals of the shipped configs against the model
 cards, shapes of small hand-computed configs, errors, and simulating one."""
 
 import json
 
 import pytest
 
-import simulator.step as step_module
+import simulator.programs.step as step_module
 from dmuon.errors import InputError
 from harness.cli import main
 from simulator.api import SimConfig, simulate
-from simulator.hf_config import (
+from simulator.models.hf_config import (
     FAMILIES,
     active_params,
     flops_per_token,
@@ -19,7 +19,7 @@ from simulator.hf_config import (
     n_params,
     workload_from_config,
 )
-from simulator.workload import load_workload
+from simulator.models.workload import load_workload
 
 # Published totals (experiments/models/README.md says where each comes from). n_params(mtp=False): the
 # main model; DeepSeek-V3's 671B excludes its 14B multi-token-prediction module, 685B includes it.

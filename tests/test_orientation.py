@@ -17,7 +17,7 @@ from dmuon.newton_schulz import NSConfig
 from dmuon.plan.build import build_plan
 from dmuon.plan.types import MatrixSpec, Plan
 from dmuon.runtime.planning import ConfigCost, FlopCost, tall_as_is_shapes
-from simulator.workload import load_workload
+from simulator.models.workload import load_workload
 
 BENCH = ("qwen2.5-7b", 1 / 16, 4)  # the bench model of `harness bench step` (workload, width scale, blocks)
 
@@ -109,7 +109,7 @@ def test_the_runtime_asks_for_orientation_where_its_ns_runs_tall_matrices_as_the
 def _count_calls(rank, world_size, cases):
     """Per case: NS calls of each step (orthogonalize patched to count) and this rank's plan batches."""
     import dmuon.runtime.base as base
-    from simulator.benchmodel import bench_optimizer, build_bench_model, synthetic_batch
+    from simulator.models.benchmodel import bench_optimizer, build_bench_model, synthetic_batch
 
     calls = [0]
     real = base.orthogonalize

@@ -10,7 +10,7 @@ from dmuon.plan.build import build_plan, make_buckets
 from dmuon.plan.cost import CostTable
 from dmuon.plan.types import Plan
 from harness.cli import main
-from simulator.workload import load_workload
+from simulator.models.workload import load_workload
 
 A800 = CostTable.load("a800")
 

@@ -11,7 +11,7 @@ from dmuon.plan.cost import CostTable
 from dmuon.plan.momentum import MOMENTUM_OP, momentum_time
 from dmuon.plan.types import Plan
 from simulator.api import SimConfig, simulate
-from simulator.workload import load_workload
+from simulator.models.workload import load_workload
 
 A800 = CostTable.load("a800")
 

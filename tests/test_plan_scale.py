@@ -133,7 +133,7 @@ def test_capped_lpt_matches_the_scan(seed):
 
 
 def test_biggest_moe_plans_by_lpt_in_seconds():
-    from simulator.workload import load_workload
+    from simulator.models.workload import load_workload
 
     # every expert matrix its own entry (as expert parallelism plans them): the planner's largest input
     mats = load_workload("experiments/models/kimi-k2-like").experts_apart().muon_matrices

@@ -20,7 +20,7 @@ from workloads import TINY
 from dmuon.errors import InputError
 from harness.cli import main
 from harness.runners import RUNNERS
-from simulator.workload import load_workload
+from simulator.models.workload import load_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 

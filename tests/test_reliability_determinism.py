@@ -10,7 +10,7 @@ import pytest
 
 from dmuon.plan.build import build_plan
 from dmuon.plan.cost import CostTable
-from simulator.workload import load_workload
+from simulator.models.workload import load_workload
 
 A800 = CostTable.load("a800")
 

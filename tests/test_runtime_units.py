@@ -117,8 +117,8 @@ def test_backward_tracker_launches_in_order_once_per_backward():
 
 def test_bench_model_has_the_workload_shapes_and_routing():
     from dmuon.params import route
-    from simulator.benchmodel import build_bench_model, synthetic_batch
-    from simulator.workload import load_workload
+    from simulator.models.benchmodel import build_bench_model, synthetic_batch
+    from simulator.models.workload import load_workload
 
     w = load_workload("qwen2.5-7b").scaled(1 / 32, blocks=2)
     model = build_bench_model(w)
@@ -135,8 +135,8 @@ def test_bench_model_has_the_workload_shapes_and_routing():
 
 def test_bench_model_rejects_workloads_that_are_not_decoders():
     from dmuon.errors import InputError
-    from simulator.benchmodel import decoder_spec
-    from simulator.workload import load_workload
+    from simulator.models.benchmodel import decoder_spec
+    from simulator.models.workload import load_workload
 
     with pytest.raises(InputError, match="decoder-only"):
         decoder_spec(load_workload("pi0"))

@@ -1,4 +1,4 @@
-"""Error bands and sensitivity over the profile's uncertain inputs (simulator.bands, harness sensitivity)."""
+"""Error bands and sensitivity over the profile's uncertain inputs (simulator.calibration.bands, harness sensitivity)."""
 
 import dataclasses
 
@@ -7,8 +7,8 @@ import pytest
 from dmuon.errors import InputError
 from harness.cli import main
 from simulator.api import SimConfig
-from simulator.bands import INPUTS, bands, ranges, sensitivity
-from simulator.hardware import load_profile
+from simulator.calibration.bands import INPUTS, bands, ranges, sensitivity
+from simulator.fabric.hardware import load_profile
 
 CFG = SimConfig(workload="qwen2.5-1.5b", gpus=16, strategy="dmuon")
 

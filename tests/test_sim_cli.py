@@ -6,7 +6,7 @@ import pytest
 
 from harness.cli import main
 from simulator.api import SimConfig, run
-from simulator.trace import write_trace
+from simulator.engine.trace import write_trace
 
 KEYS = {"workload", "gpus", "strategy", "layout", "step_s", "forward_s", "backward_s", "optimizer_s",
         "exposed_comm_s", "tokens_per_s", "profile", "comm_bytes_per_rank", "ns_makespan_s", "provenance"}

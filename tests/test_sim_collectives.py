@@ -5,7 +5,7 @@ import math
 import pytest
 
 from dmuon.errors import InputError
-from simulator.collectives import (
+from simulator.fabric.collectives import (
     KINDS,
     BandwidthCurve,
     Group,
@@ -13,7 +13,7 @@ from simulator.collectives import (
     bytes_per_rank,
     collective_time_s,
 )
-from simulator.hardware import load_profile, profile_names
+from simulator.fabric.hardware import load_profile, profile_names
 
 B_NV = 100e9  # flat intra-node busbw for the closed-form checks
 BASE, A_NV, A_IB = 8e-6, 3e-6, 15e-6
@@ -151,7 +151,7 @@ def test_profile_errors(tmp_path):
         load_profile("b200")
     import re
 
-    from simulator.hardware import PROFILE_DIR
+    from simulator.fabric.hardware import PROFILE_DIR
 
     bad = tmp_path / "bad.toml"
     bad.write_text(re.sub(r"^fwd_tflops = .*$", "fwd_tflops = 202.0", (PROFILE_DIR / "a800.toml").read_text(),

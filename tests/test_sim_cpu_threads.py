@@ -8,7 +8,7 @@ import pytest
 
 from dmuon.errors import InputError
 from simulator.api import SimConfig, simulate
-from simulator.hardware import PROFILE_DIR, load_profile
+from simulator.fabric.hardware import PROFILE_DIR, load_profile
 
 
 def test_contention_interpolates_measured_speedups_and_coruns():
@@ -52,7 +52,7 @@ BENCH = dict(gpu="cpu", layout="ddp", seq_len=128, micro_batch=2, ns_method="aut
 
 
 def _bench_workload():
-    from simulator.workload import load_workload
+    from simulator.models.workload import load_workload
 
     return load_workload("qwen2.5-7b").scaled(1 / 16, 4)
 
@@ -142,8 +142,8 @@ def test_interference_keys_are_read_and_validated(tmp_path):
 
 
 def test_closed_loop_runs_at_the_probed_speed():
-    from simulator.compute import layer_times
-    from simulator.validate import BenchRow, closed_loop, speed_scale_of
+    from simulator.models.compute import layer_times
+    from simulator.validation.validate import BenchRow, closed_loop, speed_scale_of
 
     cpu = load_profile("cpu")
     model = sum(f + b for f, b in layer_times(_bench_workload(), cpu, 128, 2, 2, 1))
@@ -185,7 +185,7 @@ def test_ns_speed_scale_stretches_ns_alone():
 
 def test_closed_loop_prices_ns_at_the_ns_probe_speed():
     from simulator.costs import load_cost
-    from simulator.validate import BenchRow, closed_loop, ns_probe_call, ns_speed_scale_of
+    from simulator.validation.validate import BenchRow, closed_loop, ns_probe_call, ns_speed_scale_of
 
     cpu, w = load_profile("cpu"), _bench_workload()
     batch, rows, cols, method = ns_probe_call(w)
@@ -215,7 +215,7 @@ def _with_overhead(tmp_path, entry: str, name: str):
 
 
 def test_measured_optimizer_overhead_is_charged_once_per_step_on_one_thread(tmp_path):
-    from simulator.calibrate_cpu import _optimizer_overhead_entry
+    from simulator.calibration.calibrate_cpu import _optimizer_overhead_entry
 
     # 4 ms measured step, 1 ms of it priced by the cost table: 3 ms of bookkeeping
     entry = _optimizer_overhead_entry((0.004, 0.001, 141600, 39), "measured here: test")
@@ -258,7 +258,7 @@ def test_elementwise_speed_scale_stretches_passes_and_bookkeeping_alone():
 
 def test_closed_loop_prices_elementwise_passes_at_their_probe_speed():
     from simulator.costs import load_cost
-    from simulator.validate import (
+    from simulator.validation.validate import (
         EW_PROBE_NUMEL,
         EW_PROBE_OP,
         BenchRow,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from simulator.engine import Cluster
+from simulator.engine.engine import Cluster
 
 
 def _layers(prefetch: bool, n_layers=4, compute=1.0, comm=0.6) -> float:

@@ -1,4 +1,4 @@
-"""Both event loops, simulator.engine_fast (Python) and simulator.engine_native (the same loop in C, the
+"""Both event loops, simulator.engine.engine_fast (Python) and simulator.engine.engine_native (the same loop in C, the
 default where it builds), against the SimPy processes they replaced (the reference): every op's start, end
 and slowdown and the results equal, bit for bit, on every strategy, layout, slowdown mode (a800: SM share;
 cpu: compute and communication slowdowns), stragglers and expert parallelism (the `sim_engine` fixture of
@@ -11,7 +11,7 @@ import weakref
 import pytest
 
 from simulator.api import SimConfig, run
-from simulator.engine import Cluster, paused_gc
+from simulator.engine.engine import Cluster, paused_gc
 
 
 def _both(monkeypatch, cfg, all_ranks=False, engine=None):

@@ -1,4 +1,4 @@
-"""Expert parallelism in the simulator (simulator.step_ep): groups, collective sizes, all-to-alls, errors."""
+"""Expert parallelism in the simulator (simulator.programs.step_ep): groups, collective sizes, all-to-alls, errors."""
 
 import json
 
@@ -86,7 +86,7 @@ def test_representatives_match_all_ranks(model, strategy):
                                 dict(ep=8, layout="sharded")])
 def test_fast_engine_matches_simpy(model, monkeypatch, strategy, kw, sim_engine):
     """Both event loops (engine_fast, engine_native) give every op the SimPy reference's times."""
-    from simulator.engine import Cluster
+    from simulator.engine.engine import Cluster
 
     cfg = _cfg(model, strategy=strategy, **kw)
     orig = Cluster.run
@@ -414,7 +414,7 @@ def test_expert_mode_is_the_runtimes(model, layout, ep):
     the group), given the fabric estimate the simulator prices with."""
     from dmuon.runtime.groups import CommGroups
     from dmuon.runtime.units import auto_mode
-    from simulator import step_comm
+    from simulator.programs import step_comm
 
     seen, orig = [], step_comm.CommPrograms.owner_coll
 

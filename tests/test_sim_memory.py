@@ -1,4 +1,4 @@
-"""simulator.memory: the activation formulas by hand, owner momentum, naive vs DMuon, the fits flag, and
+"""simulator.models.memory: the activation formulas by hand, owner momentum, naive vs DMuon, the fits flag, and
 the CLI's memory lines."""
 
 import math
@@ -8,10 +8,10 @@ from typer.testing import CliRunner
 
 from dmuon.errors import InputError
 from simulator.api import SimConfig, memory_of, validate_config
-from simulator.memory import GIB, ns_workspace_bytes, owner_momentum_bytes
-from simulator.memory_activations import (block_bytes_per_token, head_bytes, korthikanti_layer_bytes,
+from simulator.models.memory import GIB, ns_workspace_bytes, owner_momentum_bytes
+from simulator.models.memory_activations import (block_bytes_per_token, head_bytes, korthikanti_layer_bytes,
                                           korthikanti_total_bytes, op_sac_bytes_per_token, pipeline_inflight)
-from simulator.workload import load_workload
+from simulator.models.workload import load_workload
 
 
 def test_korthikanti_formulas_by_hand():
@@ -105,4 +105,4 @@ def test_cli_prints_memory():
     assert "peak memory per rank" in r.output and "DOES NOT FIT" in r.output
     r = CliRunner().invoke(app, ["plan", "--workload", "qwen2.5-1.5b", "--ranks", "4", "--profile", "a800"])
     assert r.exit_code == 0, r.output
-    assert "simulator.memory of this plan" in r.output and "peak" in r.output
+    assert "simulator.models.memory of this plan" in r.output and "peak" in r.output

@@ -9,9 +9,9 @@ import pytest
 
 from dmuon.errors import InputError
 from simulator.api import SimConfig, run, simulate
-from simulator.collectives import BandwidthCurve, Group, Network, collective_time_s
-from simulator.engine import MAX_SM_SHARE, Cluster
-from simulator.hardware import load_profile
+from simulator.fabric.collectives import BandwidthCurve, Group, Network, collective_time_s
+from simulator.engine.engine import MAX_SM_SHARE, Cluster
+from simulator.fabric.hardware import load_profile
 
 B_NV, BASE, A_NV, A_IB, NIC, EFF = 100e9, 8.4e-6, 3.4e-6, 14e-6, 100e9, 0.9
 
@@ -103,7 +103,7 @@ def test_latency_grows_with_node_count_at_fixed_work_per_gpu():
 
 
 def test_public_multinode_rows_cite_a_source_and_are_within_20pct():
-    from simulator.validate_multinode import multinode_rows, predict, public_rows
+    from simulator.validation.validate_multinode import multinode_rows, predict, public_rows
 
     rows = multinode_rows()
     assert len(rows) >= 4 and {r["nodes"] for r in rows} >= {2, 32}
@@ -158,7 +158,7 @@ def test_hsdp_dmuon_plans_over_every_rank_as_the_runtime():
 
 
 def test_public_multinode_fsdp_scaling_rows_cite_a_source_and_are_within_20pct():
-    from simulator.validate_multinode import step_rows_public, step_scaling_rows
+    from simulator.validation.validate_multinode import step_rows_public, step_scaling_rows
 
     rows = step_scaling_rows()
     assert {r["series"] for r in rows} >= {"mpt-125m", "mpt-7b", "torchtitan-llama3.1-8b"}
@@ -173,8 +173,8 @@ def test_public_multinode_fsdp_scaling_rows_cite_a_source_and_are_within_20pct()
 
 
 def test_mpt_stand_in_has_the_published_parameter_count():
-    from simulator.hf_config import n_params
-    from simulator.validate_multinode import _workload, step_rows_public
+    from simulator.models.hf_config import n_params
+    from simulator.validation.validate_multinode import _workload, step_rows_public
 
     # llm-foundry's NumParams column (seq 2048) minus MPT's learned position embedding (2048 x d_model)
     published = {"mpt-125m": 125311488, "mpt-760m": 760470528, "mpt-7b": 6658859008}
@@ -185,7 +185,7 @@ def test_mpt_stand_in_has_the_published_parameter_count():
 
 
 def test_fsdp_scaling_row_follows_the_cluster_file(tmp_path):
-    from simulator.validate_multinode import simulate_step_row, step_rows_public
+    from simulator.validation.validate_multinode import simulate_step_row, step_rows_public
 
     row = next(r for r in step_rows_public() if r["series"] == "mpt-125m" and r["gpus"] == "128")
     text = (Path(__file__).resolve().parent.parent / row["cluster"]).read_text()
@@ -196,8 +196,8 @@ def test_fsdp_scaling_row_follows_the_cluster_file(tmp_path):
 
 
 def test_every_public_step_row_states_its_settings_and_cluster():
-    from simulator.cluster_file import read_cluster
-    from simulator.validate_multinode import _ROOT, step_rows_public
+    from simulator.fabric.cluster_file import read_cluster
+    from simulator.validation.validate_multinode import _ROOT, step_rows_public
 
     rows = step_rows_public()
     needed = ("series", "gpus", "value", "checked", "workload", "gpu", "cluster", "seq_len", "micro_batch",

@@ -1,4 +1,4 @@
-"""system 'published' (simulator.step_published): every switch off builds our programs exactly, ours is
+"""system 'published' (simulator.programs.step_published): every switch off builds our programs exactly, ours is
 unchanged, each switch changes what it models (and only on the layouts it applies to), bad input errors."""
 
 import dataclasses
@@ -7,7 +7,7 @@ import pytest
 
 from dmuon.errors import InputError
 from simulator.api import SimConfig, simulate
-from simulator.step_published import MECHANISMS, OPT_IN
+from simulator.programs.step_published import MECHANISMS, OPT_IN
 
 BASE = dict(workload="qwen2.5-1.5b", gpus=16, strategy="dmuon", seq_len=512, micro_batch=1)
 TIMES = ("step_s", "forward_s", "backward_s", "optimizer_s")
@@ -72,8 +72,8 @@ def test_errors():
 
 
 def test_coalesced_owner_collectives_pay_the_launch_once():
-    from simulator.collectives import Group, collective_time_s
-    from simulator.hardware import load_profile
+    from simulator.fabric.collectives import Group, collective_time_s
+    from simulator.fabric.hardware import load_profile
 
     net = load_profile("a800").network_for(8, 1.0)
     g = Group(16, 8)

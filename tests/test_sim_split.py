@@ -1,5 +1,5 @@
 """Split NS in the simulator: owner groups run their shares, the group's collectives are real collectives
-priced by simulator.collectives, the trace shows them, and max_split = 1 leaves everything as before."""
+priced by simulator.fabric.collectives, the trace shows them, and max_split = 1 leaves everything as before."""
 
 import json
 
@@ -9,12 +9,12 @@ from dmuon.errors import InputError
 from dmuon.plan.flops import ns_flops_parts
 from dmuon.plan.split import all_reduces_per_call
 from simulator.api import SimConfig, run
-from simulator.collectives import collective_time_s
-from simulator.hardware import load_profile
-from simulator.split_links import SimulatorLinks, group_of
-from simulator.split_program import segments, split_calls
-from simulator.trace import trace_events
-from simulator.workload_spec import ParamSpec, Workload
+from simulator.fabric.collectives import collective_time_s
+from simulator.fabric.hardware import load_profile
+from simulator.programs.split_links import SimulatorLinks, group_of
+from simulator.programs.split_program import segments, split_calls
+from simulator.engine.trace import trace_events
+from simulator.models.workload_spec import ParamSpec, Workload
 
 
 def _wide() -> Workload:

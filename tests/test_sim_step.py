@@ -9,8 +9,8 @@ from dmuon.errors import InputError
 from dmuon.plan.flops import ns_flops
 from dmuon.runtime.exchange import LinkEstimate, choose_mode
 from simulator.api import SimConfig, simulate
-from simulator.hardware import load_profile
-from simulator.workload import load_workload
+from simulator.fabric.hardware import load_profile
+from simulator.models.workload import load_workload
 
 
 @dataclass(frozen=True)

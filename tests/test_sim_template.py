@@ -1,4 +1,4 @@
-"""simulator.step_template: the replayed forward / backward of a step equals what the step logic builds for
+"""simulator.programs.step_template: the replayed forward / backward of a step equals what the step logic builds for
 that rank: every op (stream, name, phase, step, duration, collective, dependencies as (rank, stream,
 position)) and the collectives in creation order, on layouts, strategies, EP, overlap=False, split batches
 and representative ranks; a second run of a cluster is refused."""
@@ -7,8 +7,8 @@ import pytest
 
 from dmuon.errors import InputError
 from simulator.api import SimConfig, run
-from simulator.engine import paused_gc
-from simulator.step_template import TemplatePrograms
+from simulator.engine.engine import paused_gc
+from simulator.programs.step_template import TemplatePrograms
 
 
 def _program(built):

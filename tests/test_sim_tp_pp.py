@@ -1,4 +1,4 @@
-"""Tensor, sequence and pipeline parallelism in the simulator (simulator.parallel, .pipeline,
+"""Tensor, sequence and pipeline parallelism in the simulator (simulator.programs.parallel, .pipeline,
 .parallel_run)."""
 
 from dataclasses import replace
@@ -7,12 +7,12 @@ import pytest
 
 from dmuon.errors import InputError
 from simulator.api import SimConfig, profile_of, run, simulate
-from simulator.collectives import Group, collective_time_s
-from simulator.hardware import load_profile
-from simulator.parallel import Layout, layout_of, stage_layers, tp_layer_comm
-from simulator.parallel_run import TPCost, run_parallel
-from simulator.pipeline import simulate_pipeline
-from simulator.workload import resolve_workload
+from simulator.fabric.collectives import Group, collective_time_s
+from simulator.fabric.hardware import load_profile
+from simulator.programs.parallel import Layout, layout_of, stage_layers, tp_layer_comm
+from simulator.programs.parallel_run import TPCost, run_parallel
+from simulator.programs.pipeline import simulate_pipeline
+from simulator.models.workload import resolve_workload
 
 L70 = "experiments/models/llama-3.1-70b/config.json"
 
@@ -77,23 +77,104 @@ def test_step_is_the_slowest_stage_and_its_optimizer():
     assert d.step_s < r.step_s
 
 
-def test_muon_on_tp_shards_priced_by_dmuon_plan_tp():
-    """dmuon: the mode price_tp_modes' best picks, in rank-seconds per TP rank; naive: duplicated."""
+def test_naive_muon_on_tp_shards_is_duplicated():
+    """naive: every TP rank all-gathers the whole matrix and runs its NS (price_tp_modes' duplicated)."""
     from dmuon.plan.tp import price_tp_modes
     from simulator.costs import load_cost
-    from simulator.split_links import SimulatorLinks
+    from simulator.programs.split_links import SimulatorLinks
 
     prof = load_profile("h100")
     base = load_cost(prof.cost_profiles)
     links = SimulatorLinks(prof.network, 8)
     for whole, shard, dim in (((8192, 8192), (1024, 8192), 0), ((1024, 65536), (1024, 8192), 1)):
         price = price_tp_modes(*whole, dim, 8, base, method="gram_sym", links=links)
-        shards = {shard: (*whole, dim)}
-        owner = TPCost(base, shards, 8, links, 2, duplicated=False).ns_time(*shard, 1, "gram_sym", "bf16")
-        dup = TPCost(base, shards, 8, links, 2, duplicated=True).ns_time(*shard, 1, "gram_sym", "bf16")
-        assert owner.time_s == pytest.approx(min(price.group_s if price.group_ok else float("inf"),
-                                                 price.gather_s / 8))
+        dup = TPCost(base, {shard: (*whole, dim)}, 8, links, 2).ns_time(*shard, 1, "gram_sym", "bf16")
         assert dup.time_s == pytest.approx(price.duplicated_s)
+
+
+def _dmuon_tp_run(monkeypatch, change=None):
+    """A dmuon tp=8 x pp=2 step of Llama 3.1 70B on 64 H100s (dp 4); `change(plan)` edits each stage's TP
+    plan before the step runs it. Returns (result, [(TP plan, the DP plan the step program ran)])."""
+    import simulator.costs as costs
+
+    seen, real = [], getattr(costs.tp_plan_for, "__wrapped__", costs.tp_plan_for)
+
+    def tp_plan_for(*a, **k):
+        plan = real(*a, **k)
+        return change(plan) if change else plan
+
+    tp_plan_for.__wrapped__ = real
+    monkeypatch.setattr(costs, "tp_plan_for", tp_plan_for)
+    cfg = SimConfig(model=L70, gpus=64, gpu="h100", tp=8, pp=2, microbatches=2, strategy="dmuon")
+    prof = profile_of(cfg)
+
+    def run_dp(dcfg, all_ranks=False):
+        r, built = run(dcfg, all_ranks=all_ranks)
+        seen.append(built.spec.plan)
+        return r, built
+
+    out = run_parallel(cfg, resolve_workload(cfg.workload, cfg.model), prof, prof.gpus_per_node, run_dp)
+    return out, seen
+
+
+def test_dmuon_on_tp_runs_build_tp_plans_plan(monkeypatch):
+    """Each stage's step program runs build_tp_plan's Plan, called as the runtime calls it (whole matrices,
+    Megatron shard dims, the cost table's links, bf16 wire): its owners' TP groups, one batch per matrix of
+    the TP group's gather + NS + scatter on the simulator's NVLink; harness plan --tp prints that plan."""
+    from functools import partial
+
+    from dmuon.plan.build import build_plan
+    from dmuon.plan.split import links_for
+    from dmuon.plan.tp import build_tp_plan, price_tp_modes
+    from harness.plan_parallel import stage_plans
+    from simulator.costs import load_cost
+    from simulator.programs.parallel import stage_workload
+    from simulator.programs.split_links import SimulatorLinks
+
+    out, seen = _dmuon_tp_run(monkeypatch)
+    w = resolve_workload(None, L70)
+    cost = load_cost(load_profile("h100").cost_profiles)
+    sim_links = SimulatorLinks(load_profile("h100").network, 8)
+    layers = [l for c in stage_layers(w, 2, 1)[0] for l in c]
+    stage_wl, full = stage_workload(w, layers, 8, "s0")
+    whole = [replace(m, rows=full[m.name][0], cols=full[m.name][1]) for m in stage_wl.muon_matrices]
+    ref = build_tp_plan(whole, 32, cost, tp=8, method="gram_sym", dtype="bf16", links=links_for(cost),
+                        wire_bytes=2)
+    view = seen[0]
+    assert view.world_size == 4 and view.owners == tuple(o // 8 for o in ref.owners)
+    assert [b.members for b in view.batches] == [(i,) for i in sorted(range(len(whole)),
+                                                                      key=lambda i: (view.owners[i], i))]
+    for b in view.batches:
+        m, c = whole[b.members[0]], ref.tp_choices[b.members[0]]
+        p = price_tp_modes(m.rows, m.cols, c.shard_dim, 8, cost, links=sim_links)
+        assert c.mode == "gather" and b.time_s == pytest.approx(p.gather_s)  # Llama at tp 8: all gathered
+    fn = partial(build_plan, balancer="lpt", method="gram_sym", dtype="bf16", batching=True, max_batch=8,
+                 bucket_numel=0, time_limit_s=1.0)
+    shown = stage_plans(w, L70, 64, 8, 2, 1, "h100", cost, fn)
+    assert shown[0][2].owners == ref.owners and shown[0][3].owners == view.owners
+    assert "build_tp_plan" in out["notes"][-1]
+
+
+def test_tp_plan_imbalance_lengthens_the_optimizer(monkeypatch):
+    """All matrices on TP group 0: its matrices run one after another, the optimizer takes at least their
+    sum; moving a gathered matrix to another TP rank of its group changes nothing (the TP group's
+    collectives serialize it, as the runtime's loop runs)."""
+    def one_group(plan):
+        return replace(plan, owners=tuple(o % 8 for o in plan.owners),
+                       tp_choices=tuple(replace(c, dp_index=0) for c in plan.tp_choices))
+
+    def other_rank(plan):
+        return replace(plan, owners=tuple(o - o % 8 + (o + 3) % 8 for o in plan.owners),
+                       tp_choices=tuple(replace(c, owner=(c.owner + 3) % 8) for c in plan.tp_choices))
+
+    base, seen = _dmuon_tp_run(monkeypatch)
+    bad, bad_seen = _dmuon_tp_run(monkeypatch, one_group)
+    moved, _ = _dmuon_tp_run(monkeypatch, other_rank)
+    total = sum(b.time_s for b in bad_seen[0].batches)
+    assert set(bad_seen[0].owners) == {0} and bad_seen[0].makespan_s == pytest.approx(total)
+    assert bad["optimizer_s"] >= total > 2 * seen[0].makespan_s
+    assert base["optimizer_s"] < total and bad["step_s"] > base["step_s"]
+    assert moved["step_s"] == pytest.approx(base["step_s"], rel=1e-12)
 
 
 def test_llama3_stage_split():

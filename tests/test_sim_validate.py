@@ -2,7 +2,7 @@
 
 import pytest
 
-from simulator.validate import BenchRow, closed_loop, headline_rows, headline_summary, published_rows
+from simulator.validation.validate import BenchRow, closed_loop, headline_rows, headline_summary, published_rows
 
 
 @pytest.fixture(scope="module")

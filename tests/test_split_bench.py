@@ -17,8 +17,8 @@ from harness.cmd_bench_step import ratios
 
 def test_the_wide_matrix_is_one_more_muon_matrix_and_gets_a_gradient():
     from dmuon.params import route
-    from simulator.benchmodel import build_bench_model, synthetic_batch
-    from simulator.workload import load_workload
+    from simulator.models.benchmodel import build_bench_model, synthetic_batch
+    from simulator.models.workload import load_workload
 
     workload = load_workload("qwen2.5-7b").scaled(1 / 32, blocks=1)
     plain = build_bench_model(workload)

@@ -3,7 +3,7 @@
 import pytest
 
 from dmuon.errors import InputError
-from simulator.workload import catalog_names, load_workload
+from simulator.models.workload import catalog_names, load_workload
 
 REFERENCE_TOTALS = {  # public parameter counts (billions) of the catalog models, embeddings included
     "qwen2.5-7b": 7.6, "llama3.1-8b": 8.0, "llama3.2-3b": 3.2, "qwen2.5-1.5b": 1.5,
@@ -18,7 +18,7 @@ def test_catalog_lists_paper_workloads():
 def test_expansion_matches_catalog_counts(name):
     import csv
 
-    from simulator.workload import CATALOG_PATH
+    from simulator.models.workload import CATALOG_PATH
 
     with open(CATALOG_PATH) as f:
         rows = [r for r in csv.DictReader(f) if r["workload"] == name]

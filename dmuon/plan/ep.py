@@ -7,7 +7,7 @@ group: R = N / ep ranks {k, k + ep, k + 2 ep, ...}, the data-parallel copies of 
 expert gradients are reduced over that group only.
 
 Experts. A Muon matrix is an expert's when its name holds `experts.<e>.` (the Hugging Face MoE names
-and simulator.hf_config's: `mlp.experts.<e>.gate_proj`, `block_sparse_moe.experts.<e>.w1`); layer l's E_l
+and simulator.models.hf_config's: `mlp.experts.<e>.gate_proj`, `block_sparse_moe.experts.<e>.w1`); layer l's E_l
 experts (E_l a multiple of ep) are cut into ep contiguous blocks: expert e lives on EP rank
 e // (E_l / ep), as Megatron-style EP and DeepSpeed-MoE place them. Shared experts (`shared_experts`,
 `shared_expert`) are dense: every rank holds them.

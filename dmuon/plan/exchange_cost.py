@@ -1,6 +1,6 @@
 """What the owner exchange costs, without torch: the alpha-beta estimate of each exchange mode and the
 choice "auto" makes (`choose_mode`), shared by the runtime (`dmuon.runtime.exchange`, `units.auto_mode`)
-and the simulator (`simulator.step_comm`), which must not import torch to price a step. The modes
+and the simulator (`simulator.programs.step_comm`), which must not import torch to price a step. The modes
 themselves are described in `dmuon.runtime.exchange`; the fabric estimate per GPU (`LINKS`) is the
 plan's one table (`dmuon.plan.split.LINKS`)."""
 

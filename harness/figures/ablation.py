@@ -45,7 +45,7 @@ LEAVE_ONE_OUT = {
 
 def paper_shares() -> dict[str, float]:
     """The paper's shares (%) of the total speedup, from reported.csv paper_claims."""
-    from simulator.reference import reported_rows
+    from simulator.validation.reference import reported_rows
 
     out = {}
     for r in reported_rows():

@@ -26,7 +26,7 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 def _headline(root: Path) -> list[str]:
     import pandas as pd
 
-    from simulator.reference import claims
+    from simulator.validation.reference import claims
 
     from .paper import headline
 

@@ -1,7 +1,7 @@
 """Figure 12: why DMuon's overhead over AdamW differs between models (issue 28, item 3). For each model and
 layout (128 A800s, `system="published"`), the overhead split into parts: our schedule's overhead by phase
 (DMuon's forward / backward / optimizer less AdamW's) and what each mechanism of the public
-implementation's schedule adds on top (simulator.step_published), with the interaction left over; the
+implementation's schedule adds on top (simulator.programs.step_published), with the interaction left over; the
 black tick is the total. Drawn from `python -m scripts.published_vs_ours --breakdown CSV`.
 """
 
@@ -50,6 +50,6 @@ def overhead_breakdown(df):
     axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     caption(fig, "SIMULATED — profile a800, seq 2048, micro-batch 2. Parts: ours = our schedule's DMuon "
                  "minus AdamW per phase; black tick = DMuon over AdamW with the published schedule; each mechanism = the published schedule's step less the same with "
-                 "that mechanism off (simulator.step_published); interaction = the rest. AdamW % = share of "
+                 "that mechanism off (simulator.programs.step_published); interaction = the rest. AdamW % = share of "
                  "parameters in the AdamW pass (embeddings, heads, norms). " + WALL_WM_NOTE)
     return fig

@@ -1,0 +1,1 @@
+"""What it runs on: hardware profiles, cluster files, and closed-form collective costs."""

@@ -1,0 +1,170 @@
+"""Program templates: one step's forward and backward ops of a rank, recorded once and replayed for the
+other ranks (a mixin of `simulator.programs.step._Programs`).
+
+Why: a MoE step program at 4096 ranks is ~7 M ops; building each through the step logic (`_forward`,
+`_backward`: parts, buckets, group look-ups) cost about 1 us of Python per op on top of creating it.
+
+Why a replay issues the same ops: a step's forward and backward depend on the rank only through (a) the group
+instances of its collectives, (b) which parts its owner exchange has (EP: the replica group's experts,
+`_owner_parts`, by r % ep) and (c) the ops of its previous optimizer step they wait for (`prev`: the op the
+gathers wait for, per bucket the owner's batches its publication waits for, the publications of overlap=False
+or, with EP, the experts' publications of the step: `_expert_step`). Layer times, parts, buckets and the
+plan's bucket layers are the same on every rank. So the first rank of each (step, r % ep) builds them through
+the step logic with a placeholder op for each of (c) and records the result: per stream the ops (name, phase,
+step, duration, the collective's key and group) and per op its dependencies (earlier ops of the record or a
+placeholder). A replay creates the same ops on the same streams in the same order, the collectives looked up
+for its own group instances, and each placeholder replaced by that rank's ops (None dropped, as
+`Cluster.compute` does). A rank whose instance of some collective does not exist yet (it would create it: the
+first rank of a group) is built through the step logic, so collectives are created in the same order as
+without templates. With stragglers (`jitter`) every compute op draws its time in program order: nothing is
+replayed then.
+"""
+
+from __future__ import annotations
+
+from simulator.engine.engine import Op
+
+_OPT = -1  # placeholder references: the op the gathers wait for; -2 - b: bucket b's publication deps;
+# -2 - n_buckets - k: the k-th publication of overlap=False
+
+
+class TemplatePrograms:
+    """`_fwd_bwd`: one step's forward and backward for the rank `program` is issuing."""
+
+    def _fwd_bwd(self, r: int, step: int, prev: dict) -> tuple[list[Op], dict]:
+        """(forward's layer ops, backward's reductions) of rank r's step, as `_forward` / `_backward`."""
+        if self.c._noise is not None or self.pub:  # published: per-rank programs (no templates)
+            fwd = self._forward(r, step, prev)
+            return fwd, self._backward(r, step, fwd)
+        key = (step, self._ok, tuple(prev["pubs"]))
+        t = self._templates.get(key)
+        if t is not None:
+            got = self._replay(r, t, prev)
+            if got is not None:
+                return got
+            fwd = self._forward(r, step, prev)
+            return fwd, self._backward(r, step, fwd)
+        return self._record(key, step, prev)
+
+    def _placeholders(self, step: int, prev: dict) -> tuple[dict, dict]:
+        nb = getattr(self, "n_buckets", 0)
+        ph = {_OPT: Op(-1, "", "placeholder", "", step)}
+        ph.update({-2 - b: Op(-1, "", "placeholder", "", step) for b in range(nb)})
+        ph.update({-2 - nb - k: Op(-1, "", "placeholder", "", step) for k in range(len(prev["pubs"]))})
+        fake = {"adam": ph[_OPT], "opt_last": ph[_OPT], "pub_deps": {b: (ph[-2 - b],) for b in range(nb)},
+                "pubs": {b: ph[-2 - nb - k] for k, b in enumerate(prev["pubs"])}}
+        return ph, fake
+
+    def _record(self, key: tuple, step: int, prev: dict) -> tuple[list[Op], dict]:
+        r = self._rank
+        ph, fake = self._placeholders(step, prev)
+        qs = self._qs
+        before = {st: len(q) for st, q in qs.items()}
+        fwd = self._forward(r, step, fake)
+        red = self._backward(r, step, fwd)
+        where = {id(o): k for k, o in ph.items()}
+        streams, flat = [], []
+        for st, q in qs.items():
+            new = q[before[st]:]
+            if new:
+                streams.append((st, new))
+                flat += new
+        where.update((id(o), i) for i, o in enumerate(flat))
+        deps = [tuple(where.get(id(d)) for d in o.deps) for o in flat]
+        ex = self._expansions(prev, ph)
+        for o, refs in zip(flat, deps, strict=True):  # this rank's own ops wait on its own previous ones
+            if any(i is not None and i < 0 for i in refs):
+                o.deps = tuple([x for i, d in zip(refs, o.deps, strict=True)
+                                for x in (ex[i] if i is not None and i < 0 else (d,))])
+        outs = [*fwd, red["last"], red["adamw_last"], *red["bucket"].values(), *red["layer"].values()]
+        if (all(o.coll is None or id(o.coll) in self._col_of for o in flat)
+                and all(None not in refs for refs in deps)
+                and all(o is None or where.get(id(o), -1) >= 0 for o in outs)):
+            self._templates[key] = self._template(streams, deps, where, fwd, red, flat)
+        return fwd, red
+
+    def _template(self, streams: list, deps: list, where: dict, fwd: list, red: dict, flat: list) -> tuple:
+        """What `_replay` reads: per stream its name, op count and collectives ((index in `groups`, key's
+        id) each); the ops in the order the record's lie in memory (~ the order they were created: replayed
+        in it, each rank's ops of all its streams stay close together, as the event loop reads them), each
+        as (index in the record, stream index, position, name, phase, step, duration, index of its
+        collective or -1, dependency references); the placeholders used; the outputs' references."""
+        out_streams, groups, loc, cis = [], [], [], []
+        for si, (st, ops) in enumerate(streams):
+            crefs = []
+            for pos, o in enumerate(ops):
+                loc.append((si, pos))
+                ci = -1
+                if o.coll is not None:
+                    ci = len(crefs)
+                    g, kid = self._col_of[id(o.coll)]
+                    if g not in groups:
+                        groups.append(g)
+                    crefs.append((groups.index(g), kid))
+                cis.append(ci)
+            out_streams.append((st, len(ops), crefs))
+        seq = [(fi, *loc[fi], o.name, o.phase, o.step, o.dur, cis[fi], deps[fi])
+               for fi, o in sorted(enumerate(flat), key=lambda x: id(x[1]))]
+        used = sorted({i for refs in deps for i in refs if i < 0})  # placeholders the record waits on
+
+        def ref(o):
+            return None if o is None else where[id(o)]
+
+        out = ([ref(o) for o in fwd], {k: ref(red[k]) for k in ("last", "adamw_last")},
+               {b: ref(o) for b, o in red["bucket"].items()}, {l: ref(o) for l, o in red["layer"].items()})
+        return out_streams, groups, seq, used, out
+
+    def _expansions(self, prev: dict, refs) -> dict:
+        """Placeholder reference -> the ops of this rank's `prev` it stands for (None dropped, as
+        `Cluster.compute` drops it)."""
+        nb = getattr(self, "n_buckets", 0)
+        pubs = list(prev["pubs"].values())
+        ex = {}
+        for i in refs:
+            if i == _OPT:
+                d = prev["adam"] if (self.dm and not self.sharded) else prev["opt_last"]
+                ex[i] = () if d is None else (d,)
+            elif i >= -1 - nb:
+                ex[i] = tuple([d for d in prev["pub_deps"].get(-2 - i, ()) if d is not None])
+            else:
+                d = pubs[-2 - nb - i]
+                ex[i] = () if d is None else (d,)
+        return ex
+
+    def _replay(self, r: int, t: tuple, prev: dict):
+        streams, groups, seq, used, (fwd, last, bucket, layer) = t
+        by_inst = [self._col_by_inst.get((g, self._instance(g, r)[1]), {}) for g in groups]
+        mine = []
+        for _, _, crefs in streams:  # this rank's instance of every collective, or None if one is missing
+            cs = [by_inst[gi].get(kid) for gi, kid in crefs]
+            if None in cs:
+                return None
+            cs.append(None)  # index -1: a compute op
+            mine.append(cs)
+        flat: list = [None] * len(seq)
+        lists = [[None] * n for _, n, _ in streams]
+        names = [st for st, _, _ in streams]
+        ex = self._expansions(prev, used)
+        late = []
+        for fi, si, pos, name, phase, step, dur, ci, refs in seq:
+            if not refs:
+                deps = ()
+            elif len(refs) == 1 and refs[0] >= 0:
+                deps = (flat[refs[0]],)
+            else:
+                deps = tuple([x for i in refs for x in (ex[i] if i < 0 else (flat[i],))])
+            if None in deps:  # it lay before an op it waits on: set below
+                late.append((fi, refs))
+            flat[fi] = lists[si][pos] = Op(r, names[si], name, phase, step, dur, mine[si][ci], deps)
+        for fi, refs in late:
+            flat[fi].deps = tuple([x for i in refs for x in (ex[i] if i < 0 else (flat[i],))])
+        for st, new in zip(names, lists, strict=True):
+            self._qs[st].extend(new)
+
+        def op(i):
+            return None if i is None else flat[i]
+
+        red = {k: op(i) for k, i in last.items()}
+        red["bucket"] = {b: op(i) for b, i in bucket.items()}
+        red["layer"] = {l: op(i) for l, i in layer.items()}
+        return [flat[i] for i in fwd], red

@@ -1,0 +1,1 @@
+"""The simulator against published numbers and real runs (read by `harness validate`)."""
