@@ -284,6 +284,7 @@ class TPDMuonSteps(TPPipeline, _TPMixin):
         else:
             inputs = {i: self._momentum(i, group) for i in active}
             gathers = {i: self._gather_rows(i, inputs[i], s) for i, (s, t, mode) in mine.items()}
+            self.tp_launches["step"] += len(gathers)
         self._adamw_update(has_any)
         self._adamw_done = True
         if self.overlap:  # B and C pipelined, one matrix apart (runtime/tp_overlap.py): the same bits
