@@ -82,7 +82,10 @@ def worker(rank: int, port: int, args, queue) -> None:
                for a, b in zip(runs[True][0].parameters(), runs[False][0].parameters(), strict=True))
     if rank == 0:
         med = {(o, k): statistics.median(runs[o][k][2:]) for o in runs for k in (2, 3)}  # 2 warm-ups dropped
-        queue.put((med, diff))
+        from dmuon.plan.tp import tp_summary
+
+        modes = tp_summary(runs[True][1].plan)
+        queue.put((med, diff, {m: modes[m]["count"] for m in ("group", "gather")}))
     for o in runs:
         runs[o][1].close()
     dist.destroy_process_group()
@@ -105,10 +108,11 @@ def main() -> None:
     procs = [ctx.Process(target=worker, args=(r, port, args, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
-    med, diff = queue.get(timeout=600)
+    med, diff, modes = queue.get(timeout=600)
     for p in procs:
         p.join()
-    print(f"dp 2 x tp 2, {args.layers} blocks of dim {args.dim}, tp_mode {args.tp_mode}, {args.steps} steps")
+    print(f"dp 2 x tp 2, {args.layers} blocks of dim {args.dim}, tp_mode {args.tp_mode} "
+          f"({modes['group']} matrices group, {modes['gather']} gather), {args.steps} steps")
     for k, what in ((2, "step()"), (3, "backward + step()")):
         on, off = med[True, k], med[False, k]
         print(f"{what} median: overlap=True {on * 1e3:.1f} ms, overlap=False {off * 1e3:.1f} ms, "
