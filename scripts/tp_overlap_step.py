@@ -6,6 +6,7 @@ see the same machine load. Prints the median time of step() and of backward + st
 ratios, and the largest difference between the two models' weights after the last step (0: same bits).
 
     python scripts/tp_overlap_step.py [--dim 256] [--layers 4] [--steps 12] [--tp-mode gather|group|auto]
+                                      [--no-backward-launch]
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def worker(rank: int, port: int, args, queue) -> None:
     for overlap in (True, False):
         model = build(args.dim, args.layers, mesh)
         runs[overlap] = (model, dmuon.DMuon(model, tp_mode=args.tp_mode, overlap=overlap), [], [])
+        if args.no_backward_launch:  # the step()-time pipeline alone (the hooks do nothing)
+            runs[overlap][1]._tp_tracker.enabled = False
     g = torch.Generator().manual_seed(1 + mesh.get_local_rank("dp"))
     for step in range(args.steps):
         x = torch.randn(8, args.dim, generator=g)
@@ -97,6 +100,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--tp-mode", default="gather", choices=("auto", "group", "gather"))
+    ap.add_argument("--no-backward-launch", action="store_true",
+                    help="overlap=True without starting the gathers in backward: the step() pipeline alone")
     args = ap.parse_args()
     if args.steps < 4:
         ap.error("--steps must be at least 4 (2 warm-up steps are dropped)")
@@ -111,7 +116,8 @@ def main() -> None:
     med, diff, modes = queue.get(timeout=600)
     for p in procs:
         p.join()
-    print(f"dp 2 x tp 2, {args.layers} blocks of dim {args.dim}, tp_mode {args.tp_mode} "
+    print(("pipeline only (no backward launch); " if args.no_backward_launch else "") +
+          f"dp 2 x tp 2, {args.layers} blocks of dim {args.dim}, tp_mode {args.tp_mode} "
           f"({modes['group']} matrices group, {modes['gather']} gather), {args.steps} steps")
     for k, what in ((2, "step()"), (3, "backward + step()")):
         on, off = med[True, k], med[False, k]
