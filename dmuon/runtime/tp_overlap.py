@@ -125,7 +125,7 @@ class TPPipeline:
         return inputs, gathers
 
     def synchronize_exchanges(self) -> None:
-        for e in self._early.values():
+        for e in getattr(self, "_early", {}).values():  # (none yet while the base class constructs)
             if self._geo.S > 1:
                 e[-1][1].wait()
         super().synchronize_exchanges()
