@@ -2,14 +2,15 @@
 scenario (tests/tp_cases.py): TP alone (tp 4), the torchtitan FSDP2 x TP recipe (dp 2 x tp 2: Colwise /
 RowwiseParallel, then fully_shard on mesh["dp"]) and HSDP x TP (replicate 2 x shard 1 x tp 2) agree with
 single-process Muon within 1e-5 (fp32) in both TP modes; bf16 on the wire stays close; a NaN gradient on one
-rank skips the step on every rank; a DCP checkpoint saved at dp 2 x tp 2 loads at tp 4 and the next
+rank skips the step on every rank; overlap=True (gathers started in backward, the TP stages pipelined)
+gives the same bits as overlap=False; a DCP checkpoint saved at dp 2 x tp 2 loads at tp 4 and the next
 step there equals Muon's."""
 
 from __future__ import annotations
 
 import pytest
 from dist_utils import run_distributed, scratch_dir
-from tp_cases import KV, run_all
+from tp_cases import KV, STEPS, run_all
 
 TOL = 1e-5
 
@@ -22,7 +23,7 @@ def results():
 def test_tp_alone_and_fsdp_tp_equal_muon(results):
     r = results[0]
     for key in ("tp/DMuon/auto", "tp/NaiveMuon/auto", "fsdp_tp/DMuon/group", "fsdp_tp/NaiveMuon/auto",
-                "hsdp_tp/DMuon/auto"):
+                "hsdp_tp/DMuon/auto", "fsdp_tp/DMuon/gather"):
         assert r[key] < TOL, (key, r[key])
     assert r["tp/DMuon/auto/type"] == "TPDMuon" and r["tp/NaiveMuon/auto/type"] == "TPNaiveMuon"
     # both modes ran: forced group takes the 12 matrices cut along the long side (wk, wk2 are gathered)
@@ -31,6 +32,25 @@ def test_tp_alone_and_fsdp_tp_equal_muon(results):
     # every rank agrees on every parameter (DTensors: the full tensors were compared on each rank)
     for k in ("tp/DMuon/auto", "fsdp_tp/DMuon/group", "hsdp_tp/DMuon/auto"):
         assert len({res[k] for res in results}) == 1
+
+
+def test_overlap_same_bits_as_blocking(results):
+    """overlap=True (TP gathers / NS / scatters pipelined one matrix apart, async broadcasts) changes the
+    order of collectives only: the same bits as overlap=False, in gather mode and on HSDP x TP (auto)."""
+    for res in results:
+        for key in ("hsdp_tp/DMuon/auto", "fsdp_tp/DMuon/gather"):
+            assert res[key + "/overlap_vs_not"] == 0.0, (key, res[key + "/overlap_vs_not"])
+            assert res[key + "/no_overlap"] < TOL
+    assert results[0]["fsdp_tp/DMuon/gather/modes"] == (0, 16)
+    # overlap=True started every gather it used in backward; overlap=False all at step(); gradients
+    # changed in place after backward (fsdp_tp/group: as clipping does) are noticed and gathered at step()
+    # (dp 2 x tp 2: every rank takes part in the gathers of all 16 matrices, 2 steps; HSDP: the owner
+    # replica's only)
+    for res in results:
+        assert res["fsdp_tp/DMuon/gather/launches"] == (16 * STEPS, 0)
+        assert res["fsdp_tp/DMuon/gather/no_overlap/launches"] == (0, 16 * STEPS)
+        assert res["fsdp_tp/DMuon/group/launches"] == (0, 16 * STEPS)
+        assert res["hsdp_tp/DMuon/auto/launches"][0] > 0 and res["hsdp_tp/DMuon/auto/launches"][1] == 0
 
 
 def test_dp_share_each_matrix_orthogonalized_once(results):

@@ -147,7 +147,8 @@ def full_params(model) -> dict:
             for n, p in model.named_parameters()}
 
 
-def train(kind: str, grid, cls: str, steps: int = STEPS, nan_step: int | None = None, **kw):
+def train(kind: str, grid, cls: str, steps: int = STEPS, nan_step: int | None = None, touch: bool = False,
+          **kw):
     import dmuon
 
     rank = dist.get_rank()
@@ -160,6 +161,9 @@ def train(kind: str, grid, cls: str, steps: int = STEPS, nan_step: int | None = 
         loss = loss_of(model, tokens[d * per:(d + 1) * per], target[d * per:(d + 1) * per])
         opt.zero_grad()
         loss.backward()
+        if touch:  # an in-place op on every gradient after backward (as clipping does): same values
+            for p in model.parameters():
+                p.grad.mul_(1.0)
         if nan_step == s and rank == 1:
             g = model.layers[0].w1.weight.grad
             g.to_local().view(-1)[0] = float("nan")
@@ -181,19 +185,30 @@ def run_all(rank: int, world_size: int, ckpt_dir: str) -> dict:
     one, ref = reference()
     out: dict = {}
     runs = [("tp", (4,), "DMuon", {}), ("tp", (4,), "NaiveMuon", {}),
-            ("fsdp_tp", (2, 2), "DMuon", {"tp_mode": "group"}), ("fsdp_tp", (2, 2), "NaiveMuon", {}),
+            ("fsdp_tp", (2, 2), "DMuon", {"tp_mode": "group", "touch": True}),
+            ("fsdp_tp", (2, 2), "NaiveMuon", {}),
             ("fsdp_tp", (2, 2), "DMuon", {"tp_mode": "gather", "comm_dtype": "bf16"}),
-            ("hsdp_tp", (2, 1, 2), "DMuon", {})]
+            ("hsdp_tp", (2, 1, 2), "DMuon", {}), ("hsdp_tp", (2, 1, 2), "DMuon", {"overlap": False}),
+            ("fsdp_tp", (2, 2), "DMuon", {"tp_mode": "gather"}),
+            ("fsdp_tp", (2, 2), "DMuon", {"tp_mode": "gather", "overlap": False})]
+    params = {}  # overlap=True (the default) against overlap=False: the same bits
     for kind, grid, cls, kw in runs:
         model, opt = train(kind, grid, cls, **kw)
-        key = f"{kind}/{cls}/{kw.get('tp_mode', 'auto')}" + ("/bf16" if "comm_dtype" in kw else "")
+        kw.pop("touch", None)
+        key = f"{kind}/{cls}/{kw.get('tp_mode', 'auto')}" + ("/bf16" if "comm_dtype" in kw else "") + \
+            ("/no_overlap" if kw.get("overlap") is False else "")
         out[key] = deviation(model, ref)
+        params[key] = full_params(model)
         out[key + "/type"] = type(opt).__name__
         if cls == "DMuon":
             s = tp_summary(opt.plan)
             out[key + "/modes"] = (s["group"]["count"], s["gather"]["count"])
             out[key + "/ns"] = opt.ns_matrices
+            out[key + "/launches"] = (opt.tp_launches["backward"], opt.tp_launches["step"])
         opt.close()
+    for key in ("hsdp_tp/DMuon/auto", "fsdp_tp/DMuon/gather"):
+        a, b = params[key], params[key + "/no_overlap"]
+        out[key + "/overlap_vs_not"] = max((a[k] - b[k]).abs().max().item() for k in a)
     # a NaN gradient on rank 1 at step 1: the step is skipped everywhere
     model, opt = train("fsdp_tp", (2, 2), "DMuon", nan_step=1, nonfinite="skip")
     out["nan_skipped"] = opt.skipped_steps

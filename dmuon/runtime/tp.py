@@ -13,7 +13,8 @@ of an evenly divisible dim); fully_shard then cuts that block's rows torch.chunk
 ranks (what _StridedShard(0, sf=tp) and (Shard(0), Shard(1)) say in global terms), so a rank's local
 tensor is rows chunk s of TP block t.
 
-DMuon, per step (all at step(): what is and is not overlapped is listed in docs/runtime.md):
+DMuon, per step (overlap=False: all at step(), in this order; overlap=True starts A in backward and
+pipelines B and C one matrix apart, the same bits: runtime/tp_overlap.py and docs/runtime.md):
   momentum on the local shards (every rank; kept there, so DCP saves and re-shards it like the weight);
   A  each matrix's TP blocks are gathered over the shard group to the TP group that owns it (the plan's
      `TPChoice.dp_index`; one replica: the owner's), all matrices' gathers queued at once, AdamW runs
@@ -41,6 +42,7 @@ from ..plan.tp import check_tp_shape
 from .fsdp import chunk_rows, fsdp_owner_module, is_dtensor, local_tensor
 from .fsdp_sharded import _ShardedMixin
 from .planning import batch_method
+from .tp_overlap import TPPipeline
 
 ACCEPTED = ("accepted: 2-D DTensor Muon matrices on a mesh whose TP dim is named 'tp' (or a 1-D mesh no "
             "fully_shard manages), placements (tp,), (Shard(0)|_StridedShard(0), tp) or (Replicate(), "
@@ -213,8 +215,12 @@ class _TPMixin:
         return [i for i in range(self.n_muon) if flags[i]]
 
 
-class TPDMuonSteps(_TPMixin):
-    """DMuon's TP steps (module docstring)."""
+class TPDMuonSteps(TPPipeline, _TPMixin):
+    """DMuon's TP steps (module docstring; overlap=True: TPPipeline's order)."""
+
+    def __init__(self, model, **kwargs):
+        super().__init__(model, **kwargs)
+        self._install_backward_launch()  # overlap=True: A starts in backward (runtime/tp_overlap.py)
 
     def _build_plan(self, specs, balancer: str, profile: str | None, bucket_numel: int):
         from ..plan.split import links_for
@@ -250,9 +256,6 @@ class TPDMuonSteps(_TPMixin):
                              mode=getattr(self, "_tp_mode", "auto"), method=method, dtype=dtype, links=links,
                              wire_bytes=wire, bucket_numel=bucket_numel, method_for=view.method_for)
 
-    def _speculate(self):
-        return None
-
     def _wire(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.comm_dtype is None else t.to(self.comm_dtype)
 
@@ -269,36 +272,33 @@ class TPDMuonSteps(_TPMixin):
             return
         geo, group = self._geo, self.param_groups[0]
         active = self._active(has_any)
-        inputs = {i: self._momentum(i, group) for i in active}
         mine = {}  # matrices whose owner replica is mine and that my TP rank takes part in
         for i in active:
             r, s, t, mode = self._owner(i)
             if r == geo.r and (mode != "whole" or t == geo.t):
                 mine[i] = (s, t, mode)
-        # A: TP blocks to the owning shard rank, all queued at once; AdamW runs while they travel
-        gathers = {i: self._gather_rows(i, inputs[i], s) for i, (s, t, mode) in mine.items()}
+        # A: TP blocks to the owning shard rank: overlap=True started in backward (tp_overlap.py), else all
+        # queued at once here; AdamW runs while they travel
+        if self.overlap:
+            inputs, gathers = self._take_early(active, mine, group)
+        else:
+            inputs = {i: self._momentum(i, group) for i in active}
+            gathers = {i: self._gather_rows(i, inputs[i], s) for i, (s, t, mode) in mine.items()}
+            self.tp_launches["step"] += len(gathers)
         self._adamw_update(has_any)
         self._adamw_done = True
-        # B: the owning TP group orthogonalizes; C: rows back
+        if self.overlap:  # B and C pipelined, one matrix apart (runtime/tp_overlap.py): the same bits
+            results = self._pipelined(active, inputs, mine, gathers)
+            self._apply_tp([(i, results[i]) for i in active], group)
+            return
+        # overlap=False: B the owning TP group orthogonalizes, C rows back, one matrix after another
         scatters = {}
         for i, (s, t, mode) in mine.items():
             block = self._finish_gather(i, gathers[i], s)
             if block is not None:
                 block = self._orthogonalize_block(i, block.to(self.params[i].dtype), t, mode)
             scatters[i] = self._scatter_rows(i, block, s, inputs[i])
-        results = {}
-        for i in active:
-            if i in scatters:
-                results[i] = self._finish_scatter(scatters[i])
-            r, s, t, mode = self._owner(i)
-            if r == geo.r and mode == "whole" and geo.T > 1:  # every TP rank holds the same rows
-                out = results.get(i, torch.empty_like(inputs[i]))
-                dist.broadcast(out, group_src=t, group=geo.tp_group)
-                results[i] = out
-            if geo.R > 1:
-                out = results.get(i, torch.empty_like(inputs[i]))
-                dist.broadcast(out.contiguous(), group_src=r, group=geo.replicate_group)
-                results[i] = out
+        results = self._broadcast_back(active, inputs, scatters, wait_each=True)
         self._apply_tp([(i, results[i]) for i in active], group)
 
     def _gather_rows(self, i, x, s):
