@@ -1,0 +1,282 @@
+"""`run_search`: the fastest layouts of a search space (harness.search_space), simulated cheapest bound first,
+stored like a sweep (harness.store, harness.executors: resumable, local or Ray).
+
+  1. enumerate: every valid layout (harness.search_space; the dropped ones keep the rule that dropped them)
+  2. fit: the memory model's peak per GPU (`simulator.api.memory_of`, where this simulator has it) against
+     the profile's capacity; a layout over it is dropped ("needs X GiB > Y GiB")
+  3. bound: a lower bound of each layout's step time from the simulator's own inputs, without simulating:
+     its compute-stream work, which no schedule can shorten: the forward and backward compute of every
+     layer (simulator.setup.make_spec's layer times, the ones the step program runs) over tp x pp ranks,
+     x the micro-batches per step, and for naive Muon every rank's Newton-Schulz of every matrix (its
+     `ns_naive_s`). The step also holds communication, bubbles and the optimizer, so it is never shorter
+     (checked on every simulated row: a row below its bound is counted in `bound_violations`).
+  4. simulate in bound order; a layout is pruned (not simulated) when its bound is >= the `top`-th best
+     step time of its strategy so far AND a simulated layout of that strategy is as fast as the bound with
+     no more memory. Both tests hold for whatever the layout would have simulated, so the ranked table
+     (the `top` best per strategy) and the step-time / memory Pareto front are those of the brute-force
+     sweep of the whole space (tests/test_search.py checks it on a small space).
+
+Output folder: results.csv, config.json, provenance.json (the simulated rows, exactly as `harness run`
+writes them: journal while running, resume by run_id and code version), layouts.csv (every layout and
+what became of it: simulated / pruned / no-fit / dropped, with its reason, bound and memory), and
+pareto.png / pareto.pdf (harness.cmd_search draws them).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from .executors import make_executor
+from .experiment import Experiment, Grid, run_id
+from .provenance import code_version, write_provenance
+from .runners import get_runner
+from .search_space import LAYOUT_KEYS, Space, enumerate_layouts
+from .store import ResultStore, write_text_atomic
+
+LAYOUTS_CSV = "layouts.csv"
+SIM_ONLY = ("dp", "global_batch")  # row columns that are not SimConfig fields
+
+
+@dataclass
+class SearchSummary:
+    out_dir: Path
+    rows: list[dict]  # simulated rows (settings + metrics + bound_s, mem_gib), best first
+    layouts: list[dict]  # every enumerated layout with status / reason / bound_s / mem_gib / step_s
+    enumerated: int
+    dropped: int
+    unfit: int
+    pruned: int
+    simulated: int  # simulated in this run
+    reused: int  # taken from results.csv / the journal (resume)
+    bound_violations: int
+    wall_s: float
+    memory_modelled: bool
+    notes: list[str] = field(default_factory=list)
+
+    def best(self, strategy: str) -> dict | None:
+        return next((r for r in self.rows if r["strategy"] == strategy), None)
+
+
+# ---- bounds and memory -----------------------------------------------------------------------------
+def _sim_config(row: dict, **changes):
+    from simulator.api import SimConfig
+
+    names = {f.name for f in fields(SimConfig)}
+    return SimConfig(**{**{k: v for k, v in row.items() if k in names}, **changes})
+
+
+class Bounds:
+    """Lower bounds of step times (module docstring, step 3), cached per compute-relevant settings."""
+
+    def __init__(self):
+        self._cache: dict[str, tuple[float, float]] = {}
+
+    def compute_and_ns(self, row: dict) -> tuple[float, float]:
+        """(forward + backward compute of one micro-batch on one rank's share, naive NS per rank)."""
+        key = json.dumps({k: v for k, v in sorted(row.items())
+                          if k not in ("strategy", "layout", "microbatches", "recompute", "dp")}, default=str)
+        if key not in self._cache:
+            from simulator.api import node_shape, profile_of
+            from simulator.costs import load_cost, thread_cost_for
+            from simulator.setup import make_spec
+            from simulator.workload import resolve_workload
+
+            cfg = _sim_config(row, strategy="naive", layout="ddp")  # no plan: naive's NS per rank
+            profile = profile_of(cfg)
+            _, per_node = node_shape(cfg.gpus, cfg.gpus_per_node or profile.gpus_per_node)
+            wl = resolve_workload(cfg.workload, cfg.model, cfg.per_head)
+            spec, _ = make_spec(cfg, wl, profile, load_cost(profile.cost_profiles), per_node,
+                                thread_cost_for(profile, cfg))
+            share = int(row.get("tp", 1)) * int(row.get("pp", 1))
+            compute = (sum(spec.layer_fwd_s) + sum(spec.layer_bwd_s)) / share
+            self._cache[key] = (compute, sum(spec.ns_naive_s))
+        return self._cache[key]
+
+    def __call__(self, row: dict) -> float:
+        compute, ns = self.compute_and_ns(row)
+        return compute * int(row.get("microbatches", 1)) + (ns if row["strategy"] == "naive" else 0.0)
+
+
+def default_memory() -> Callable[[dict], float] | None:
+    """The simulator's memory model as `row -> peak GiB per GPU`, or None where this simulator has none."""
+    try:
+        from simulator.api import memory_of
+    except ImportError:
+        return None
+
+    def peak(row: dict) -> float:
+        m = memory_of(_sim_config(row))
+        return float(getattr(m, "peak_gib", getattr(m, "peak_mem_gib", m)))
+
+    return peak
+
+
+def default_capacity(row: dict) -> float | None:
+    """The profile's memory per GPU (GiB), where the profile gives one."""
+    from simulator.api import profile_of
+
+    return getattr(profile_of(_sim_config(row)), "memory_gib", None)
+
+
+# ---- the search ------------------------------------------------------------------------------------
+def _experiment(space: Space, out_dir: Path, command: str | None) -> Experiment:
+    """The search as an Experiment (provenance.json and config.json name it like any sweep)."""
+    fixed = {**space.fixed, "gpus": space.gpus, "seq_len": space.seq_len, "global_batch": space.global_batch}
+    axes = {k: list(v) for k, v in (("strategy", space.strategies), ("layout", space.layouts),
+                                    ("tp", space.tp), ("sp", space.sp), ("pp", space.pp),
+                                    ("vpp", space.vpp), ("ep", space.ep), ("micro_batch", space.micro_batch),
+                                    ("recompute", space.recompute)) if v}
+    return Experiment(name="search", path=out_dir / "config.json", description=command or "harness search",
+                      runner="simulate", figures=[], fixed=fixed, grids=[Grid("", {}, axes)], variants={},
+                      traces=[])
+
+
+def _prunable(c: dict, kth: list[float], sims: list[dict], top: int) -> str | None:
+    """Why layout c cannot enter its strategy's top `top` nor its Pareto front (None: it may)."""
+    b = c["bound_s"]
+    if len(kth) < top or b < kth[top - 1]:
+        return None
+    for x in sims:
+        if x["strategy"] == c["strategy"] and x["step_s"] <= b and (
+                c.get("mem_gib") is None or x.get("mem_gib") is None or x["mem_gib"] <= c["mem_gib"]):
+            return (f"bound {b * 1e3:.1f} ms >= top-{top} {kth[top - 1] * 1e3:.1f} ms; dominated by "
+                    f"{x['run_id']} ({x['step_s'] * 1e3:.1f} ms)")
+    return None
+
+
+def run_search(space: Space, out_dir: Path, *, top: int = 5, executor: str = "local",
+               address: str | None = None, jobs: int | None = 1, resume: bool = True,
+               memory: Callable[[dict], float] | None | str = "model",
+               capacity: Callable[[dict], float | None] = default_capacity,
+               progress: Callable[[int, int, str], None] | None = None,
+               command: str | None = None) -> SearchSummary:
+    """Search `space`; write out_dir (module docstring). memory: `row -> GiB` ("model": the simulator's
+    memory model where it has one; None: memory not modelled, nothing dropped for it)."""
+    from dmuon.errors import InputError
+
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise InputError(f"top must be an integer >= 1 (layouts per strategy in the table), got {top!r}")
+    runner = get_runner("simulate")
+    execu = make_executor(executor, address=address, jobs=jobs)  # checked before anything is touched
+    t0 = time.perf_counter()
+    out_dir = Path(out_dir)
+    kept, dropped = enumerate_layouts(space)
+    notes: list[str] = []
+    mem_fn = default_memory() if memory == "model" else memory
+    if mem_fn is None:
+        notes.append("memory not modelled by this simulator: no layout dropped for memory")
+    layouts: list[dict] = [{**p, "status": "dropped", "reason": why} for p, why in dropped]
+    bounds = Bounds()
+    cands: list[dict] = []
+    for row in kept:
+        rid = run_id(row)
+        info = {"run_id": rid, "bound_s": bounds(row), "mem_gib": mem_fn(row) if mem_fn else None}
+        cap = capacity(row) if mem_fn else None
+        if info["mem_gib"] is not None and cap is not None and info["mem_gib"] > cap:
+            layouts.append({**row, **info, "status": "no-fit",
+                            "reason": f"needs {info['mem_gib']:.1f} GiB > {cap:g} GiB per GPU"})
+            continue
+        cands.append({**row, **info})
+    cands.sort(key=lambda c: (c["bound_s"], c["run_id"]))
+
+    store = ResultStore(out_dir)
+    if not resume:
+        for p in (store.journal, store.csv):
+            if p.exists():
+                p.unlink()
+    code = code_version()
+    stored = {str(r["run_id"]): r for r in store.read_rows()
+              if str(r.get("code")) == code and r.get("run_id") not in (None, "")}
+    exp = _experiment(space, out_dir, command)
+    columns = [*dict.fromkeys(k for c in kept for k in c), "run_id"]
+    execu.prepare([[c] for c in cands if c["run_id"] not in stored])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out_dir / "config.json", json.dumps(
+        {**exp.to_dict(), "rows": len(cands), "columns": columns, "top": top}, indent=1, default=str) + "\n")
+
+    sims: list[dict] = []
+    best: dict[str, list[float]] = {}
+    state = {"ran": 0, "reused": 0, "pruned": 0}
+    extra = {c["run_id"]: {"bound_s": c["bound_s"], "mem_gib": c["mem_gib"]} for c in cands}
+
+    def take(r: dict) -> None:
+        r = {**r, **extra[str(r["run_id"])]}
+        sims.append(r)
+        best.setdefault(r["strategy"], []).append(float(r["step_s"]))
+        best[r["strategy"]].sort()
+
+    def record(rows: list[dict]) -> None:
+        rows = [{**r, "code": code} for r in rows]
+        store.append(rows)
+        for r in rows:
+            take(r)
+        state["ran"] += len(rows)
+        if progress:
+            progress(len(sims) + state["pruned"], len(cands), runner.label(rows[-1]) if rows else "")
+
+    batch_size = max(1, execu.requested or 1)
+    status: dict[str, str] = {}
+    try:
+        i = 0
+        while i < len(cands):
+            batch = []
+            while i < len(cands) and len(batch) < batch_size:
+                c = cands[i]
+                i += 1
+                why = _prunable(c, best.get(c["strategy"], []), sims, top)
+                if why:
+                    status[c["run_id"]] = why
+                    state["pruned"] += 1
+                elif c["run_id"] in stored:
+                    take(stored[c["run_id"]])
+                    state["reused"] += 1
+                else:
+                    batch.append({k: v for k, v in c.items() if k not in ("bound_s", "mem_gib", "run_id")}
+                                 | {"run_id": c["run_id"]})
+            if batch:
+                execu.run(runner, [[b] for b in batch], {"out_dir": str(out_dir.resolve()), "traces": []},
+                          record)
+    finally:
+        try:
+            order = [c["run_id"] for c in cands if c["run_id"] not in status]
+            store.finalize(order, columns)
+        finally:
+            execu.close()
+    wall = time.perf_counter() - t0
+    sims.sort(key=lambda r: (float(r["step_s"]), str(r["run_id"])))
+    violations = sum(1 for r in sims if float(r["step_s"]) < r["bound_s"] * (1 - 1e-9))
+    if violations:
+        notes.append(f"{violations} simulated layouts ran below their lower bound: pruning may be unsound")
+    by_id = {str(r["run_id"]): r for r in sims}
+    for c in cands:
+        r = by_id.get(c["run_id"])
+        layouts.append({**c, "status": "simulated" if r else "pruned", "reason": status.get(c["run_id"], ""),
+                        "step_s": float(r["step_s"]) if r else None})
+    _write_layouts(out_dir / LAYOUTS_CSV, layouts)
+    write_provenance(out_dir, exp, store.read_rows(), kind=runner.kind, wall_s=wall, jobs=execu.jobs,
+                     command=command, command_line=command, **execu.describe(), rows_run=state["ran"],
+                     rows_skipped=state["reused"])
+    return SearchSummary(out_dir=out_dir, rows=sims, layouts=layouts, enumerated=len(kept) + len(dropped),
+                         dropped=len(dropped), unfit=len(kept) - len(cands), pruned=state["pruned"],
+                         simulated=state["ran"], reused=state["reused"], bound_violations=violations,
+                         wall_s=wall, memory_modelled=mem_fn is not None, notes=notes)
+
+
+def _write_layouts(path: Path, layouts: list[dict]) -> None:
+    import pandas as pd
+
+    from dmuon.io import atomic_path
+
+    lead = [k for k in LAYOUT_KEYS if any(k in r for r in layouts)]
+    cols = [*lead, "status", "reason", "bound_s", "mem_gib", "step_s", "run_id"]
+    df = pd.DataFrame(layouts)
+    df = df[[c for c in cols if c in df.columns]]
+    with atomic_path(path) as tmp:
+        df.to_csv(tmp, index=False)
+
+
+__all__ = ["Bounds", "LAYOUTS_CSV", "SearchSummary", "default_capacity", "default_memory", "run_search"]
