@@ -165,6 +165,13 @@ def register(app, bench) -> None:
         ep: int = typer.Option(1, help="Expert parallelism degree: experts / ep per rank, expert gradients "
                                        "over their gpus / ep replica group, token all-to-alls over ep "
                                        "consecutive ranks (MoE models; 1 = none)."),
+        # tensor / sequence / pipeline parallelism (simulator.parallel_run)
+        tp: int = typer.Option(1, help="Tensor-parallel degree (inside a node, NVLink; 1 = none)."),
+        pp: int = typer.Option(1, help="Pipeline-parallel degree (1F1B; 1 = none)."),
+        vpp: int = typer.Option(1, help="Model chunks per pipeline stage (interleaved schedule; 1 = none)."),
+        sp: bool = typer.Option(False, "--sp/--no-sp", help="Sequence parallelism (with --tp > 1)."),
+        microbatches: int = typer.Option(None, help="Micro-batches per step (default: 1, or 4 x pp)."),
+        recompute: str = typer.Option("none", help="Activation recomputation: none | selective | full."),
         naive_batching: bool = typer.Option(False, "--naive-batching/--no-naive-batching",
                                             help="naive: one batched NS call per shape (as dmuon.NaiveMuon) "
                                                  "instead of one per matrix."),
@@ -196,7 +203,8 @@ def register(app, bench) -> None:
                       overlap=overlap, hierarchical=hierarchical, nic_gbps=nic_gbps,
                       overlap_slowdown=overlap_slowdown, naive_batching=naive_batching,
                       cpu_threads=cpu_threads, bucket_numel=bucket_numel, max_split=max_split,
-                      split_exchange=split_exchange, ep=ep,
+                      split_exchange=split_exchange, ep=ep, tp=tp, pp=pp, vpp=vpp, sp=sp,
+                      microbatches=microbatches, recompute=recompute,
                       jitter=jitter)
             for s in strategies_of(strategy)
         ]

@@ -119,6 +119,19 @@ class SimConfig:
                             "its p90 (0 = none)")
     jitter_steps: int = _f(8, "steps sampled when jitter > 0 (after one warm-up step)")
     seed: int = _f(0, "seed of the jitter draws")
+    # ---- tensor / sequence / pipeline parallelism (simulator.parallel, simulator.parallel_run) ----
+    tp: int = _f(1, "tensor-parallel degree: each matrix cut over tp GPUs of a node (Megatron column / row "
+                    "split), 2 all-reduces per layer forward and 2 backward on NVLink; 1 = none")
+    pp: int = _f(1, "pipeline-parallel degree: the transformer layers in pp stages (embeddings on the first, "
+                    "head on the last), 1F1B schedule; 1 = none")
+    vpp: int = _f(1, "model chunks per pipeline stage (interleaved schedule, Megatron's virtual pipeline); "
+                     "1 = plain 1F1B")
+    sp: bool = _f(False, "sequence parallelism (with tp > 1): each TP all-reduce becomes an all-gather + a "
+                         "reduce-scatter (Korthikanti et al. 2022)")
+    microbatches: int | None = _f(None, "micro-batches of micro_batch sequences per step and DP rank (None: "
+                                        "1 without pp, else 4 x pp); >= pp with pp > 1")
+    recompute: str = _f("none", "activation recomputation: none | selective (the attention core again in "
+                                "backward) | full (the whole forward again in backward)")
     plan: object = _f(None, "a dmuon.plan.Plan built elsewhere (e.g. by the runtime); None: build_plan")
     cost: object = _f(None, "a dmuon CostTable (or any object with ns_time / elementwise_time); None: "
                             "CostTable.load(profile.cost_profile)")
@@ -196,6 +209,9 @@ def validate_config(cfg: SimConfig) -> None:
     _check_int("max_batch", cfg.max_batch)
     _check_int("max_split", cfg.max_split, maximum=MAX_GPUS)
     _check_int("ep", cfg.ep, maximum=MAX_GPUS)
+    from .parallel import check_fields
+
+    check_fields(cfg)  # tp, pp, vpp, sp, microbatches, recompute
     if cfg.ep > 1:
         from .step_ep import EP_LAYOUTS
 
@@ -298,6 +314,15 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
     from .step import build
 
     validate_config(cfg)
+    from .parallel import is_parallel
+
+    if is_parallel(cfg):  # TP x PP x DP (simulator.parallel_run): no single step program to return
+        if not _execute or all_ranks:
+            raise InputError("traces and built programs are for data-parallel steps; accepted: tp=pp=1, one "
+                             "micro-batch, recompute none")
+        from .parallel_run import run_parallel
+
+        return run_parallel(cfg)
     from .workload import resolve_workload
 
     workload = resolve_workload(cfg.workload, cfg.model, cfg.per_head)
