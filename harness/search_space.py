@@ -17,17 +17,21 @@ Dimensions (gpus = tp x pp x dp; ep inside dp):
   recompute   none | selective | full activation recomputation              when the simulator has it
 
 Rules (a dropped layout names the first it breaks):
-  tp    divides the attention heads, the KV heads (Megatron's query groups) and the MLP width, and stays
-        inside one node (TP's all-reduces on every layer need NVLink, Narayanan et al. 2021, sec. 3.3)
+  tp    divides the attention heads, the KV heads (Megatron's query groups), the MLP width and every
+        matrix it splits (simulator.parallel.shard), and divides the GPUs per node (TP's all-reduces on
+        every layer need NVLink, Narayanan et al. 2021, sec. 3.3)
   sp    only with tp > 1 (it splits TP's all-reduce into all-gather + reduce-scatter)
   pp    divides the decoder layers; pp x vpp divides them (every virtual stage the same number of layers)
   vpp   > 1 only with pp > 1 and micro-batches a multiple of pp (Megatron's interleaved schedule)
-  pp    at least pp micro-batches per step (fewer leave a stage idle for the whole step)
+  pp    at least pp micro-batches per step (fewer leave a stage idle for the whole step); a stage is at
+        most one node or whole nodes
   dp    tp x pp divides the GPU count; dp x micro_batch divides the global batch
   ep    MoE models only; divides the routed experts and dp; an EP group fits a node or spans whole nodes
-        (simulator.api.run's rule)
+        (simulator.api.run's rule); not with tp > 1 (expert tensor parallelism is not modelled)
   hsdp  only when the data-parallel group spans several nodes (in one node it is fsdp)
   sharded  dmuon only (adamw and naive run it as fsdp-keep: the same layout twice)
+Last, every kept layout passes the simulator's own checks (simulator.api.validate_config and, with tp or
+pp, simulator.parallel.layout_of); one that does not is dropped with the simulator's message.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class ModelDims:
     kv_heads: int | None = None
     mlp_widths: tuple[int, ...] = ()  # intermediate sizes TP splits (dense MLP, experts, shared experts)
     experts: int = 0  # routed experts (0: dense)
+    source: str | None = None  # the config.json (None: a catalog workload)
 
 
 def model_dims(model: str | None = None, workload=None) -> ModelDims:
@@ -80,7 +85,7 @@ def model_dims(model: str | None = None, workload=None) -> ModelDims:
                                              "shared_expert_intermediate_size") if raw.get(k))
         experts = next((int(raw[k]) for k in ("n_routed_experts", "num_experts", "num_local_experts")
                         if raw.get(k)), 0)
-        return ModelDims(wl.name, int(raw["num_hidden_layers"]), heads, kv, widths, experts)
+        return ModelDims(wl.name, int(raw["num_hidden_layers"]), heads, kv, widths, experts, str(model))
     from simulator.workload import resolve_workload
 
     wl = resolve_workload(workload)
@@ -162,8 +167,8 @@ def axis_values(space: Space) -> dict[str, tuple]:
 
 def _tp_rule(tp: int, sp: bool, space: Space) -> str | None:
     d = space.dims
-    if tp > space.per_node:
-        return f"tp={tp} > {space.per_node} GPUs per node: TP stays inside a node (NVLink)"
+    if space.per_node % tp:
+        return f"tp={tp} does not divide the {space.per_node} GPUs per node: TP stays inside a node (NVLink)"
     if tp > 1 and d.heads is None:
         return f"tp={tp}: workload {d.name!r} has no attention head counts (give a config.json model)"
     if tp > 1 and d.heads % tp:
@@ -173,6 +178,15 @@ def _tp_rule(tp: int, sp: bool, space: Space) -> str | None:
     bad = [w for w in d.mlp_widths if w % tp]
     if bad:
         return f"tp={tp} does not divide the MLP width {bad[0]}"
+    if tp > 1 and d.source is not None and "tp" in space.have:
+        from simulator.hf_config import load_model
+        from simulator.parallel import shard
+
+        try:
+            for p in load_model(d.source).params:
+                shard(p, tp)
+        except InputError as e:
+            return f"simulator: {e}"
     if sp and tp == 1:
         return "sp needs tp > 1"
     return None
@@ -180,8 +194,11 @@ def _tp_rule(tp: int, sp: bool, space: Space) -> str | None:
 
 def _pp_rule(pp: int, vpp: int, gpus_left: int, space: Space) -> str | None:
     layers = space.dims.layers
-    if pp > gpus_left:
-        return f"pp={pp} x tp does not divide gpus={space.gpus}"
+    if gpus_left % pp:
+        return f"tp x pp does not divide gpus={space.gpus}"
+    stage = space.gpus // pp
+    if pp > 1 and stage > space.per_node and stage % space.per_node:
+        return f"gpus / pp = {stage} GPUs per stage is not a whole number of {space.per_node}-GPU nodes"
     if vpp > 1 and pp == 1:
         return f"vpp={vpp} needs pp > 1"
     if layers % (pp * vpp):
@@ -204,7 +221,7 @@ def _dp_rule(dp: int, mb: int, pp: int, vpp: int, space: Space) -> tuple[int | N
     return m, None
 
 
-def _ep_rule(ep: int, dp: int, space: Space) -> str | None:
+def _ep_rule(ep: int, dp: int, tp: int, space: Space) -> str | None:
     d = space.dims
     if ep == 1:
         return None
@@ -214,6 +231,8 @@ def _ep_rule(ep: int, dp: int, space: Space) -> str | None:
         return f"ep={ep} does not divide the {d.experts} routed experts"
     if dp % ep:
         return f"ep={ep} does not divide dp={dp}"
+    if tp > 1:
+        return f"ep={ep} with tp={tp}: expert tensor parallelism is not modelled"
     if space.per_node % ep and ep % space.per_node:
         return f"ep={ep}: an EP group must fit a {space.per_node}-GPU node or span whole nodes"
     return None
@@ -246,22 +265,50 @@ def enumerate_layouts(space: Space) -> tuple[list[dict], list[tuple[dict, str]]]
             for pp in ax["pp"]:
                 for vpp in ax["vpp"]:
                     p2 = {**point, "pp": pp, "vpp": vpp}
-                    why = _pp_rule(pp, vpp, space.gpus // tp, space) or (
-                        None if (space.gpus // tp) % pp == 0 else f"tp x pp = {tp * pp} does not divide "
-                                                                   f"gpus={space.gpus}")
+                    why = _pp_rule(pp, vpp, space.gpus // tp, space)
                     if why:
                         dropped.append((p2, why))
                         continue
                     dp = space.gpus // (tp * pp)
                     _expand_dp(space, ax, have, {**p2, "dp": dp}, kept, dropped)
-    return kept, dropped
+    out = []
+    heads = None
+    if "tp" in have and space.dims.source is not None:
+        from simulator.parallel import model_heads
+
+        heads = model_heads(space.dims.source)
+    for row in kept:
+        why = simulator_reason(row, space.per_node, heads)
+        if why:
+            dropped.append(({k: row.get(k) for k in LAYOUT_KEYS if k in row}, why))
+        else:
+            out.append(row)
+    return out, dropped
+
+
+def simulator_reason(row: dict, per_node: int, heads: tuple[int, int] | None) -> str | None:
+    """The simulator's own objection to a row (validate_config, and layout_of with tp or pp), or None.
+    per_node: GPUs per node; heads: (attention heads, KV heads) of a config.json model, else None."""
+    from simulator.api import SimConfig, validate_config
+
+    names = {f.name for f in fields(SimConfig)}
+    try:
+        cfg = SimConfig(**{k: v for k, v in row.items() if k in names})
+        validate_config(cfg)
+        if row.get("tp", 1) > 1 or row.get("pp", 1) > 1:
+            from simulator.parallel import layout_of
+
+            layout_of(cfg, per_node, heads)
+    except InputError as e:
+        return f"simulator: {e}"
+    return None
 
 
 def _expand_dp(space, ax, have, p2, kept, dropped) -> None:
     dp, tp, pp, vpp = p2["dp"], p2["tp"], p2["pp"], p2["vpp"]
     for ep in ax["ep"]:
         p3 = {**p2, "ep": ep}
-        why = _ep_rule(ep, dp, space)
+        why = _ep_rule(ep, dp, tp, space)
         if why:
             dropped.append((p3, why))
             continue
