@@ -192,7 +192,9 @@ def register(app, bench) -> None:
                   f"{space.global_batch} x {space.seq_len} tokens (SIMULATED)")
         con.print(f"layouts: {summary.enumerated} enumerated, {summary.dropped} dropped by a rule, "
                   f"{summary.unfit} do not fit, {summary.pruned} pruned by their bound, "
-                  f"{summary.simulated} simulated, {summary.reused} reused; {summary.wall_s:.1f} s")
+                  f"{summary.simulated} simulated, {summary.reused} reused"
+                  + (f", {summary.refused} refused by the simulator" if summary.refused else "")
+                  + f"; {summary.wall_s:.1f} s")
         for note in summary.notes:
             con.print(f"note: {note}")
         if not summary.rows:

@@ -55,6 +55,7 @@ class SearchSummary:
     bound_violations: int
     wall_s: float
     memory_modelled: bool
+    refused: int = 0  # layouts the simulator refused when it ran them (layouts.csv: its message)
     notes: list[str] = field(default_factory=list)
 
     def best(self, strategy: str) -> dict | None:
@@ -70,35 +71,97 @@ def _sim_config(row: dict, **changes):
 
 
 class Bounds:
-    """Lower bounds of step times (module docstring, step 3), cached per compute-relevant settings."""
+    """Lower bounds of step times (module docstring, step 3), from the simulator's own inputs.
+
+    Per pipeline stage s (simulator.parallel.stage_layers; pp = 1: one stage, the whole model) and
+    micro-batch: F_s, B_s = the forward / backward compute of its layers at full width / tp (a TP shard's
+    time, FLOPs / tp + the per-layer overhead, is never less), plus the TP collectives every block has on
+    the critical path (simulator.parallel.tp_layer_comm), plus full recomputation's forward again. Stage s
+    cannot start before micro-batch 1 has run the chunks before it (its round-0 chunks 0..s-1, forward)
+    and its last backward of its round-0 chunk is followed by those chunks' backward, so the step is at
+    least  fill_s + m (F_s + B_s) + drain_s  (+ naive: the stage's NS of its matrices, every rank all of
+    them, after its last backward), maximised over the stages. Sends, DP communication, bubbles beyond the
+    fill / drain and the optimizer's other work only add to it."""
 
     def __init__(self):
-        self._cache: dict[str, tuple[float, float]] = {}
+        self._cache: dict[str, tuple] = {}
 
-    def compute_and_ns(self, row: dict) -> tuple[float, float]:
-        """(forward + backward compute of one micro-batch on one rank's share, naive NS per rank)."""
-        key = json.dumps({k: v for k, v in sorted(row.items())
-                          if k not in ("strategy", "layout", "microbatches", "recompute", "dp")}, default=str)
+    def _layers(self, row: dict):
+        """(per-layer forward s, backward s, naive NS s (None: not known per layer), workload, profile)."""
+        key = json.dumps({k: v for k, v in sorted(row.items()) if k in _COMPUTE_KEYS}, default=str)
         if key not in self._cache:
             from simulator.api import node_shape, profile_of
             from simulator.costs import load_cost, thread_cost_for
             from simulator.setup import make_spec
             from simulator.workload import resolve_workload
 
-            cfg = _sim_config(row, strategy="naive", layout="ddp")  # no plan: naive's NS per rank
+            plain = {k: v for k, v in (("tp", 1), ("pp", 1), ("vpp", 1), ("sp", False), ("microbatches", None),
+                                      ("recompute", "none")) if k in row}
+            cfg = _sim_config(row, strategy="naive", layout="ddp", **plain)  # no plan: naive NS per rank
             profile = profile_of(cfg)
-            _, per_node = node_shape(cfg.gpus, cfg.gpus_per_node or profile.gpus_per_node)
+            per_node = node_shape(cfg.gpus, cfg.gpus_per_node or profile.gpus_per_node)[1]
             wl = resolve_workload(cfg.workload, cfg.model, cfg.per_head)
-            spec, _ = make_spec(cfg, wl, profile, load_cost(profile.cost_profiles), per_node,
-                                thread_cost_for(profile, cfg))
-            share = int(row.get("tp", 1)) * int(row.get("pp", 1))
-            compute = (sum(spec.layer_fwd_s) + sum(spec.layer_bwd_s)) / share
-            self._cache[key] = (compute, sum(spec.ns_naive_s))
+            spec, info = make_spec(cfg, wl, profile, load_cost(profile.cost_profiles), per_node,
+                                   thread_cost_for(profile, cfg))
+            if cfg.ep > 1:  # naive NS of the rank's own experts only: known for the whole model
+                ns = None
+                total = info["ns_makespan_s"]
+            else:
+                ns = [sum(spec.ns_naive_s[i] for i in idx) for idx in spec.layer_muon]
+                total = sum(ns)
+            self._cache[key] = (list(spec.layer_fwd_s), list(spec.layer_bwd_s), ns, total, wl, profile,
+                                per_node)
         return self._cache[key]
 
     def __call__(self, row: dict) -> float:
-        compute, ns = self.compute_and_ns(row)
-        return compute * int(row.get("microbatches", 1)) + (ns if row["strategy"] == "naive" else 0.0)
+        fwd, bwd, ns, ns_total, wl, profile, per_node = self._layers(row)
+        tp, pp, vpp = int(row.get("tp", 1)), int(row.get("pp", 1)), int(row.get("vpp", 1))
+        m = int(row.get("microbatches") or 1)
+        naive = row["strategy"] == "naive"
+        tp_f = tp_b = 0.0
+        if tp > 1:
+            from simulator.parallel import Layout, hidden_of, tp_layer_comm
+            from simulator.step import DTYPE_BYTES
+
+            lay = Layout(tp, pp, vpp, int(row["dp"]), m, bool(row.get("sp")), row.get("recompute", "none"),
+                         per_node)
+            net = profile.network_for(per_node, 1.0)
+            tokens = int(row["micro_batch"]) * int(row["seq_len"])
+            args = (lay, tokens, hidden_of(wl), DTYPE_BYTES[profile.dtype], net)
+            tp_f, tp_b = tp_layer_comm(*args, backward=False)[0], tp_layer_comm(*args, backward=True)[0]
+        full = row.get("recompute", "none") == "full"
+        if pp == 1:
+            chunks = [[list(range(len(fwd)))]]
+        else:
+            from simulator.parallel import stage_layers
+
+            chunks = stage_layers(wl, pp, vpp)
+        blocks = {i for i, ps in enumerate(wl.layer_params()) if any(p.block is not None for p in ps)}
+
+        def fb(layers) -> tuple[float, float]:
+            f = sum(fwd[i] for i in layers) / tp + tp_f * sum(i in blocks for i in layers)
+            b = sum(bwd[i] for i in layers) / tp + tp_b * sum(i in blocks for i in layers)
+            return f, b + (sum(fwd[i] for i in layers) / tp if full else 0.0)
+
+        round0 = [fb(chunks[s][0]) for s in range(pp)]
+        best = 0.0
+        for s in range(pp):
+            f, b = map(sum, zip(*(fb(c) for c in chunks[s]), strict=True))
+            fill = sum(x[0] + x[1] for x in round0[:s])
+            stage_ns = 0.0
+            if naive:
+                if ns is None:  # ep: only the whole model's total is known (a stage's share: not bounded)
+                    stage_ns = ns_total if pp == 1 else 0.0
+                else:
+                    stage_ns = sum(ns[i] for c in chunks[s] for i in c)
+            best = max(best, fill + m * (f + b) + stage_ns)
+        return best
+
+
+_COMPUTE_KEYS = ("workload", "model", "per_head", "gpu", "cluster", "gpus", "gpus_per_node", "seq_len",
+                 "micro_batch", "ep", "naive_ns_method", "naive_batching", "ns_dtype", "speed_scale",
+                 "ns_speed_scale", "elementwise_speed_scale", "cpu_threads", "symmetric_kernels", "nic_gbps",
+                 "overlap_slowdown")
 
 
 def default_memory() -> Callable[[dict], float] | None:
@@ -219,7 +282,23 @@ def run_search(space: Space, out_dir: Path, *, top: int = 5, executor: str = "lo
             progress(len(sims) + state["pruned"], len(cands), runner.label(rows[-1]) if rows else "")
 
     batch_size = max(1, execu.requested or 1)
-    status: dict[str, str] = {}
+    status: dict[str, str] = {}  # run_id -> why it was not simulated (pruned, or refused by the simulator)
+    refused: set[str] = set()
+    ctx = {"out_dir": str(out_dir.resolve()), "traces": []}
+
+    def run_batch(batch: list[dict]) -> None:
+        """Simulate `batch`; a layout the simulator refuses when it runs it is kept out with its message."""
+        try:
+            execu.run(runner, [[b] for b in batch], ctx, record)
+        except InputError as e:
+            done = {str(r["run_id"]) for r in sims}
+            left = [b for b in batch if b["run_id"] not in done]
+            if len(left) == 1:
+                status[left[0]["run_id"]] = f"simulator: {e}"
+                refused.add(left[0]["run_id"])
+            else:  # which one failed is not known: one at a time
+                for b in left:
+                    run_batch([b])
     try:
         i = 0
         while i < len(cands):
@@ -237,12 +316,10 @@ def run_search(space: Space, out_dir: Path, *, top: int = 5, executor: str = "lo
                 else:
                     batch.append({k: v for k, v in c.items() if k not in ("bound_s", "mem_gib", "run_id")}
                                  | {"run_id": c["run_id"]})
-            if batch:
-                execu.run(runner, [[b] for b in batch], {"out_dir": str(out_dir.resolve()), "traces": []},
-                          record)
+            run_batch(batch)
     finally:
         try:
-            order = [c["run_id"] for c in cands if c["run_id"] not in status]
+            order = [c["run_id"] for c in cands if c["run_id"] not in status]  # simulated rows
             store.finalize(order, columns)
         finally:
             execu.close()
@@ -254,7 +331,8 @@ def run_search(space: Space, out_dir: Path, *, top: int = 5, executor: str = "lo
     by_id = {str(r["run_id"]): r for r in sims}
     for c in cands:
         r = by_id.get(c["run_id"])
-        layouts.append({**c, "status": "simulated" if r else "pruned", "reason": status.get(c["run_id"], ""),
+        st = "simulated" if r else ("refused" if c["run_id"] in refused else "pruned")
+        layouts.append({**c, "status": st, "reason": status.get(c["run_id"], ""),
                         "step_s": float(r["step_s"]) if r else None})
     _write_layouts(out_dir / LAYOUTS_CSV, layouts)
     write_provenance(out_dir, exp, store.read_rows(), kind=runner.kind, wall_s=wall, jobs=execu.jobs,
@@ -263,7 +341,7 @@ def run_search(space: Space, out_dir: Path, *, top: int = 5, executor: str = "lo
     return SearchSummary(out_dir=out_dir, rows=sims, layouts=layouts, enumerated=len(kept) + len(dropped),
                          dropped=len(dropped), unfit=len(kept) - len(cands), pruned=state["pruned"],
                          simulated=state["ran"], reused=state["reused"], bound_violations=violations,
-                         wall_s=wall, memory_modelled=mem_fn is not None, notes=notes)
+                         wall_s=wall, refused=len(refused), memory_modelled=mem_fn is not None, notes=notes)
 
 
 def _write_layouts(path: Path, layouts: list[dict]) -> None:
