@@ -174,6 +174,22 @@ def append_csv(path: str, rows: list[dict]) -> None:
         new.to_csv(tmp, index=False)
 
 
+def add_modelled_memory(rows: list[dict], cfg: StepConfig) -> None:
+    """model_peak_mem_bytes / model_peak_mem_error beside each CPU row's measured peak
+    (harness.validation_memory.modelled_peak: simulator.memory of the same run; not for --wide-matrix)."""
+    if cfg.wide is not None:
+        return
+    from .validation_memory import modelled_peak
+
+    workload = None
+    if cfg.model_raw is None:
+        from simulator.workload import load_workload
+
+        workload = load_workload(cfg.workload).scaled(cfg.width_scale, blocks=cfg.layers)
+    for r in rows:
+        r.update(modelled_peak(r, cfg.model_raw, workload))
+
+
 def print_table(rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -190,7 +206,7 @@ def print_table(rows: list[dict]) -> None:
     cols = ["strategy", "layout", "memory", "overlap", "exchange", "ns", "split", "step ms", "fwd ms",
             "bwd ms", "opt ms", "opt NS ms", "opt wait ms", "exposed comm ms", "opt cpu ms", "opt runq ms",
             "comm MB/step",
-            "opt state MB", "peak mem MB"]
+            "opt state MB", "peak mem MB", "model mem MB"]
     for c in cols:
         t.add_column(c, justify="right")
     for r in rows:
@@ -203,7 +219,7 @@ def print_table(rows: list[dict]) -> None:
                                                    "optimizer_cpu_s")],
                   f"{r.get('optimizer_runq_s', math.nan) * 1e3:.1f}",
                   f"{r['comm_bytes_per_step'] / 1e6:.2f}", f"{r['opt_state_bytes'] / 1e6:.2f}",
-                  f"{r['peak_mem_bytes'] / 1e6:.0f}")
+                  f"{r['peak_mem_bytes'] / 1e6:.0f}", f"{r.get('model_peak_mem_bytes', math.nan) / 1e6:.0f}")
     console = Console(width=200)
     console.print(t)
     for k, v in ratios(rows).items():
@@ -344,6 +360,7 @@ def register(app, bench) -> None:
         else:
             check_config(cfg)
             rows = launch(cfg)
+        add_modelled_memory(rows, cfg)
         if csv:
             append_csv(csv, rows)
         if json_out:

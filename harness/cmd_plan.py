@@ -261,6 +261,24 @@ def print_compare(rows: list[dict], title: str) -> None:
     )
 
 
+SIM_DEFAULTS = "fsdp-keep, seq 2048 x micro-batch 2"  # simulator.api.SimConfig's defaults, as plan_memory uses
+
+
+def plan_memory(workload, plan, profile: str, ep: int = 1):
+    """simulator.memory of the plan's owners: DMuon, layout fsdp-keep, the SimConfig defaults' sequence
+    and micro-batch, on the simulator profile named `profile` (None where there is none)."""
+    from simulator.api import SimConfig, memory_of
+    from simulator.hardware import PROFILE_DIR
+
+    profile = profile.removesuffix("-roofline")  # a GPU's datasheet roofline: that GPU's simulator profile
+    if not (PROFILE_DIR / f"{profile}.toml").is_file():
+        return None
+    n = plan.world_size
+    per_node = None if profile == "cpu" or n <= 8 or n % 8 == 0 else n  # else one node of all ranks
+    return memory_of(SimConfig(workload=workload, gpus=n, gpu=profile, strategy="dmuon", ep=ep,
+                               gpus_per_node=per_node), plan)
+
+
 def register(app, bench) -> None:
     import typer
 
@@ -382,6 +400,7 @@ def register(app, bench) -> None:
             raise InputError(f"--memory-cap-gb must be a positive number of GB (or left out), "
                              f"got {memory_cap_gb!r}")
         wl = load_matrices(workload, scale, blocks, per_head)
+        wl_all = wl  # before experts_apart: the memory model applies it itself
         cap = None if memory_cap_gb is None else memory_cap_gb * 1e9
         cost = CostTable.load(profile)
         if dtype is None:
@@ -411,9 +430,13 @@ def register(app, bench) -> None:
         )
         if out:
             atomic_write_text(out, plan.to_json(indent=1))
+        mem = plan_memory(wl_all, plan, profile, ep)
         if json_out:
-            print(json.dumps(plan_summary(plan, wl.name), indent=1))
+            print(json.dumps({**plan_summary(plan, wl.name), "memory": mem and mem.to_dict()}, indent=1))
         else:
             print_plan(plan, wl.name)
+            print(f"simulator.memory of this plan (dmuon, layout {SIM_DEFAULTS}, on {profile}):\n"
+                  + mem.table() if mem else f"memory: {profile!r} is no simulator profile (simulator/profiles/); "
+                  "the memory model needs one")
             for note in wl.notes:
                 print(f"workload note: {note}")

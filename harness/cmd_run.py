@@ -307,7 +307,9 @@ def register(app, bench) -> None:
 
         out_dir = Path(out)
         t0 = time.perf_counter()
-        rows = v.published_checks() + v.ns_replay_checks() + v.multinode_checks()
+        from .validation_memory import memory_checks
+
+        rows = v.published_checks() + v.ns_replay_checks() + v.multinode_checks() + memory_checks()
         paper_csv = Path(paper_results)
         if not paper_csv.is_file():
             print(f"{paper_csv} missing: running the paper experiment first", file=sys.stderr)

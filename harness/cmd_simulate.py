@@ -28,6 +28,9 @@ _ROWS = (  # (label, SimResult field, scale, unit)
     ("  of which Muon", "muon_comm_bytes_per_rank", 1e-9, "GB"),
     ("Muon volume / P", "muon_comm_volume", 1.0, "x"),
     ("NS makespan", "ns_makespan_s", 1e3, "ms"),
+    ("peak memory per rank", "peak_mem_gib", 1.0, "GiB"),
+    *((f"  {p.replace('_', ' ')}", f"memory.{p}", 1.0 / 2**30, "GiB") for p in (
+        "parameters", "gradients", "optimizer", "param_copies", "activations", "comm_buckets", "ns_workspace")),
 )
 
 
@@ -92,12 +95,17 @@ def print_table(results) -> None:
     for label, attr, scale, unit in _ROWS:
         cells = []
         for r in results:
-            v = getattr(r, attr) * scale
+            v = (r.memory.get(attr[7:], 0.0) if attr.startswith("memory.") else getattr(r, attr)) * scale
             fmt = {"": f"{v:,.0f}", "ms": f"{v:,.1f} ms"}
             cells.append(fmt.get(unit, f"{v:,.2f} {unit}"))
         table.add_row(label, *cells)
     console = Console()
     console.print(table)
+    for r in results:
+        if not r.mem_fits:
+            cap = r.memory.get("capacity_bytes", 0.0) / 2**30
+            console.print(f"{r.strategy}: DOES NOT FIT: peak {r.peak_mem_gib:.1f} GiB per rank > {cap:.1f} GiB "
+                          f"({r.profile} memory_gib; simulator.memory)", highlight=False)
     by = {r.strategy: r for r in results}
     if "naive" in by and "dmuon" in by:
         n, d = by["naive"], by["dmuon"]
@@ -171,11 +179,14 @@ def register(app, bench) -> None:
         vpp: int = typer.Option(1, help="Model chunks per pipeline stage (interleaved schedule; 1 = none)."),
         sp: bool = typer.Option(False, "--sp/--no-sp", help="Sequence parallelism (with --tp > 1)."),
         microbatches: int = typer.Option(None, help="Micro-batches per step (default: 1, or 4 x pp)."),
-        recompute: str = typer.Option("none", help="Activation recomputation: none | selective | full."),
+        recompute: str = typer.Option("none", help="Activation recomputation (time and memory): none | "
+                                                   "selective | full."),
         naive_batching: bool = typer.Option(False, "--naive-batching/--no-naive-batching",
                                             help="naive: one batched NS call per shape (as dmuon.NaiveMuon) "
                                                  "instead of one per matrix."),
         cpu_threads: int = typer.Option(1, help="cpu profile: torch threads per rank."),
+        param_dtype: str = typer.Option("fp32", help="Master weights / gradients dtype (memory model): "
+                                                     "bf16 | fp16 | fp32."),
         jitter: float = typer.Option(0.0, help="Stragglers: coefficient of variation of every compute op "
                                                "(e.g. 0.03); the step is then the median of 8 sampled steps "
                                                "(p90 printed too)."),
@@ -204,7 +215,7 @@ def register(app, bench) -> None:
                       overlap_slowdown=overlap_slowdown, naive_batching=naive_batching,
                       cpu_threads=cpu_threads, bucket_numel=bucket_numel, max_split=max_split,
                       split_exchange=split_exchange, ep=ep, tp=tp, pp=pp, vpp=vpp, sp=sp,
-                      microbatches=microbatches, recompute=recompute,
+                      microbatches=microbatches, recompute=recompute, param_dtype=param_dtype,
                       jitter=jitter)
             for s in strategies_of(strategy)
         ]

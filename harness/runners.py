@@ -47,6 +47,8 @@ _SIM_METRICS = (
     "plan_balancer",
     "plan_method",
     "profile",
+    "peak_mem_gib",  # simulator.memory: the busiest rank's peak; mem_fits False flags a run that does not fit
+    "mem_fits",
 )
 # settings that cannot change a dmuon plan (rows differing only in these share a worker)
 _NOT_PLAN = (

@@ -132,6 +132,9 @@ class SimConfig:
                                         "1 without pp, else 4 x pp); >= pp with pp > 1")
     recompute: str = _f("none", "activation recomputation: none | selective (the attention core again in "
                                 "backward) | full (the whole forward again in backward)")
+    # ---- memory model (simulator.memory): the master weights' dtype (recompute: above) ----
+    param_dtype: str = _f("fp32", "dtype of master weights, gradients (FSDP: sharded) and replicated "
+                                  "parameters: bf16 | fp16 | fp32 (compute copies in the profile's dtype)")
     plan: object = _f(None, "a dmuon.plan.Plan built elsewhere (e.g. by the runtime); None: build_plan")
     cost: object = _f(None, "a dmuon CostTable (or any object with ns_time / elementwise_time); None: "
                             "CostTable.load(profile.cost_profile)")
@@ -170,6 +173,9 @@ class SimResult:
     provenance: dict
     notes: tuple[str, ...]
     step_p90_s: float = 0.0  # p90 of the sampled steps with jitter (= step_s without)
+    peak_mem_gib: float = 0.0  # simulator.memory: peak memory of the busiest rank over the step
+    mem_fits: bool = True  # peak_mem_gib within the profile's memory_gib (per rank)
+    memory: dict = field(default_factory=dict)  # simulator.memory.MemoryBreakdown.to_dict()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -222,6 +228,12 @@ def validate_config(cfg: SimConfig) -> None:
             raise InputError(f"ep > 1 runs with layout {' | '.join(EP_LAYOUTS)}, got {cfg.layout!r}")
         if cfg.max_split > 1:
             raise InputError("max_split > 1 is not supported with ep > 1; accepted: max_split=1")
+    from .memory_activations import RECOMPUTE
+
+    if cfg.recompute not in RECOMPUTE:
+        raise choice_error("recompute", cfg.recompute, RECOMPUTE)
+    if cfg.param_dtype not in DTYPE_BYTES:
+        raise choice_error("param_dtype", cfg.param_dtype, DTYPE_BYTES)
     if cfg.split_exchange not in SPLIT_EXCHANGES:
         raise choice_error("split_exchange", cfg.split_exchange, SPLIT_EXCHANGES)
     _check_int("cpu_threads", cfg.cpu_threads)
@@ -365,8 +377,30 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
         ns_makespan_s=info["ns_makespan_s"], ns_busy_max_s=m["ns_busy_max_s"],
         plan_balancer=info["balancer"], plan_method=info["method"], settings=settings,
         provenance=info["provenance"](), notes=tuple(info["notes"] + built.notes), step_p90_s=p90,
+        **_memory_fields(cfg, spec.plan),
     )
     return result, built
+
+
+def memory_of(cfg: SimConfig, plan=None, **kw):
+    """Memory per rank of `cfg` without simulating the step (simulator.memory.memory_of): a
+    MemoryBreakdown with .peak_bytes, .peak_gib, .fits, .capacity_bytes, .gib() and one field per part.
+    Stable API for layout searches: cheap (no plan is built; DMuon owners balanced by elements unless
+    `plan` or cfg.plan gives them). kw: simulator.memory.breakdown's recompute / loss_fp32 / free."""
+    from .memory import breakdown
+    from .workload import resolve_workload
+
+    validate_config(cfg)
+    profile = profile_of(cfg)
+    _, per_node = node_shape(cfg.gpus, cfg.gpus_per_node or profile.gpus_per_node)
+    return breakdown(cfg, resolve_workload(cfg.workload, cfg.model, cfg.per_head), profile, per_node, plan,
+                     **kw)
+
+
+def _memory_fields(cfg: SimConfig, plan) -> dict:
+    """SimResult's memory fields: simulator.memory of the plan the step ran."""
+    mem = memory_of(cfg, plan)
+    return {"peak_mem_gib": mem.peak_gib, "mem_fits": mem.fits, "memory": mem.to_dict()}
 
 
 def build_programs(cfg: SimConfig, all_ranks: bool = True):
@@ -386,4 +420,4 @@ def timed_simulate(cfg: SimConfig) -> tuple[SimResult, float]:
     return r, time.perf_counter() - t0
 
 
-__all__ = ["SimConfig", "SimResult", "simulate", "run", "build_programs", "timed_simulate"]
+__all__ = ["SimConfig", "SimResult", "simulate", "run", "build_programs", "timed_simulate", "memory_of"]

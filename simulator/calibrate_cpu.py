@@ -69,6 +69,15 @@ def _entry(key: str, value: float, source: str) -> str:
     return f'{key} = {{ value = {value:.6g}, source = "{source}" }}'
 
 
+def _memory_entry() -> str:
+    """memory_gib of the profile: this host's RAM (/proc/meminfo MemTotal), shared by its ranks."""
+    with open("/proc/meminfo") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+    return _entry("memory_gib", kb / 2**20, f"measured here: /proc/meminfo MemTotal {kb:,} kB = "
+                  f"{kb / 2**20:.2f} GiB of host RAM, shared by the ranks on the host (python -m "
+                  "simulator.calibrate_cpu)")
+
+
 def render(comm, base_s: float, alpha_s: float, comp: dict, comp_rows: list[dict], host: str,
            threads: dict[str, tuple[float, float]] | None = None,
            corun: dict[str, tuple[float, float]] | None = None,
@@ -97,6 +106,7 @@ def render(comm, base_s: float, alpha_s: float, comp: dict, comp_rows: list[dict
         _entry("peak_bf16_tflops", comp["fwd_flops"] / 1e12,
                "not a GPU: set to the measured fp32 forward rate"),
         _entry("hbm_GBps", 10.0, "not used by the simulator (elementwise passes come from the cost table)"),
+        _memory_entry(),
         _entry("fwd_tflops", comp["fwd_flops"] / 1e12, f"{fit_src}; check {checks}"),
         _entry("fwd_layer_overhead_ms", comp["fwd_overhead_s"] * 1e3, f"{fit_src}; check {checks}"),
         _entry("bwd_tflops", comp["bwd_flops"] / 1e12, f"{fit_src}; check {bchecks}"),

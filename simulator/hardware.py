@@ -116,6 +116,7 @@ class Profile:
     network: Network
     comm_overlap_slowdown: float = 0.0  # CPU hosts: a collective runs (1 + this) slower beside compute
     sm_count: int = 0  # streaming multiprocessors per GPU (0: not modelled)
+    memory_gib: float = 0.0  # memory per device (CPU: the host's RAM); 0 = not stated (simulator.memory)
     nccl_channels: int = 0  # SMs an NCCL collective holds while it runs (0: not modelled)
     thread_speedup: dict[str, float] = field(default_factory=dict)  # kind -> speedup at cpu_cores threads
     corun_slowdown: dict[str, float] = field(default_factory=dict)  # kind -> x with all cores busy
@@ -300,7 +301,7 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
     _check_keys(data, _TOP_KEYS, where)
     comp = _as_table(data.get("compute", {}), f"{where}: [compute]")
     net = _as_table(data.get("network", {}), f"{where}: [network]")
-    _check_keys(comp, (*_COMPUTE_KEYS, "grad_prep_passes", "comm_overlap_slowdown", "sm_count"),
+    _check_keys(comp, (*_COMPUTE_KEYS, "grad_prep_passes", "comm_overlap_slowdown", "sm_count", "memory_gib"),
                 f"{where}: [compute]")
     _check_keys(net, _NETWORK_TABLE_KEYS, f"{where}: [network]")
     c: dict[str, float] = {}
@@ -382,6 +383,9 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
         protocols.append(Protocol(str(pname), *lats, vals["bw_factor"]))
         prov[f"protocol {pname}"] = str(ptab["source"])
     uncertainty = _uncertainty(_as_table(data.get("uncertainty", {}), f"{where}: [uncertainty]"), where)
+    memory_gib = 0.0
+    if "memory_gib" in comp:
+        memory_gib, prov["memory_gib"] = _value(comp["memory_gib"], "memory_gib", where)
     sm_count = 0
     if "sm_count" in comp:
         v, prov["sm_count"] = _value(comp["sm_count"], "sm_count", where)
@@ -427,6 +431,7 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
         nvlink_Bps=nv["nvlink_GBps"] * 1e9,
         network=network,
         sm_count=sm_count,
+        memory_gib=memory_gib,
         uncertainty=uncertainty,
         nccl_channels=int(opt.get("nccl_channels", 0)),
         thread_speedup=speedups,
