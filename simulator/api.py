@@ -335,7 +335,10 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
         from .parallel_run import run_parallel
 
         return run_parallel(cfg)
+    from .symmetry import enabled
     from .workload import resolve_workload
+
+    all_ranks = all_ranks or not enabled()  # DMUON_SIM_SYMMETRY=off: every rank (simulator.symmetry)
 
     workload = resolve_workload(cfg.workload, cfg.model, cfg.per_head)
     profile = profile_of(cfg)

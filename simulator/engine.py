@@ -140,6 +140,7 @@ class Cluster:
         self.queues: dict[tuple[int, str], list[Op]] = {(r, s): [] for r in range(n_ranks) for s in streams}
         self.collectives: list[Collective] = []
         self.weight = [1] * n_ranks  # ranks each simulated rank stands for (0: not simulated; step_comm)
+        self.rep_of = range(n_ranks)  # the simulated rank each rank's times are (simulator.symmetry)
         self._busy = [0] * n_ranks  # collectives running per rank (overlap slowdown only)
         self._sm_used = [0.0] * n_ranks  # SM share held by the collectives running on each rank
         self._changed: list = []  # per rank: event fired when its number of running collectives changes

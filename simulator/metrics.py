@@ -38,14 +38,13 @@ def measure(built, step: int) -> dict:
                 grad_end[s] = e
     t0 = opt_end[step - 1] if step >= 1 else 0.0
     t1 = opt_end[step]
-    exposed = []
+    exposed = {}
     ns_busy = []
-    weights = []
+    rep_of = getattr(cl, "rep_of", range(n))  # the simulated rank whose times each rank has
     weight = getattr(cl, "weight", [1] * n)  # ranks each simulated rank stands for (0: not simulated)
     for r in range(n):
         if not weight[r]:
             continue
-        weights.append(weight[r])
         prev_end = None
         waited = 0.0
         busy = 0.0
@@ -58,7 +57,7 @@ def measure(built, step: int) -> dict:
             if op.step == step and op.name.startswith(("batch", "ns")):
                 busy += op.end - start
             prev_end = op.end
-        exposed.append(waited)
+        exposed[r] = waited
         ns_busy.append(busy)
     total = muon = 0.0
     for c in cl.collectives:
@@ -73,8 +72,11 @@ def measure(built, step: int) -> dict:
         "backward_s": bwd - fwd_end[step],
         "optimizer_s": t1 - bwd,
         "grad_sync_tail_s": max(0.0, min(grad_end[step], t1) - bwd),
-        "exposed_max_s": max(exposed),
-        "exposed_mean_s": sum(e * w for e, w in zip(exposed, weights, strict=True)) / sum(weights),
+        "exposed_max_s": max(exposed.values()),
+        # the same sum whichever ranks were simulated: fixed groups of equal ranks, each its representative's
+        # time x its size (simulator.step_comm._mean_groups)
+        "exposed_mean_s": sum([exposed[rep_of[r]] * k for r, k in getattr(cl, "mean_groups", None)
+                               or [(r, 1) for r in range(n)]]) / n,
         "ns_busy_max_s": max(ns_busy),
         "bytes": total / n,
         "muon_bytes": muon / n,

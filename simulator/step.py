@@ -61,6 +61,7 @@ from .step_comm import CommPrograms
 from .step_ep import EPPrograms
 from .step_optimizer import OptimizerPrograms
 from .step_template import TemplatePrograms
+from .symmetry import Unsupported
 
 LAYOUTS = ("fsdp-keep", "fsdp-free", "hsdp-keep", "hsdp-free", "ddp", "sharded")
 STRATEGIES = ("adamw", "naive", "dmuon")
@@ -365,12 +366,19 @@ def build(spec: StepSpec, overlap_slowdown: float = 0.0, comm_overlap_slowdown: 
         streams += ("split",)  # the owner groups' collectives (simulator.step_split)
     cluster = Cluster(spec.n_ranks, streams=streams, overlap_slowdown=overlap_slowdown,
                       comm_overlap_slowdown=comm_overlap_slowdown, jitter=jitter[0], seed=jitter[1])
+    notes: list[str] = []
     with paused_gc():
         progs = _Programs(spec, cluster)
         reps, cluster.weight = progs.select(all_ranks)
-        for r in reps:
-            progs.program(r)
-    notes = []
+        try:
+            for r in reps:
+                progs.program(r)
+        except Unsupported as e:  # a group kind the classes were not refined over: every rank
+            full = build(spec, overlap_slowdown, comm_overlap_slowdown, True, jitter)
+            full.notes.insert(0, f"rank symmetry off: a collective over group kind {e.args[0]!r}, which "
+                              "simulator.symmetry does not refine over; every rank simulated")
+            return full
+    cluster.rep_of, cluster.mean_groups = progs.rep_of, progs.mean_groups
     if spec.layout == "sharded" and spec.strategy != "dmuon":
         notes.append(f"layout 'sharded' only changes the dmuon optimizer; {spec.strategy} runs as fsdp-keep")
     return Built(cluster, spec, notes)

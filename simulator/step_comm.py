@@ -17,33 +17,36 @@ Pricing (`simulator.collectives.collective_time_s`, every collective NCCL-native
       EP's replica group always flat (`ExpertMuon`'s process groups have no node_size).
   Each collective holds `StepSpec.sm_share` of its participants' SMs while it runs (simulator.engine).
 
-Representative ranks (`representatives`): ranks whose programs are identical and whose collectives all
-run over groups in which they are interchangeable finish at the same times, so only one of each kind is
-simulated and every collective counts only its simulated participants (`Collective.size` keeps the real
-group size for bytes). Layouts whose collectives span the world (fsdp, ddp, sharded): one rank per
-distinct owner set (dmuon: every owner, plus one rank that owns nothing; adamw / naive: one rank).
-HSDP (groups per node and per local index): one node per distinct tuple of its ranks' owner sets. Plans
-with split batches (owner groups) keep every rank. Exact, not an approximation: the metrics weight each
-simulated rank by how many it stands for (`Cluster.weight`).
+Which ranks are simulated: one per class of ranks whose programs are the same and whose collectives meet
+the same classes (`select`, `rank_signature`, `group_kinds`; simulator.symmetry and docs/simulator.md,
+"Rank symmetry"). Exact: each collective counts only its simulated participants (`Collective.size` keeps
+the real group size for bytes, `copies` the real instances it stands for) and the metrics read every
+rank's times from its class's representative (`Cluster.weight`, `Cluster.rep_of`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
+from dmuon.errors import InputError
 from dmuon.plan.exchange_cost import LinkEstimate, choose_mode
 
 from .collectives import Group, bytes_per_rank, collective_time_s
 from .engine import Op
+from .symmetry import Unsupported, rank_classes
+
+GROUP_KINDS = ("world", "intra", "inter", "ep", "rep")  # what `_real_instance` knows
 
 
 class CommPrograms:
     """Collectives of the step programs (mixed into `simulator.step._Programs`)."""
 
     present: dict = {}  # (group, instance) -> simulated participants (set by `select`)
+    copies: dict = {}  # (group, quotient instance) -> the real instances it stands for (set by `select`)
+    _quot = None  # group kind -> {real instance: quotient instance} with rank symmetry (set by `select`)
 
     # ---- groups ----------------------------------------------------------------------------------
-    def _instance(self, group: str, rank: int) -> tuple[Group, int]:
+    def _real_instance(self, group: str, rank: int) -> tuple[Group, int]:
         if group == "world":
             return self.world, 0
         if group == "intra":
@@ -52,7 +55,20 @@ class CommPrograms:
             return self.ep_group, rank // self.ep
         if group == "rep":  # the ranks holding the same experts
             return self.rep_group, rank % self.ep
-        return self.inter, rank % self.s.per_node
+        if group == "inter":
+            return self.inter, rank % self.s.per_node
+        raise InputError(f"unknown process group kind {group!r}; accepted: {', '.join(GROUP_KINDS)}")
+
+    def _instance(self, group: str, rank: int) -> tuple[Group, int]:
+        """The group and the instance of it `rank` joins: the real one, or with rank symmetry its quotient
+        instance (simulator.symmetry: the instances holding the same classes are one)."""
+        g, inst = self._real_instance(group, rank)
+        q = self._quot
+        if q is not None:
+            if group not in q:
+                raise Unsupported(group)
+            inst = q[group][inst]
+        return g, inst
 
     def coll(self, rank: int, key: tuple, group: str, kind: str, size_bytes: float, *, muon_fraction: float,
              max_share: float = 0.0, step: int = 0, repeat: int = 1, nccl: bool = True, owners: int = 1,
@@ -77,10 +93,7 @@ class CommPrograms:
                                       bytes_per_rank=bytes_per_rank(kind, size_bytes, n) * repeat,
                                       muon_fraction=muon_fraction, group=f"{group}{inst}", step=step,
                                       sm_share=self.s.sm_share, size=n)
-            if group == "intra":  # one node's group stands for every node of the same signature
-                c.copies = self.c.weight[rank]
-            elif group in ("ep", "rep"):  # the instances its simulated members stand for
-                c.copies = self.present_weight.get((group, inst), n) / n
+            c.copies = self.copies.get((group, inst), 1)  # the real instances it stands for (symmetry)
             self.colls[full] = c
             kid = self._col_ids.setdefault((key, group), len(self._col_ids))  # simulator.step_template
             self._col_of[id(c)] = (group, kid)
@@ -172,50 +185,66 @@ class CommPrograms:
             op = self._cop(col, r, "bwd", step, (dep,))
         return op
 
-    # ---- which ranks to simulate -----------------------------------------------------------------
-    def _signature(self, rank: int) -> tuple:
-        if not getattr(self, "dm", False):
-            return ()
-        pr = self.plan_rank(rank)
-        return (pr,) if pr in self._owners else ()
+    # ---- which ranks to simulate (simulator.symmetry) --------------------------------------------
+    def rank_signature(self, rank: int) -> tuple:
+        """Everything rank-specific rank's program is built from, apart from the group instances it joins
+        (those refine the classes: simulator.symmetry): dmuon's owned plan batches and, with EP, its replica
+        group's owner exchange (`_opt_signature`, `_ep_signature`). A new rank-specific input of the
+        programs must be added here, or the classes would merge ranks whose programs differ."""
+        return (self._opt_signature(rank), self._ep_signature(rank))
 
-    def select(self, all_ranks: bool = False) -> tuple[list[int], list[int]]:
-        """(ranks to simulate, how many ranks each stands for) and the participants per group instance."""
+    def group_kinds(self) -> tuple[str, ...]:
+        """The group kinds the programs' collectives run over, apart from the world (one instance)."""
+        kinds = ("intra", "inter") if self.s.layout.startswith("hsdp") else ()
+        return kinds + (("ep", "rep") if getattr(self, "ep", 1) > 1 else ())
+
+    def _mean_groups(self, plan) -> list[tuple[int, int]]:
+        """[(first rank, ranks)] the exposed-communication mean sums, in rank order, each group's time x
+        its size: the groups of identical ranks the simulator used before rank symmetry (every rank of
+        EP DMuon or split plans; one node per distinct tuple of owners with HSDP; else each owner and one
+        rank for the rest), so the mean keeps its floating-point sum, bit for bit, whichever ranks are
+        simulated (the ranks of a group have equal times: they are of one class)."""
         s = self.s
         n, p = s.n_ranks, s.per_node
-        plan = s.plan if getattr(self, "dm", False) else None
-        self._owners = set(plan.owners) if plan is not None else set()
-        ep_dm = plan is not None and getattr(self, "ep", 1) > 1  # per-replica-group exchanges: every rank
-        if all_ranks or ep_dm or (plan is not None and getattr(plan, "split_batches", None)):
-            reps, weight = list(range(n)), [1] * n
-        elif s.layout.startswith("hsdp"):
-            first: dict[tuple, int] = {}
+        if plan is not None and (getattr(self, "ep", 1) > 1 or getattr(plan, "split_batches", None)):
+            return [(r, 1) for r in range(n)]
+        owners = set(plan.owners) if plan is not None else set()
+        if s.layout.startswith("hsdp"):
+            first: dict = {}
             count: Counter = Counter()
             for node in range(n // p):
-                sig = tuple(self._signature(node * p + i) for i in range(p))
-                first.setdefault(sig, node)
-                count[first[sig]] += 1
-            reps = [node * p + i for node in sorted(count) for i in range(p)]
-            weight = [0] * n
-            for node, k in count.items():
-                for i in range(p):
-                    weight[node * p + i] = k
-        else:
-            first, count = {}, Counter()
-            for r in range(n):
-                sig = self._signature(r)
-                first.setdefault(sig, r)
-                count[first[sig]] += 1
-            reps = sorted(count)
-            weight = [0] * n
-            for r, k in count.items():
-                weight[r] = k
-        present: Counter = Counter()
-        self.present_weight = Counter()
-        groups = ("world", "intra", "inter") + (("ep", "rep") if getattr(self, "ep", 1) > 1 else ())
-        for r in reps:
-            for group in groups:
-                present[(group, self._instance(group, r)[1])] += 1
-                self.present_weight[(group, self._instance(group, r)[1])] += weight[r]
-        self.present = dict(present)
+                sig = tuple((r,) if r in owners else () for r in range(node * p, node * p + p))
+                count[first.setdefault(sig, node)] += 1
+            return [(node * p + i, count[node]) for node in sorted(count) for i in range(p)]
+        count = Counter(r if r in owners else -1 for r in range(n))
+        firsts = {k: (k if k >= 0 else next(r for r in range(n) if r not in owners)) for k in count}
+        return sorted((firsts[k], c) for k, c in count.items())
+
+    def select(self, all_ranks: bool = False) -> tuple[list[int], list[int]]:
+        """(ranks to simulate, how many ranks each stands for); sets the quotient instances, their
+        participants (`present`) and what each stands for (`copies`)."""
+        n = self.s.n_ranks
+        self._quot, self.present, self.copies = None, {}, {}
+        plan = self.s.plan if getattr(self, "dm", False) else None
+        self.mean_groups = self._mean_groups(plan)
+        if all_ranks or (plan is not None and getattr(plan, "split_batches", None)):
+            self.rep_of = list(range(n))
+            return list(range(n)), [1] * n
+        kinds = self.group_kinds()
+        color, quot = rank_classes(n, kinds, lambda g, r: self._real_instance(g, r)[1], self.rank_signature)
+        first: dict = {}
+        weight = [0] * n
+        for r, c in enumerate(color):
+            f = first.setdefault(c, r)
+            weight[f] += 1
+        self.rep_of = [first[c] for c in color]
+        reps = sorted(first.values())
+        self._quot = {"world": {0: 0}, **quot}
+        self.present = {("world", 0): len(reps)}
+        for g in kinds:
+            for q in quot[g].values():
+                self.copies[(g, q)] = self.copies.get((g, q), 0) + 1
+            for r in reps:
+                key = (g, quot[g][self._real_instance(g, r)[1]])
+                self.present[key] = self.present.get(key, 0) + 1
         return reps, weight

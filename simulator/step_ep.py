@@ -56,6 +56,7 @@ With `StepSpec.ep` = E > 1 (`SimConfig.ep`), N ranks, p per node (the layout of 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from .collectives import Group
@@ -247,6 +248,22 @@ class EPPrograms:
                 d = parts.setdefault(where[i], {})
                 d[owners[i]] = d.get(owners[i], 0) + mats[i].numel
             self.ep_parts.append({k: (sum(d.values()), max(d.values()), d) for k, d in parts.items()})
+        self._ep_sigs: dict = {}  # EP rank -> its `_ep_signature`
+
+    def _ep_signature(self, rank: int) -> tuple:
+        """What rank's program reads of its replica group's owner exchange (simulator.symmetry): per bucket
+        the part of its EP rank's experts as `owner_coll` prices it (payload, largest share, owners per
+        local index), None where it has none."""
+        if self.ep == 1 or not self.dm:
+            return ()
+        sig = self._ep_sigs.get(rank % self.ep)
+        if sig is None:
+            p = self.s.per_node
+            sig = self._ep_sigs[rank % self.ep] = tuple(
+                None if (part := parts.get(rank % self.ep)) is None
+                else (part[0], part[1], tuple(sorted(Counter(o % p for o in part[2]).values())))
+                for parts in self.ep_parts)
+        return sig
 
     def _owner_parts(self, r: int, b: int, which: str | None = None) -> list[tuple]:
         """[(group, key tag, part)] of bucket b's owner exchange for rank r (part None: the whole bucket);

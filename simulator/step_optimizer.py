@@ -51,6 +51,15 @@ class OptimizerPrograms(SplitPrograms):
                 share = numel / len(bt.ranks) if bt.group and blocks else (numel if o == bt.owner else 0)
                 self.batches_of.setdefault(o, []).append((k, bt, bks, share))
 
+    def _opt_signature(self, rank: int) -> tuple:
+        """What rank's optimizer program reads of the plan (simulator.symmetry): per owned batch, in the
+        plan's order, its NS time, buckets, elements, matrices and whether it is an expert batch."""
+        if not self.dm:
+            return ()
+        ex = self.expert_batch if self.ep > 1 else None
+        return tuple((bt.ns_s, tuple(bks), share, len(bt.members), ex is not None and ex[k])
+                     for k, bt, bks, share in self.batches_of.get(self.plan_rank(rank), ()))
+
     def plan_rank(self, rank: int) -> int:
         return rank  # the plan spans every rank in every layout (HSDP too, as the runtime plans)
 

@@ -133,9 +133,7 @@ class TemplatePrograms:
 
     def _replay(self, r: int, t: tuple, prev: dict):
         streams, groups, seq, used, (fwd, last, bucket, layer) = t
-        p, e = self.s.per_node, self.ep
-        inst = {"world": 0, "intra": r // p, "inter": r % p, "ep": r // e, "rep": r % e}
-        by_inst = [self._col_by_inst.get((g, inst[g]), {}) for g in groups]
+        by_inst = [self._col_by_inst.get((g, self._instance(g, r)[1]), {}) for g in groups]
         mine = []
         for _, _, crefs in streams:  # this rank's instance of every collective, or None if one is missing
             cs = [by_inst[gi].get(kid) for gi, kid in crefs]
