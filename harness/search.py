@@ -158,6 +158,7 @@ class Bounds:
         return best
 
 
+_PROFILE_KEYS = ("gpu", "cluster", "nic_gbps", "overlap_slowdown", "gpus_per_node")
 _COMPUTE_KEYS = ("workload", "model", "per_head", "gpu", "cluster", "gpus", "gpus_per_node", "seq_len",
                  "micro_batch", "ep", "naive_ns_method", "naive_batching", "ns_dtype", "speed_scale",
                  "ns_speed_scale", "elementwise_speed_scale", "cpu_threads", "symmetric_kernels", "nic_gbps",
@@ -171,18 +172,25 @@ def default_memory() -> Callable[[dict], float] | None:
     except ImportError:
         return None
 
+    profiles: dict[str, object] = {}  # the profile resolved once per GPU kind (not a TOML read per row)
+
     def peak(row: dict) -> float:
-        m = memory_of(_sim_config(row))
-        return float(getattr(m, "peak_gib", getattr(m, "peak_mem_gib", m)))
+        from simulator.api import profile_of
+
+        key = json.dumps([row.get(k) for k in _PROFILE_KEYS], default=str)
+        if key not in profiles:
+            profiles[key] = profile_of(_sim_config(row))
+        plain = {k: None for k in _PROFILE_KEYS if k not in ("gpu", "gpus_per_node")}
+        return float(memory_of(_sim_config(row, gpu=profiles[key], **plain)).peak_gib)
 
     return peak
 
 
 def default_capacity(row: dict) -> float | None:
-    """The profile's memory per GPU (GiB), where the profile gives one."""
+    """The profile's memory per GPU (GiB), where the profile states one (memory_gib 0: not stated)."""
     from simulator.api import profile_of
 
-    return getattr(profile_of(_sim_config(row)), "memory_gib", None)
+    return getattr(profile_of(_sim_config(row)), "memory_gib", 0.0) or None
 
 
 # ---- the search ------------------------------------------------------------------------------------
@@ -234,11 +242,15 @@ def run_search(space: Space, out_dir: Path, *, top: int = 5, executor: str = "lo
         notes.append("memory not modelled by this simulator: no layout dropped for memory")
     layouts: list[dict] = [{**p, "status": "dropped", "reason": why} for p, why in dropped]
     bounds = Bounds()
+    caps: dict[str, float | None] = {}  # capacity per GPU kind
     cands: list[dict] = []
     for row in kept:
         rid = run_id(row)
         info = {"run_id": rid, "bound_s": bounds(row), "mem_gib": mem_fn(row) if mem_fn else None}
-        cap = capacity(row) if mem_fn else None
+        ck = json.dumps([row.get(k) for k in ("gpu", "cluster", "gpus_per_node")], default=str)
+        if mem_fn and ck not in caps:
+            caps[ck] = capacity(row)
+        cap = caps.get(ck)
         if info["mem_gib"] is not None and cap is not None and info["mem_gib"] > cap:
             layouts.append({**row, **info, "status": "no-fit",
                             "reason": f"needs {info['mem_gib']:.1f} GiB > {cap:g} GiB per GPU"})
