@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 
 from dmuon.errors import InputError
+from harness.cmd_search import pareto_front
 from harness.search import Bounds, run_search
 from harness.search_space import ModelDims, Space, enumerate_layouts, model_dims, sim_fields
 
@@ -104,6 +105,9 @@ def test_search_equals_brute_force_and_resumes(tiny_model, tmp_path):
         want = [r for r in brute.rows if r["strategy"] == s][0]
         got = [r for r in found.rows if r["strategy"] == s][0]
         assert (got["run_id"], got["step_s"]) == (want["run_id"], want["step_s"]), s
+        front = [r["run_id"] for r in pareto_front([r for r in found.rows if r["strategy"] == s])]
+        assert front == [r["run_id"] for r in pareto_front([r for r in brute.rows if r["strategy"] == s])]
+    assert found.memory_modelled and all(r["mem_gib"] > 0 for r in found.rows)
     layouts = pd.read_csv(tmp_path / "layouts.csv")
     assert (layouts["status"] == "simulated").sum() == len(brute.rows)
 
@@ -136,7 +140,8 @@ def test_command_prints_the_side_by_side_table(tiny_model, tmp_path, capsys):
 
     code = main(["search", "--model", tiny_model, "--gpus", "8", "--gpu", "h100", "--global-batch", "16",
                  "--seq-len", "256", "--tp", "1,2", "--pp", "1", "--micro-batch", "2",
-                 "--recompute", "none", "--layout", "ddp", "--top", "2", "--out", str(tmp_path)])
+                 "--recompute", "none", "--layout", "ddp", "--strategy", "adamw,naive", "--top", "2",
+                 "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0
     assert "best per strategy:" in out and "naive" in out and "vs adamw" in out
