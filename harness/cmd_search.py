@@ -108,7 +108,9 @@ def pareto_figure(summary, title: str, out_dir: Path) -> list[Path]:
     ax.set_title(title)
     ax.legend()
     caption(fig, f"SIMULATED; {summary.simulated + summary.reused} layouts simulated, {summary.pruned} pruned "
-                 "by their bound (none of them on a front), harness search")
+                 "by their bound " + ("(none of them on a front: the fronts are exact)" if summary.front else
+                                      "(fronts of the simulated layouts; --front makes them exact)")
+                 + ", harness search")
     paths = save(fig, out_dir, "pareto")
     pyplot.close(fig)
     return paths
@@ -137,6 +139,8 @@ def register(app, bench) -> None:
         micro_batch: str = typer.Option(None, help="Sequences per micro-batch (default: powers of 2)."),
         recompute: str = typer.Option(None, help="none,selective,full (default: all the simulator has)."),
         top: int = typer.Option(5, help="Layouts per strategy in the table (pruning keeps these exact)."),
+        front: bool = typer.Option(False, "--front/--no-front", help="Also keep the step-time / memory "
+                                   "Pareto front exact (prunes less: slower)."),
         out: str = typer.Option(None, help=f"Output folder (default: {DEFAULT_OUT}/<model>_<gpus>_<gpu>)."),
         resume: bool = typer.Option(True, "--resume/--no-resume", help="Reuse rows already in --out."),
         executor: str = typer.Option("local", help="local | ray (as harness run)."),
@@ -186,7 +190,7 @@ def register(app, bench) -> None:
         from . import provenance
 
         command = shlex.join(["harness", *(provenance.ARGV or sys.argv[1:])])
-        summary = run_search(space, out_dir, top=top, executor=executor, address=address, jobs=jobs,
+        summary = run_search(space, out_dir, top=top, front=front, executor=executor, address=address, jobs=jobs,
                              resume=resume, command=command)
         con.print(f"[bold]harness search[/bold] {dims.name} on {gpus} x {gpu}, global batch "
                   f"{space.global_batch} x {space.seq_len} tokens (SIMULATED)")

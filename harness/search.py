@@ -11,10 +11,11 @@ stored like a sweep (harness.store, harness.executors: resumable, local or Ray).
      `ns_naive_s`). The step also holds communication, bubbles and the optimizer, so it is never shorter
      (checked on every simulated row: a row below its bound is counted in `bound_violations`).
   4. simulate in bound order; a layout is pruned (not simulated) when its bound is >= the `top`-th best
-     step time of its strategy so far AND a simulated layout of that strategy is as fast as the bound with
-     no more memory. Both tests hold for whatever the layout would have simulated, so the ranked table
-     (the `top` best per strategy) and the step-time / memory Pareto front are those of the brute-force
-     sweep of the whole space (tests/test_search.py checks it on a small space).
+     step time of its strategy so far (and, with `front`, a simulated layout of that strategy is as fast
+     as the bound with no more memory). These tests hold for whatever the layout would have simulated, so
+     the ranked table (the `top` best per strategy), and with `front` the step-time / memory Pareto front,
+     are those of the brute-force sweep of the whole space (tests/test_search.py checks it on a small
+     space).
 
 Output folder: results.csv, config.json, provenance.json (the simulated rows, exactly as `harness run`
 writes them: journal while running, resume by run_id and code version), layouts.csv (every layout and
@@ -55,6 +56,7 @@ class SearchSummary:
     bound_violations: int
     wall_s: float
     memory_modelled: bool
+    front: bool = False  # the Pareto front is exact (pruning kept every layout that may be on it)
     refused: int = 0  # layouts the simulator refused when it ran them (layouts.csv: its message)
     notes: list[str] = field(default_factory=list)
 
@@ -206,11 +208,14 @@ def _experiment(space: Space, out_dir: Path, command: str | None) -> Experiment:
                       traces=[])
 
 
-def _prunable(c: dict, kth: list[float], sims: list[dict], top: int) -> str | None:
-    """Why layout c cannot enter its strategy's top `top` nor its Pareto front (None: it may)."""
+def _prunable(c: dict, kth: list[float], sims: list[dict], top: int, front: bool) -> str | None:
+    """Why layout c cannot enter its strategy's top `top` (and, with `front`, its Pareto front); None: it
+    may."""
     b = c["bound_s"]
     if len(kth) < top or b < kth[top - 1]:
         return None
+    if not front:
+        return f"bound {b * 1e3:.1f} ms >= top-{top} {kth[top - 1] * 1e3:.1f} ms"
     for x in sims:
         if x["strategy"] == c["strategy"] and x["step_s"] <= b and (
                 c.get("mem_gib") is None or x.get("mem_gib") is None or x["mem_gib"] <= c["mem_gib"]):
@@ -219,13 +224,14 @@ def _prunable(c: dict, kth: list[float], sims: list[dict], top: int) -> str | No
     return None
 
 
-def run_search(space: Space, out_dir: Path, *, top: int = 5, executor: str = "local",
+def run_search(space: Space, out_dir: Path, *, top: int = 5, front: bool = False, executor: str = "local",
                address: str | None = None, jobs: int | None = 1, resume: bool = True,
                memory: Callable[[dict], float] | None | str = "model",
                capacity: Callable[[dict], float | None] = default_capacity,
                progress: Callable[[int, int, str], None] | None = None,
                command: str | None = None) -> SearchSummary:
-    """Search `space`; write out_dir (module docstring). memory: `row -> GiB` ("model": the simulator's
+    """Search `space`; write out_dir (module docstring). front: prune only what can enter neither the
+    top `top` nor the Pareto front (else: only the top). memory: `row -> GiB` ("model": the simulator's
     memory model where it has one; None: memory not modelled, nothing dropped for it)."""
     from dmuon.errors import InputError
 
@@ -318,13 +324,14 @@ def run_search(space: Space, out_dir: Path, *, top: int = 5, executor: str = "lo
             while i < len(cands) and len(batch) < batch_size:
                 c = cands[i]
                 i += 1
-                why = _prunable(c, best.get(c["strategy"], []), sims, top)
+                if c["run_id"] in stored:  # simulated before (resume): kept, whatever the pruning says
+                    take(stored[c["run_id"]])
+                    state["reused"] += 1
+                    continue
+                why = _prunable(c, best.get(c["strategy"], []), sims, top, front)
                 if why:
                     status[c["run_id"]] = why
                     state["pruned"] += 1
-                elif c["run_id"] in stored:
-                    take(stored[c["run_id"]])
-                    state["reused"] += 1
                 else:
                     batch.append({k: v for k, v in c.items() if k not in ("bound_s", "mem_gib", "run_id")}
                                  | {"run_id": c["run_id"]})
@@ -353,7 +360,7 @@ def run_search(space: Space, out_dir: Path, *, top: int = 5, executor: str = "lo
     return SearchSummary(out_dir=out_dir, rows=sims, layouts=layouts, enumerated=len(kept) + len(dropped),
                          dropped=len(dropped), unfit=len(kept) - len(cands), pruned=state["pruned"],
                          simulated=state["ran"], reused=state["reused"], bound_violations=violations,
-                         wall_s=wall, refused=len(refused), memory_modelled=mem_fn is not None, notes=notes)
+                         wall_s=wall, front=front, refused=len(refused), memory_modelled=mem_fn is not None, notes=notes)
 
 
 def _write_layouts(path: Path, layouts: list[dict]) -> None:

@@ -91,10 +91,10 @@ def test_every_kept_layout_is_valid_and_distinct(tiny_model):
 def test_search_equals_brute_force_and_resumes(tiny_model, tmp_path):
     space = tiny_space(tiny_model, gpus=8, global_batch=16, strategies=("adamw", "naive"),
                        layouts=("fsdp-keep", "ddp"))
-    found = run_search(space, tmp_path, top=1)
+    found = run_search(space, tmp_path, top=1, front=True)
     csv = (tmp_path / "results.csv").read_bytes()
     assert found.pruned > 0  # the bound does prune this space
-    again = run_search(space, tmp_path, top=1)  # resume: nothing simulated again, the same bytes
+    again = run_search(space, tmp_path, top=1, front=True)  # resume: nothing simulated again, the same bytes
     assert again.simulated == 0 and again.reused == found.simulated
     assert (tmp_path / "results.csv").read_bytes() == csv
     brute = run_search(space, tmp_path, top=10**6)  # every layout (the searched ones reused)
@@ -110,6 +110,10 @@ def test_search_equals_brute_force_and_resumes(tiny_model, tmp_path):
     assert found.memory_modelled and all(r["mem_gib"] > 0 for r in found.rows)
     layouts = pd.read_csv(tmp_path / "layouts.csv")
     assert (layouts["status"] == "simulated").sum() == len(brute.rows)
+    quick = run_search(space, tmp_path / "quick", top=1)  # the table only (default): prunes at least as much
+    assert quick.pruned >= found.pruned
+    assert [quick.best(s)["run_id"] for s in ("adamw", "naive")] == [brute.best(s)["run_id"]
+                                                                       for s in ("adamw", "naive")]
 
 
 def test_fit_filter_drops_what_does_not_fit(tiny_model, tmp_path):
