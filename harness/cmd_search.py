@@ -48,10 +48,10 @@ def ranked_table(summary, top: int) -> list[str]:
             continue
         lines.append(f"{s}: best {len(rows)} of {sum(1 for x in summary.rows if x['strategy'] == s)} "
                      "simulated")
-        lines.append(f"  {'#':>2} {'layout':48s} {'step ms':>9} {'vs adamw':>9} {'tok/s/GPU':>10} "
+        lines.append(f"  {'#':>2} {'layout':42s} {'step ms':>9} {'vs adamw':>9} {'tok/s/GPU':>10} "
                      f"{'mem GiB':>8} {'bound ms':>9}")
         for i, r in enumerate(rows, 1):
-            lines.append(f"  {i:>2} {describe(r):48s} {r['step_s'] * 1e3:9.1f} {_vs(r, ref):>9} "
+            lines.append(f"  {i:>2} {describe(r):42s} {r['step_s'] * 1e3:9.1f} {_vs(r, ref):>9} "
                          f"{r['tokens_per_s'] / r['gpus']:10.0f} {_mem(r):>8} {r['bound_s'] * 1e3:9.1f}")
     return lines
 
@@ -67,11 +67,11 @@ def _mem(r) -> str:
 def side_by_side(summary) -> list[str]:
     """The best AdamW, DMuon and naive-Muon layouts in one table."""
     ref = summary.best("adamw")
-    lines = [f"  {'strategy':8s} {'best layout':48s} {'step ms':>9} {'vs adamw':>9} {'mem GiB':>8}"]
+    lines = [f"  {'strategy':8s} {'best layout':42s} {'step ms':>9} {'vs adamw':>9} {'mem GiB':>8}"]
     for s in STRATEGIES:
         r = summary.best(s)
         if r is not None:
-            lines.append(f"  {s:8s} {describe(r):48s} {r['step_s'] * 1e3:9.1f} {_vs(r, ref):>9} {_mem(r):>8}")
+            lines.append(f"  {s:8s} {describe(r):42s} {r['step_s'] * 1e3:9.1f} {_vs(r, ref):>9} {_mem(r):>8}")
     return lines
 
 
