@@ -30,8 +30,10 @@ from .runtime.planning import (
     own_orientation_stacks,
 )
 from .runtime.split_exec import SplitExecutor
+from .runtime.tp import TPDMuonSteps, TPNaiveSteps
 
-__all__ = ["BALANCERS", "STATE_FORMAT", "DMuon", "NaiveMuon", "ShardedDMuon", "ShardedNaiveMuon"]
+__all__ = ["BALANCERS", "STATE_FORMAT", "DMuon", "NaiveMuon", "ShardedDMuon", "ShardedNaiveMuon", "TPDMuon",
+           "TPNaiveMuon"]
 
 
 class DMuon(DistributedMuonBase):
@@ -64,9 +66,21 @@ class DMuon(DistributedMuonBase):
     """
 
     owner_centric = True
+    layout_kind = "dp"  # "tp": the TP variant (runtime/tp.py)
 
-    def __init__(self, model, *, max_split: int = 1, plan=None, **kwargs):
-        self._max_split, self._given_plan = max_split, plan
+    def __init__(self, model, *, max_split: int = 1, plan=None, tp_mode: str = "auto", **kwargs):
+        from .plan.tp import TP_MODE_CHOICES
+
+        if tp_mode not in TP_MODE_CHOICES:
+            from .errors import choice_error
+
+            raise choice_error("tp_mode", tp_mode, TP_MODE_CHOICES)
+        if tp_mode != "auto" and self.layout_kind != "tp":
+            from .errors import InputError
+
+            raise InputError(f"tp_mode={tp_mode!r} is for models on a tensor-parallel mesh; accepted: "
+                             "tp_mode='auto' here (see docs/runtime.md, Tensor parallelism)")
+        self._max_split, self._given_plan, self._tp_mode = max_split, plan, tp_mode
         super().__init__(model, **kwargs)
         self._split = None
         if self.plan is not None and self.plan.split_batches:
@@ -223,5 +237,18 @@ class ShardedNaiveMuon(ShardedNaiveSteps, NaiveMuon):
     """NaiveMuon on FSDP2-sharded Muon matrices: all-gather every input, every NS on every rank."""
 
 
+class TPDMuon(TPDMuonSteps, DMuon):
+    """DMuon on a tensor-parallel mesh (TP, FSDP2 x TP, HSDP x TP; chosen by DMuon itself):
+    `dmuon.runtime.tp`. tp_mode ('auto' | 'group' | 'gather') forces the plan's mode per TP matrix."""
+
+    layout_kind = "tp"
+
+
+class TPNaiveMuon(TPNaiveSteps, NaiveMuon):
+    """NaiveMuon on a tensor-parallel mesh: every rank gathers and orthogonalizes every matrix."""
+
+
 DMuon.sharded_variant = ShardedDMuon
 NaiveMuon.sharded_variant = ShardedNaiveMuon
+DMuon.tp_variant = TPDMuon
+NaiveMuon.tp_variant = TPNaiveMuon

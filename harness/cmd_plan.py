@@ -344,6 +344,10 @@ def register(app, bench) -> None:
             1, help="Expert-parallel degree: expert matrices owned in their EP rank's replica group "
             "(dmuon.plan.ep); 1 = none."
         ),
+        tp: int = typer.Option(1, help="Tensor-parallel degree: plan each stage's TP shards over its DP "
+                                       "ranks, --ranks / (tp x pp) (harness.plan_parallel); 1 = none."),
+        pp: int = typer.Option(1, help="Pipeline-parallel degree: one plan per distinct stage; 1 = none."),
+        vpp: int = typer.Option(1, help="Model chunks per pipeline stage (interleaved); 1 = none."),
     ):
         """Owners, batches and buckets of a workload's Muon matrices on N ranks (per-rank loads)."""
         from dmuon.errors import InputError
@@ -416,6 +420,16 @@ def register(app, bench) -> None:
         else:
             plan_fn = partial(build_plan, memory_cap_bytes=cap, anti_affinity=anti_affinity,
                               max_split=max_split, links=resolve_links(links, profile))
+        if (tp, pp, vpp) != (1, 1, 1):  # one plan per distinct pipeline stage (harness.plan_parallel)
+            from .plan_parallel import print_stage_plans, stage_plans
+
+            if ep != 1 or out:
+                raise InputError("--tp / --pp / --vpp do not combine with --ep or --out; accepted: them alone")
+            plans = stage_plans(wl, model, n, tp, pp, vpp, profile, cost, partial(
+                plan_fn, balancer=balancer, method=method, dtype=dtype, batching=not no_batching,
+                max_batch=max_batch, bucket_numel=bucket_numel, time_limit_s=time_limit))
+            print_stage_plans(plans, json_out, tp, pp, plan_summary, print_plan)
+            return
         plan = plan_fn(
             wl.muon_matrices,
             n,

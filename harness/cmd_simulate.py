@@ -179,12 +179,12 @@ def register(app, bench) -> None:
         vpp: int = typer.Option(1, help="Model chunks per pipeline stage (interleaved schedule; 1 = none)."),
         sp: bool = typer.Option(False, "--sp/--no-sp", help="Sequence parallelism (with --tp > 1)."),
         microbatches: int = typer.Option(None, help="Micro-batches per step (default: 1, or 4 x pp)."),
-        recompute: str = typer.Option("none", help="Activation recomputation (time and memory): none | "
-                                                   "selective | full."),
         naive_batching: bool = typer.Option(False, "--naive-batching/--no-naive-batching",
                                             help="naive: one batched NS call per shape (as dmuon.NaiveMuon) "
                                                  "instead of one per matrix."),
         cpu_threads: int = typer.Option(1, help="cpu profile: torch threads per rank."),
+        recompute: str = typer.Option("none", help="Activation recomputation (memory model): none | "
+                                                   "selective | full."),
         param_dtype: str = typer.Option("fp32", help="Master weights / gradients dtype (memory model): "
                                                      "bf16 | fp16 | fp32."),
         jitter: float = typer.Option(0.0, help="Stragglers: coefficient of variation of every compute op "

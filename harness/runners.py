@@ -68,6 +68,9 @@ _NOT_PLAN = (
     "ns_speed_scale",
     "elementwise_speed_scale",
     "cpu_threads",
+    "sp",  # TP / PP settings that leave each stage's plan as it is (simulator.parallel_run)
+    "microbatches",
+    "recompute",
 )
 
 

@@ -119,6 +119,11 @@ class SimConfig:
                             "its p90 (0 = none)")
     jitter_steps: int = _f(8, "steps sampled when jitter > 0 (after one warm-up step)")
     seed: int = _f(0, "seed of the jitter draws")
+    # ---- memory model (simulator.memory): activations recomputation and the master weights' dtype ----
+    recompute: str = _f("none", "activation recomputation: none | selective (Korthikanti et al. 2022: the "
+                                "attention core) | full (every layer's input only)")
+    param_dtype: str = _f("fp32", "dtype of master weights, gradients (FSDP: sharded) and replicated "
+                                  "parameters: bf16 | fp16 | fp32 (compute copies in the profile's dtype)")
     # ---- tensor / sequence / pipeline parallelism (simulator.parallel, simulator.parallel_run) ----
     tp: int = _f(1, "tensor-parallel degree: each matrix cut over tp GPUs of a node (Megatron column / row "
                     "split), 2 all-reduces per layer forward and 2 backward on NVLink; 1 = none")
@@ -130,11 +135,8 @@ class SimConfig:
                          "reduce-scatter (Korthikanti et al. 2022)")
     microbatches: int | None = _f(None, "micro-batches of micro_batch sequences per step and DP rank (None: "
                                         "1 without pp, else 4 x pp); >= pp with pp > 1")
-    recompute: str = _f("none", "activation recomputation: none | selective (the attention core again in "
-                                "backward) | full (the whole forward again in backward)")
-    # ---- memory model (simulator.memory): the master weights' dtype (recompute: above) ----
-    param_dtype: str = _f("fp32", "dtype of master weights, gradients (FSDP: sharded) and replicated "
-                                  "parameters: bf16 | fp16 | fp32 (compute copies in the profile's dtype)")
+    # `recompute` (the memory model's field above) also sets the time: full re-runs the forward in backward,
+    # selective the attention core (simulator.parallel_run)
     plan: object = _f(None, "a dmuon.plan.Plan built elsewhere (e.g. by the runtime); None: build_plan")
     cost: object = _f(None, "a dmuon CostTable (or any object with ns_time / elementwise_time); None: "
                             "CostTable.load(profile.cost_profile)")
@@ -333,8 +335,17 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
             raise InputError("traces and built programs are for data-parallel steps; accepted: tp=pp=1, one "
                              "micro-batch, recompute none")
         from .parallel_run import run_parallel
+        from .workload import resolve_workload
 
-        return run_parallel(cfg)
+        profile = profile_of(cfg)
+        per_node_cap = cfg.gpus_per_node or profile.gpus_per_node
+        nodes, per_node = node_shape(cfg.gpus, per_node_cap)
+        out = run_parallel(cfg, resolve_workload(cfg.workload, cfg.model, cfg.per_head), profile, per_node, run)
+        settings = {k: v for k, v in asdict_shallow(cfg).items() if k not in ("workload", "plan", "cost", "gpu")}
+        out["settings"] = {**settings, "nodes": nodes, "ranks_per_node": per_node, **out["settings"]}
+        out.update(_memory_fields(cfg, None))  # simulator.memory: tp, pp, vpp, microbatches, recompute
+        return SimResult(gpus=cfg.gpus, gpus_per_node=per_node_cap, strategy=cfg.strategy, layout=cfg.layout,
+                         **out), None
     from .symmetry import enabled
     from .workload import resolve_workload
 

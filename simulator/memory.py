@@ -40,7 +40,8 @@ with tensor / pipeline parallelism (`tp`, `pp` where the config has them) every 
 Peaks (the step's two phases; `peak_phase` names the larger):
   forward/backward = parameters + optimizer + param_copies + comm_buckets
                      + max(activations, gradients)   (backward frees activations as gradients arrive)
-  optimizer        = parameters + optimizer + gradients + comm_buckets + ns_workspace
+  optimizer        = parameters + optimizer + gradients + the runtime's buffers + ns_workspace
+                     (FSDP2's reduce-scatter in flight is over by then)
 Capacity: the profile's `memory_gib` (datasheets; CPU: the host's RAM, shared by the node's ranks).
 ASSUMPTION (shown in notes): no allocator fragmentation or caching (PyTorch's caching allocator reserves
 more than it allocates: `harness validate`'s memory section compares both where published).
@@ -148,8 +149,14 @@ def _dims(cfg) -> tuple[int, int, int, int]:
     """(tp, pp, virtual stages, pipeline micro-batches) of the config (1s where it has no such fields)."""
     tp = int(getattr(cfg, "tp", 1) or 1)
     pp = int(getattr(cfg, "pp", 1) or 1)
-    virtual = int(getattr(cfg, "virtual_stages", 1) or 1)
-    micro = int(getattr(cfg, "micro_batches", pp) or pp)
+    # SimConfig's names (simulator.parallel: vpp, microbatches; None = its default), else the older ones
+    virtual = int(getattr(cfg, "vpp", None) or getattr(cfg, "virtual_stages", 1) or 1)
+    if hasattr(cfg, "microbatches"):
+        from .parallel import default_microbatches
+
+        micro = int(cfg.microbatches or default_microbatches(pp))
+    else:
+        micro = int(getattr(cfg, "micro_batches", pp) or pp)
     return tp, pp, virtual, micro
 
 
@@ -218,11 +225,13 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
     # parameter it reduces; DMuon's units a second one it publishes from) + FSDP2's reduce-scatter in flight
     e_pc = DTYPE_BYTES[cfg.param_comm_dtype or profile.dtype]
     total = sum(layer_numel.values())
+    in_flight = 0.0  # FSDP2's reduce-scatter of one layer: backward only
     if layout == "ddp":
         buckets = total * (e_g + (e_pc if strategy == "dmuon" else 0))
     else:
         owner_numel = sum(layer_muon.values())  # DMuon's owner-layout Muon matrices: its own units
-        buckets = (largest * (e_c + e_g) if total > owner_numel else 0.0) + owner_numel * (e_g + e_pc)
+        buckets = owner_numel * (e_g + e_pc)
+        in_flight = largest * (e_c + e_g) if total > owner_numel else 0.0
 
     sp = bool(getattr(cfg, "sp", tp > 1))  # sequence parallelism where the config says (else with any TP)
     acts = activation_bytes(workload, cfg.seq_len, cfg.micro_batch, e_c, tp=tp, sp=sp, pp=pp,
@@ -267,7 +276,7 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
         if batched:  # dmuon.NaiveMuon: every matrix's input gathered, then every update, before applying
             ns_base += 2.0 * sum(m.rows * m.cols * m.count for m in muon) / model_split * e_m
 
-    base_fb = params + states + copies + buckets
+    base_fb = params + states + copies + buckets + in_flight
     base_opt = params + states + grads + buckets
     fb = base_fb + max(act_total, grads)
     opt = base_opt + ns_base
@@ -285,7 +294,7 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
     params_r = params + (own_states / 4 * e_m if owner_layout and free else 0.0)
     cap = profile_capacity(profile, per_node)
     return MemoryBreakdown(parameters=params_r, gradients=grads, optimizer=states + own_states,
-                           param_copies=copies, activations=act_total, comm_buckets=buckets,
+                           param_copies=copies, activations=act_total, comm_buckets=buckets + in_flight,
                            ns_workspace=ns_ws, peak_bytes=peak,
                            peak_phase="forward/backward" if fb_wins else "optimizer",
                            capacity_bytes=cap, rank=rank, notes=tuple(notes))

@@ -88,7 +88,8 @@ def check_fields(cfg) -> None:
     if cfg.recompute not in RECOMPUTE:
         raise choice_error("recompute", cfg.recompute, RECOMPUTE)
     if cfg.sp and cfg.tp == 1:
-        raise InputError("sp (sequence parallelism) splits the TP group's activations; accepted: sp with tp > 1")
+        raise InputError("sp (sequence parallelism) splits the TP group's activations; accepted: sp with "
+                         "tp > 1")
     if cfg.vpp > 1 and cfg.pp == 1:
         raise InputError(f"vpp={cfg.vpp} interleaves pipeline stages; accepted: vpp=1 or pp > 1")
     m = default_microbatches(cfg.pp) if cfg.microbatches is None else cfg.microbatches
@@ -165,7 +166,8 @@ def shard(p: ParamSpec, tp: int) -> tuple[ParamSpec, tuple[int, int] | None]:
         n = p.rows * p.cols
         if n % tp:
             raise InputError(f"tp={tp} does not divide {p.name} ({n} elements); accepted: a divisor of it")
-        return replace(p, cols=p.cols // tp if p.cols > 1 else 1, rows=p.rows // tp if p.rows > 1 else 1), None
+        return replace(p, cols=p.cols // tp if p.cols > 1 else 1,
+                       rows=p.rows // tp if p.rows > 1 else 1), None
     if vector:
         return p, None  # norm weights, row-parallel biases: replicated
     rows, cols = p.rows, p.cols
@@ -185,20 +187,32 @@ def shard(p: ParamSpec, tp: int) -> tuple[ParamSpec, tuple[int, int] | None]:
 # ---- pipeline stages ------------------------------------------------------------------------------
 def stage_layers(workload: Workload, pp: int, vpp: int) -> list[list[list[int]]]:
     """Per stage, its model chunks (vpp of them, in schedule order), each a list of global layer indices.
-    The transformer blocks (layers holding a ParamSpec with a block index) split into pp x vpp equal chunks,
-    chunk c on stage c mod pp (Megatron's interleaving); layers before the first block (embeddings) join
+    The transformer blocks (layers holding a ParamSpec with a block index) split into pp x vpp equal chunks
+    (or, where only blocks + 2 divides, the first and last one layer fewer), chunk c on stage c mod pp
+    (Megatron's interleaving); layers before the first block (embeddings) join
     the first chunk, layers after the last (final norm, head) the last chunk."""
     layers = workload.layer_params()
     blocks = [i for i, ps in enumerate(layers) if any(p.block is not None for p in ps)]
     chunks = pp * vpp
     if not blocks:
-        raise InputError(f"workload {workload.name!r} has no transformer blocks to split into pipeline stages; "
+        raise InputError(f"workload {workload.name!r} has no transformer blocks to split into pipeline "
+                         "stages; "
                          "accepted: pp=1")
-    if len(blocks) % chunks:
-        raise InputError(f"pp x vpp = {chunks} does not divide the {len(blocks)} transformer layers; "
-                         f"accepted: pp x vpp a divisor of {len(blocks)}")
-    per = len(blocks) // chunks
-    parts = [blocks[i * per:(i + 1) * per] for i in range(chunks)]
+    n = len(blocks)
+    if n % chunks == 0:
+        sizes = [n // chunks] * chunks
+    elif chunks > 2 and (n + 2) % chunks == 0:
+        # one layer fewer on the first and the last chunk, where the embedding and the head sit: Llama 3's
+        # 126 layers on 16 stages (Dubey et al. 2024, arXiv:2407.21783, Sec. 3.3.2: "we reduce one
+        # Transformer layer each from the first and the last stages"; Megatron-LM's
+        # --decoder-first/last-pipeline-num-layers)
+        sizes = [(n + 2) // chunks - 1] + [(n + 2) // chunks] * (chunks - 2) + [(n + 2) // chunks - 1]
+    else:
+        raise InputError(f"pp x vpp = {chunks} does not divide the {n} transformer layers (nor {n} + 2, "
+                         f"one fewer on the first and last stage); accepted: pp x vpp a divisor of {n} or "
+                         f"of {n + 2}")
+    cuts = [sum(sizes[:i]) for i in range(chunks + 1)]
+    parts = [blocks[cuts[i]:cuts[i + 1]] for i in range(chunks)]
     parts[0] = list(range(blocks[0])) + parts[0]
     parts[-1] = parts[-1] + list(range(blocks[-1] + 1, len(layers)))
     return [[parts[k * pp + s] for k in range(vpp)] for s in range(pp)]
@@ -227,7 +241,8 @@ def hidden_of(workload: Workload) -> int:
 
 
 # ---- communication of one micro-batch -------------------------------------------------------------
-def tp_layer_comm(lay: Layout, tokens: int, hidden: int, elem_bytes: int, net, backward: bool) -> tuple[float, float]:
+def tp_layer_comm(lay: Layout, tokens: int, hidden: int, elem_bytes: int, net,
+                  backward: bool) -> tuple[float, float]:
     """(seconds, bytes each rank sends) of one transformer layer's TP collectives for one micro-batch of
     `tokens` tokens, forward or backward (module docstring)."""
     if lay.tp == 1:

@@ -156,8 +156,8 @@ def test_plan_with_groups_round_trips(qwen):
     assert back == plan and back.groups == plan.groups
     for i, g in enumerate(plan.groups):
         assert g[0] == plan.owners[i]
-    with pytest.raises(ValueError, match="plan format version 3 is not supported"):
-        Plan.from_dict({**d, "format_version": 3})
+    with pytest.raises(ValueError, match="plan format version 4 is not supported"):  # 3: TP plans
+        Plan.from_dict({**d, "format_version": 4})
 
 
 def test_split_pricing_model():

@@ -19,7 +19,15 @@ and no rank orders the collectives of two groups. `Plan.loads_s` charges a split
 `batches_of(rank)` lists every batch the rank takes part in.
 
 JSON: a plan without groups serializes exactly as before (format_version 1, no group keys); one with
-groups writes format_version 2 with "group" / "comm_s" on its split batches and "max_split"; both load.
+groups writes format_version 2 with "group" / "comm_s" on its split batches and "max_split"; a plan with
+tensor parallelism (`dmuon.plan.tp`, tp > 1) writes format_version 3 with "tp" and "tp_choices" (one
+`TPChoice` or null per matrix); all three load.
+
+Tensor parallelism (tp > 1): `tp_choices[i]` says how TP-sharded matrix i is orthogonalized (mode
+"group": its TP group's distributed Gram NS, "gather": gathered to one TP rank), by which TP group
+(`dp_index`), and what both modes would move (bytes) and cost (seconds); `owners[i]` is the TP group's
+lead (group) or the owner (gather); its Batch (one matrix) has no `group`, so split NS code never sees it
+(and `loads_s` charges a group-mode matrix to the lead only; the plan's makespan charges every member).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 PLAN_FORMAT_VERSION = 1  # plans without groups (written as before)
 GROUPS_FORMAT_VERSION = 2  # plans with split batches
+TP_FORMAT_VERSION = 3  # plans with tensor parallelism (tp > 1)
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,23 @@ class Batch:
 
 
 @dataclass(frozen=True)
+class TPChoice:
+    """How one TP-sharded matrix is orthogonalized (`dmuon.plan.tp`): mode "group" (the TP group's
+    distributed Gram NS in place) or "gather" (to TP rank `owner` of the group, NS, scatter back)."""
+
+    mode: str
+    shard_dim: int  # 0: column-parallel (rows cut), 1: row-parallel (columns cut)
+    dp_index: int  # the TP group (data-parallel index) that runs it
+    owner: int  # gather: the TP rank that runs the NS (0 for group)
+    tall: bool  # rows > cols: group mode passes tall=True (row blocks)
+    time_s: float  # the chosen mode's seconds
+    group_bytes: float  # bytes group mode moves (inf where the blocks cut the short side)
+    gather_bytes: float  # bytes gather-to-owner moves
+    group_s: float
+    gather_s: float
+
+
+@dataclass(frozen=True)
 class Bucket:
     """A communication unit: matrices whose gradient delivery / weight publication go together.
 
@@ -137,6 +163,8 @@ class Plan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     max_split: int = 1  # the largest group the balancer could use (1 = no splitting)
     ep: int = 1  # expert-parallel degree the plan places experts for (dmuon.plan.ep; 1 = none)
+    tp: int = 1  # tensor-parallel degree (dmuon.plan.tp; 1 = none)
+    tp_choices: tuple[TPChoice | None, ...] = ()  # per matrix when tp > 1 (None: not TP-sharded)
 
     # ---- derived views -------------------------------------------------------------------
     @property
@@ -196,6 +224,13 @@ class Plan:
         if self.ep == 1:
             del d["ep"]  # plans without expert parallelism serialize as before
         d["format_version"] = GROUPS_FORMAT_VERSION if grouped else PLAN_FORMAT_VERSION
+        if self.tp == 1:
+            del d["tp"], d["tp_choices"]  # plans without tensor parallelism serialize as before
+        else:
+            d["format_version"] = TP_FORMAT_VERSION
+            for c in d["tp_choices"]:  # JSON has no infinity: a group mode that is not possible is null
+                if c is not None and c["group_bytes"] == float("inf"):
+                    c["group_bytes"] = c["group_s"] = None
         return d
 
     def to_json(self, **kwargs) -> str:
@@ -205,9 +240,14 @@ class Plan:
     def from_dict(cls, d: dict) -> Plan:
         d = dict(d)
         version = d.pop("format_version", PLAN_FORMAT_VERSION)
-        if version not in (PLAN_FORMAT_VERSION, GROUPS_FORMAT_VERSION):
-            raise ValueError(f"plan format version {version} is not supported "
-                             f"(expected {PLAN_FORMAT_VERSION} or {GROUPS_FORMAT_VERSION})")
+        if version not in (PLAN_FORMAT_VERSION, GROUPS_FORMAT_VERSION, TP_FORMAT_VERSION):
+            raise ValueError(f"plan format version {version} is not supported (expected "
+                             f"{PLAN_FORMAT_VERSION}, {GROUPS_FORMAT_VERSION} or {TP_FORMAT_VERSION})")
+        inf = float("inf")
+        d["tp_choices"] = tuple(
+            None if c is None else TPChoice(**{k: inf if v is None and k in ("group_bytes", "group_s")
+                                               else v for k, v in c.items()})
+            for c in d.get("tp_choices", ()))
         d["matrices"] = tuple(MatrixSpec(**m) for m in d["matrices"])
         d["owners"] = tuple(d["owners"])
         d["batches"] = tuple(

@@ -49,6 +49,7 @@ from .hooks import BackwardTracker, ForwardWaits
 from .model import broadcast_module_state, forward_layers
 from .planning import build_model_plan
 from .state import STATE_FORMAT, load_rank_state, rank_state_dict  # noqa: F401 (STATE_FORMAT: re-export)
+from .tp import tp_variant_of
 from .units import OwnerUnit, build_units
 
 BALANCERS = ("lpt", "round_robin", "milp")
@@ -73,13 +74,13 @@ class DistributedMuonBase(torch.optim.Optimizer):
     owner_centric = True
     _muon_units = True  # Muon matrices are exchanged by units (False: fsdp2-sharded, FSDP2 moves them)
 
-    sharded_variant = None  # the class that runs this strategy on the fsdp2-sharded layout
+    sharded_variant = tp_variant = None  # the classes running this strategy on fsdp2-sharded / TP meshes
 
     def __new__(cls, model=None, *args, **kwargs):
-        target = cls
-        if cls.sharded_variant is not None and isinstance(model, torch.nn.Module) and resolve_layout(
+        target = tp_variant_of(cls, model, kwargs.get("muon_predicate"))  # TP meshes: runtime/tp.py
+        if target.sharded_variant is not None and isinstance(model, torch.nn.Module) and resolve_layout(
                 model, kwargs.get("layout", "auto"), kwargs.get("muon_predicate")) == "fsdp2-sharded":
-            target = cls.sharded_variant
+            target = target.sharded_variant
         return super().__new__(target)
 
     def __init__(self, model: torch.nn.Module, *, lr: float = 0.02, momentum: float = 0.95,

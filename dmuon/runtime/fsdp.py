@@ -96,7 +96,8 @@ def mesh_of(params) -> tuple[object, bool]:
             two = True
         else:
             raise InputError(f"{name}: placements {pl} are not handled; accepted: (Shard(0),) on a 1-D mesh "
-                             "(FSDP2) or (Replicate(), Shard(0)) on a 2-D mesh (HSDP)")
+                             "(FSDP2) or (Replicate(), Shard(0)) on a 2-D mesh (HSDP), or a tensor-parallel "
+                             "mesh whose TP dim is named 'tp' (docs/runtime.md, Tensor parallelism)")
         if mesh is None:
             mesh, hsdp = p.device_mesh, two
         elif p.device_mesh != mesh:
