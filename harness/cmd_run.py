@@ -224,7 +224,7 @@ def register(app, bench) -> None:
         experiment: str = typer.Argument(
             "all",
             help="paper | ablation | scaling | balancers | kernels | moe | moe_ep | "
-            "validation | sensitivity | all (every experiment with stored results).",
+            "validation | sensitivity | published | all (every experiment with stored results).",
         ),
         results: str = typer.Option(str(DEFAULT_RESULTS), help="Folder holding <experiment>/results.csv."),
         out: str = typer.Option(str(DEFAULT_FIGURES), help="Figure folder (index.md and comparison.md too)."),
@@ -309,7 +309,8 @@ def register(app, bench) -> None:
         t0 = time.perf_counter()
         from .validation_memory import memory_checks
 
-        rows = v.published_checks() + v.ns_replay_checks() + v.multinode_checks() + memory_checks()
+        rows = (v.published_checks() + v.ns_replay_checks() + v.multinode_checks() + memory_checks()
+                + v.megatron_checks())
         paper_csv = Path(paper_results)
         if not paper_csv.is_file():
             print(f"{paper_csv} missing: running the paper experiment first", file=sys.stderr)

@@ -190,6 +190,12 @@ def register(app, bench) -> None:
         jitter: float = typer.Option(0.0, help="Stragglers: coefficient of variation of every compute op "
                                                "(e.g. 0.03); the step is then the median of 8 sampled steps "
                                                "(p90 printed too)."),
+        system: str = typer.Option("ours", help="dmuon's schedule: ours | published (the public "
+                                                "implementation's, simulator.step_published)."),
+        published_off: str = typer.Option("", help="--system published: its mechanisms to turn off, comma "
+                                                   "separated (simulator.step_published.MECHANISMS)."),
+        published_on: str = typer.Option("", help="--system published: opt-in public modes, comma separated "
+                                                  "(sync_publish, prefetch_wait)."),
         bands: bool = typer.Option(False, "--bands/--no-bands",
                                    help="Error band of the step time over the profile's uncertain inputs "
                                         "(NIC, efficiency, SM share, overlap penalty, compute fit)."),
@@ -216,7 +222,9 @@ def register(app, bench) -> None:
                       cpu_threads=cpu_threads, bucket_numel=bucket_numel, max_split=max_split,
                       split_exchange=split_exchange, ep=ep, tp=tp, pp=pp, vpp=vpp, sp=sp,
                       microbatches=microbatches, recompute=recompute, param_dtype=param_dtype,
-                      jitter=jitter)
+                      jitter=jitter, system=system,
+                      published_off=tuple(x for x in published_off.split(",") if x),
+                      published_on=tuple(x for x in published_on.split(",") if x))
             for s in strategies_of(strategy)
         ]
         results = run_simulations(configs, trace)

@@ -33,6 +33,11 @@ checks (column `check`):
                     8B on 8 / 128 H100s): the scaling efficiency (tokens/s/GPU at N over the series'
                     smallest GPU count) published vs simulated on each row's cluster file. Checked: 20%
                     per row.
+  megatron_public   published Megatron-LM TP/PP/DP throughputs at 8-3360 A100s (experiments/reference/
+                    megatron_public.csv: Narayanan et al. 2021 Tables 1-2, Korthikanti et al. 2022, MT-NLG,
+                    BLOOM) vs the simulator's own TP x PP x DP step on the a100 profile
+                    (simulator.validate_megatron). Checked: Table 1 within 15%, the others within 20% per
+                    row; nothing is fitted to these rows.
 Rows: check, label, workload, strategy, metric, unit, reference, reference_kind, simulated, error (relative),
 bound, bounded, within_bound, note, profile. Times in seconds.
 """
@@ -147,6 +152,19 @@ def multinode_checks() -> list[dict]:
                         r["series"], "adamw", "tokens/s/GPU at N / at the series' baseline (FSDP scaling)",
                         "ratio", r["published"], f"public: {r['source']}", r["simulated"], BOUND, True, note,
                         r["cluster"]))
+    return out
+
+
+def megatron_checks() -> list[dict]:
+    from simulator.validate_megatron import PROFILE, megatron_rows
+
+    out = []
+    for r in megatron_rows():
+        label = f"{r['id']} {r['model']} tp{r['tp']} pp{r['pp']} dp{r['dp']} on {r['gpus']}"
+        note = "held out: the simulator's own TP x PP x DP step (simulate --tp --pp), nothing fitted" + (
+            f"; {r['note']}" if r["note"] else "")
+        out.append(_row("megatron_public", label, r["model"], "adamw", r["metric"], r["unit"], r["published"],
+                        f"public: {r['source']}", r["simulated"], r["bound"], True, note, PROFILE))
     return out
 
 
@@ -399,6 +417,7 @@ __all__ = [
     "headline_checks",
     "measure_bench",
     "median_rows",
+    "megatron_checks",
     "ns_replay_checks",
     "published_checks",
     "read_bench_rows",

@@ -81,23 +81,16 @@ def formula_checks() -> list[dict]:
 
 # ---- public tables -----------------------------------------------------------------------------------
 def _public_config(r: dict):
-    """(SimConfig-like with tp / pp, memory_of keyword arguments) of a memory_public.csv row."""
-    from dataclasses import dataclass
-
+    """(SimConfig with the row's tp / pp / sp, memory_of keyword arguments) of a memory_public.csv row."""
     from simulator.api import SimConfig
-
-    @dataclass(frozen=True)
-    class ParallelConfig(SimConfig):  # tensor / pipeline degrees memory_of reads where a config has them
-        tp: int = 1
-        pp: int = 1
-        sp: bool = True  # torchtitan's TP runs with sequence parallelism
 
     wl = r["workload"]
     model = wl if (ROOT / "experiments" / "models" / wl).is_dir() else None
-    cfg = ParallelConfig(workload=wl if model is None else "qwen2.5-7b", model=model, gpus=int(r["gpus"]),
-                         gpu=r["gpu"], strategy="adamw", layout=r["layout"], seq_len=int(r["seq_len"]),
-                         micro_batch=int(r["micro_batch"]), param_dtype=r["param_dtype"],
-                         grad_comm_dtype=r["grad_comm_dtype"], tp=int(r["tp"]), pp=int(r["pp"]))
+    cfg = SimConfig(workload=wl if model is None else "qwen2.5-7b", model=model, gpus=int(r["gpus"]),
+                    gpu=r["gpu"], strategy="adamw", layout=r["layout"], seq_len=int(r["seq_len"]),
+                    micro_batch=int(r["micro_batch"]), param_dtype=r["param_dtype"],
+                    grad_comm_dtype=r["grad_comm_dtype"], tp=int(r["tp"]), pp=int(r["pp"]),
+                    sp=int(r["tp"]) > 1)  # torchtitan's TP runs with sequence parallelism
     return cfg, {"recompute": r["recompute"], "loss_fp32": r["loss_fp32"] == "yes"}
 
 

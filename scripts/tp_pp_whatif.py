@@ -11,7 +11,7 @@ arXiv:2407.21783, Sec. 3.4.1) for both models, micro-batch 1 sequence, microbatc
 over the data-parallel ranks. Grid: pp in 1, 2, 4, 8, 16 and vpp in 1, 2 wherever simulator.parallel
 accepts them (pp x vpp dividing the layers or layers + 2, microbatches >= pp, a multiple of pp when
 interleaved), data-parallel layout fsdp-keep or fsdp-free, each with the least recomputation (none,
-selective, full) with which that strategy fits the GPU's memory by simulator.memory.memory_of (for DMuon
+selective, full) with which that strategy fits the GPU's memory by simulator.api.memory_of (for DMuon
 also its largest NS batch, max_batch 8, 2 or 1: the NS workspace of a batch of whole 405B matrices is
 tens of GB; a configuration where nothing fits is left out). Each strategy's best = its shortest
 fitting step; overhead = its best step / AdamW's best step - 1 (best against best).

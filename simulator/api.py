@@ -138,6 +138,13 @@ class SimConfig:
     # `recompute` (the memory model's field above) also sets the time: full re-runs the forward in backward,
     # selective the attention core (simulator.parallel_run)
     plan: object = _f(None, "a dmuon.plan.Plan built elsewhere (e.g. by the runtime); None: build_plan")
+    # issue 28: the public implementation's schedule beside ours (simulator.step_published)
+    system: str = _f("ours", "ours (this project's runtime) | published (the public implementation's "
+                             "schedule, X-Square-Robot/dmuon: simulator.step_published)")
+    published_off: tuple = _f((), "system published: its mechanisms to turn off (simulator.step_published."
+                                  "MECHANISMS), e.g. ('fwd_prefetch',)")
+    published_on: tuple = _f((), "system published: public modes that are not its runs' defaults to turn "
+                                 "on (simulator.step_published.OPT_IN: sync_publish)")
     cost: object = _f(None, "a dmuon CostTable (or any object with ns_time / elementwise_time); None: "
                             "CostTable.load(profile.cost_profile)")
 
@@ -274,6 +281,9 @@ def validate_config(cfg: SimConfig) -> None:
         raise InputError(f"nic_gbps must be a positive number (Gbit/s per node), got {cfg.nic_gbps!r}")
     _check_number("overlap_slowdown", cfg.overlap_slowdown, positive=False, what=" (0 = no slowdown)")
     _check_number("milp_time_limit_s", cfg.milp_time_limit_s, positive=True, none_ok=False, what=" seconds")
+    from .step_published import published_mechanisms
+
+    published_mechanisms(cfg.system, cfg.published_off, cfg.published_on)
 
 
 def node_shape(gpus: int, gpus_per_node: int) -> tuple[int, int]:
@@ -397,7 +407,7 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
 
 
 def memory_of(cfg: SimConfig, plan=None, **kw):
-    """Memory per rank of `cfg` without simulating the step (simulator.memory.memory_of): a
+    """Memory per rank of `cfg` without simulating the step (simulator.memory.breakdown): a
     MemoryBreakdown with .peak_bytes, .peak_gib, .fits, .capacity_bytes, .gib() and one field per part.
     Stable API for layout searches: cheap (no plan is built; DMuon owners balanced by elements unless
     `plan` or cfg.plan gives them). kw: simulator.memory.breakdown's recompute / loss_fp32 / free."""

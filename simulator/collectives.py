@@ -233,13 +233,16 @@ def _simple(net: Network) -> Protocol:
 
 
 def _flat_ring_s(kind: str, size: float, group: Group, net: Network, nic: float, max_share: float, k: int,
-                 q: Protocol) -> float:
-    """One flat ring (chain for broadcast / reduce) over every rank, protocol q; k collectives in a row."""
+                 q: Protocol, coalesced: bool = False) -> float:
+    """One flat ring (chain for broadcast / reduce) over every rank, protocol q; k collectives in a row
+    (coalesced: in one NCCL group, the launch latency once, each one's ring steps)."""
     n, m, p = group.size, group.nodes, group.per_node
     twice = 2 if kind == "all_reduce" else 1
     lat = q.ring_base_s + twice * ((n - m) * q.ring_intra_s + (m - 1) * q.ring_inter_s)
     intra_bw = _intra(kind, size, n, net, max_share)[1] if p > 1 else 0.0
     inter_bw = _inter_bw_s(kind, size, n, nic, max_share)  # every ring link out of a node carries (n-1)/n
+    if coalesced:
+        return lat + (lat - q.ring_base_s) * (k - 1) + max(intra_bw, inter_bw) / q.bw_factor
     return lat * k + max(intra_bw, inter_bw) / q.bw_factor
 
 
@@ -253,8 +256,11 @@ def _tree_all_reduce_s(size: float, group: Group, net: Network, nic: float, q: P
 
 def collective_time_s(kind: str, size_bytes: float, group: Group, net: Network, *,
                       hierarchical: bool = True, max_share_bytes: float = 0.0, nccl: bool = False,
-                      owners: int = 1, owners_per_local: int = 1) -> float:
+                      owners: int = 1, owners_per_local: int = 1, coalesced: bool = False) -> float:
     """Seconds one collective takes once every participant has arrived (see the module docstring).
+    coalesced: the owners' collectives issued as one NCCL group (`ncclGroupStart` / `ncclGroupEnd`, as
+    `dist._coalescing_manager`): NCCL documents aggregated operations as paying the launch latency once,
+    so the base latency counts once and each collective's ring steps still count (flat or one node).
 
     max_share_bytes: for owner broadcasts / reduces, the largest single owner's bytes (0: balanced).
     nccl: the algorithm NCCL itself picks (flat ring for all-gather / reduce-scatter, ring or tree for
@@ -272,6 +278,8 @@ def collective_time_s(kind: str, size_bytes: float, group: Group, net: Network, 
     k_local = max(1, min(owners_per_local, k)) if owner_kind else 1
     if m == 1:
         lat, bw = _intra(kind, size_bytes, n, net, max_share_bytes)
+        if coalesced:
+            return lat + (lat - net.base_latency_s) * (k - 1) + bw
         return lat * k + bw
     nic = net.nic_Bps_per_node * net.inter_efficiency / group.share
     if kind == "all_to_all":
@@ -283,7 +291,8 @@ def collective_time_s(kind: str, size_bytes: float, group: Group, net: Network, 
         hierarchical = False
     if not hierarchical or p == 1:
         protocols = (_simple(net), *(net.protocols if nccl else ()))
-        best = min(_flat_ring_s(kind, size_bytes, group, net, nic, max_share_bytes, k, q) for q in protocols)
+        best = min(_flat_ring_s(kind, size_bytes, group, net, nic, max_share_bytes, k, q, coalesced)
+                   for q in protocols)
         if nccl and kind == "all_reduce":
             best = min(best, *(_tree_all_reduce_s(size_bytes, group, net, nic, q) for q in protocols))
         return best
@@ -301,6 +310,10 @@ def collective_time_s(kind: str, size_bytes: float, group: Group, net: Network, 
         # protocol (nccl=True), as for a flat ring; the intra phase keeps the measured single-node curve
         intra_lat, intra_bw = _intra(kind, size_bytes, p, net, max_share_bytes)
         inter_bw = _inter_bw_s(kind, size_bytes, m, nic, max_share_bytes)
+        if coalesced:  # one group per phase: its launch latency once, every collective's ring steps
+            inter = min(q.ring_base_s + (m - 1) * q.ring_inter_s * k_local + inter_bw / q.bw_factor
+                        for q in (_simple(net), *(net.protocols if nccl else ())))
+            return intra_lat + (intra_lat - net.base_latency_s) * (k - 1) + intra_bw + inter
         inter = min((q.ring_base_s + (m - 1) * q.ring_inter_s) * k_local + inter_bw / q.bw_factor
                     for q in (_simple(net), *(net.protocols if nccl else ())))
         return intra_lat * k + intra_bw + inter

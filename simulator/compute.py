@@ -17,6 +17,14 @@ Per layer l with weight matrices W (rows x cols), per GPU and micro-step, T = mi
     forward FLOPs  matmul + attention;  backward FLOPs = 2 x forward
     time           forward FLOPs / fwd_flops + fwd_layer_overhead_s (and the same for backward), the
                    profile's fitted achieved rates; CPU profiles stretch it by core contention.
+    profile's causal  the attention term's causal is the profile's attention_causal_fraction (0.5 unless
+                   the profile says otherwise; the a100 profile: 1.0, Megatron-LM 2021-22's kernels)
+    memory-bound   only where the profile sets activation_rw_passes > 0 (the a100 profile; every fitted
+                   profile's rates already hold these passes): per transformer layer (a layer with a query
+                   projection), the activation bytes Korthikanti et al. 2022 (Sec. 4.1) count for one
+                   micro-batch, s b h (10 + 24 / t) + 5 a s^2 b / t (with sequence parallelism s b h 34 / t
+                   + 5 a s^2 b / t), moved activation_rw_passes times forward and 2 x that backward, at
+                   hbm_GBps (`activation_memory_s`; a = attention heads, t = tensor-parallel degree)
 
 ASSUMPTION (stated wherever results are shown): every token goes through every component (for the VLA /
 world-model workloads the token counts per component are not public).
@@ -66,8 +74,11 @@ class LayerCompute:
         return 2.0 * self.fwd_flops
 
 
-def layer_flops(workload: Workload, seq_len: int, micro_batch: int) -> list[LayerCompute]:
-    """Forward FLOPs per layer on one GPU for one micro-batch (see the module docstring)."""
+def layer_flops(workload: Workload, seq_len: int, micro_batch: int,
+                causal_fraction: float = CAUSAL_FRACTION) -> list[LayerCompute]:
+    """Forward FLOPs per layer on one GPU for one micro-batch (see the module docstring). causal_fraction:
+    the share of the s x s score matrix the attention kernel computes (1.0 for kernels that multiply the
+    whole matrix and mask it, as Megatron-LM's 2021-2022 attention did: simulator.validate_megatron)."""
     tokens = seq_len * micro_batch
     has_head = any("head" in p.matrix.lower() for p in workload.params)
     out = []
@@ -83,7 +94,7 @@ def layer_flops(workload: Workload, seq_len: int, micro_batch: int) -> list[Laye
             mm += 2.0 * p.numel * tokens * p.matmuls_per_token
             d_q = p.attn_width or _query_width(p)
             if d_q:
-                attn += 4.0 * micro_batch * seq_len * seq_len * d_q * CAUSAL_FRACTION
+                attn += 4.0 * micro_batch * seq_len * seq_len * d_q * causal_fraction
         out.append(LayerCompute(layer, mm, attn))
     if tied_head:  # the tied head runs at the end of the forward pass: charge it to the last layer
         last = out[-1]
@@ -91,12 +102,44 @@ def layer_flops(workload: Workload, seq_len: int, micro_batch: int) -> list[Laye
     return out
 
 
+def is_attention_layer(workload: Workload) -> list[bool]:
+    """Per layer: does it hold a query projection (a transformer layer, as `layer_flops` counts it)."""
+    return [any(not _is_lookup(p) and (p.attn_width or _query_width(p)) for p in ps)
+            for ps in workload.layer_params()]
+
+
+def activation_memory_s(profile: Profile, seq_len: int, micro_batch: int, hidden: int, heads: int | None,
+                        tp: int = 1, sp: bool = False) -> tuple[float, float, float]:
+    """(forward, backward, attention-core share of the forward) seconds of one transformer layer's
+    memory-bound passes on one GPU for one micro-batch (module docstring); zeros where the profile does
+    not model them (activation_rw_passes 0)."""
+    if not profile.activation_rw_passes:
+        return 0.0, 0.0, 0.0
+    if not heads:
+        from dmuon.errors import InputError
+
+        raise InputError(f"profile {profile.name} prices memory-bound passes from the attention heads; "
+                         "accepted: a config.json model (--model) whose file gives them")
+    sbh = seq_len * micro_batch * hidden
+    scores = 5.0 * heads * seq_len * seq_len * micro_batch / tp
+    act = (sbh * 34 / tp if sp else sbh * (10 + 24 / tp)) + scores
+    fwd = profile.activation_rw_passes * act / profile.hbm_Bps
+    return fwd, 2.0 * fwd, profile.activation_rw_passes * scores / profile.hbm_Bps
+
+
 def layer_times(workload: Workload, profile: Profile, seq_len: int, micro_batch: int,
-                ranks_per_node: int, threads: int = 1) -> list[tuple[float, float]]:
-    """(forward seconds, backward seconds) per layer on one device of `profile`."""
+                ranks_per_node: int, threads: int = 1, tp: int = 1, sp: bool = False,
+                heads: int | None = None, hidden: int = 0) -> list[tuple[float, float]]:
+    """(forward seconds, backward seconds) per layer on one device of `profile`; tp, sp, heads, hidden:
+    the memory-bound passes' settings (only used where the profile models them)."""
     stretch = profile.contention(ranks_per_node, threads)
-    return [
-        (stretch * (lc.fwd_flops / profile.fwd_flops + profile.fwd_layer_overhead_s),
-         stretch * (lc.bwd_flops / profile.bwd_flops + profile.bwd_layer_overhead_s))
-        for lc in layer_flops(workload, seq_len, micro_batch)
-    ]
+    mf, mb, _ = activation_memory_s(profile, seq_len, micro_batch, hidden, heads, tp, sp)
+    attn = is_attention_layer(workload) if mf else None
+    out = []
+    for i, lc in enumerate(layer_flops(workload, seq_len, micro_batch, profile.attention_causal_fraction)):
+        f = lc.fwd_flops / profile.fwd_flops + profile.fwd_layer_overhead_s
+        b = lc.bwd_flops / profile.bwd_flops + profile.bwd_layer_overhead_s
+        if mf and attn[i]:
+            f, b = f + mf, b + mb
+        out.append((stretch * f, stretch * b))
+    return out

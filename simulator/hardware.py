@@ -27,6 +27,13 @@ Layout of a profile file:
                non-finite check) charged with every gradient pass, 1 where the profile times this
                project's runtime (the cpu profile); 0 where the AdamW times were fitted to a published
                system whose own gradient handling they already contain
+               Megatron-style layers (issue 29 validation; defaults keep every other profile as fitted):
+               optional attention_causal_fraction (default 0.5: a flash-style kernel skips the masked
+               half; 1.0: kernels that multiply the whole s x s score matrix and mask it),
+               optional activation_rw_passes (default 0: not modelled, the fitted rates and per-layer
+               overhead already hold the non-GEMM passes): times each activation byte Korthikanti et
+               al. 2022 count per transformer layer is moved by the forward's memory-bound passes at
+               hbm_GBps (simulator.compute.activation_memory_s)
     [network]  nvlink_GBps, base_latency_us, intra_alpha_us, inter_alpha_us, nic_gbps_per_node,
                inter_efficiency, and either
                optional (NCCL / multi-node, each with its source): tree_intra_alpha_us,
@@ -118,6 +125,8 @@ class Profile:
     sm_count: int = 0  # streaming multiprocessors per GPU (0: not modelled)
     memory_gib: float = 0.0  # memory per device (CPU: the host's RAM); 0 = not stated (simulator.memory)
     nccl_channels: int = 0  # SMs an NCCL collective holds while it runs (0: not modelled)
+    attention_causal_fraction: float = 0.5  # share of the s x s scores the attention kernel computes
+    activation_rw_passes: float = 0.0  # memory-bound activation passes (0: not modelled), simulator.compute
     thread_speedup: dict[str, float] = field(default_factory=dict)  # kind -> speedup at cpu_cores threads
     corun_slowdown: dict[str, float] = field(default_factory=dict)  # kind -> x with all cores busy
     uncertainty: dict[str, dict] = field(default_factory=dict)  # input -> {low, high | rel, source}
@@ -301,7 +310,8 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
     _check_keys(data, _TOP_KEYS, where)
     comp = _as_table(data.get("compute", {}), f"{where}: [compute]")
     net = _as_table(data.get("network", {}), f"{where}: [network]")
-    _check_keys(comp, (*_COMPUTE_KEYS, "grad_prep_passes", "comm_overlap_slowdown", "sm_count", "memory_gib"),
+    _check_keys(comp, (*_COMPUTE_KEYS, "grad_prep_passes", "comm_overlap_slowdown", "sm_count", "memory_gib",
+                       "attention_causal_fraction", "activation_rw_passes"),
                 f"{where}: [compute]")
     _check_keys(net, _NETWORK_TABLE_KEYS, f"{where}: [network]")
     c: dict[str, float] = {}
@@ -383,6 +393,13 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
         protocols.append(Protocol(str(pname), *lats, vals["bw_factor"]))
         prov[f"protocol {pname}"] = str(ptab["source"])
     uncertainty = _uncertainty(_as_table(data.get("uncertainty", {}), f"{where}: [uncertainty]"), where)
+    megatron = {"attention_causal_fraction": 0.5, "activation_rw_passes": 0.0}  # issue 29 (module docstring)
+    for key in megatron:
+        if key in comp:
+            megatron[key], prov[key] = _value(comp[key], key, where)
+    if not 0 < megatron["attention_causal_fraction"] <= 1 or megatron["activation_rw_passes"] < 0:
+        raise InputError(f"{where}: [compute] attention_causal_fraction must be in (0, 1] and "
+                         f"activation_rw_passes >= 0, got {megatron}")
     memory_gib = 0.0
     if "memory_gib" in comp:
         memory_gib, prov["memory_gib"] = _value(comp["memory_gib"], "memory_gib", where)
@@ -432,6 +449,8 @@ def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profi
         network=network,
         sm_count=sm_count,
         memory_gib=memory_gib,
+        attention_causal_fraction=megatron["attention_causal_fraction"],
+        activation_rw_passes=megatron["activation_rw_passes"],
         uncertainty=uncertainty,
         nccl_channels=int(opt.get("nccl_channels", 0)),
         thread_speedup=speedups,

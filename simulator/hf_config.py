@@ -377,7 +377,9 @@ def _gpt2(b: _Builder, c: _Cfg) -> int:
     if h % heads:
         raise c._fail(f"n_embd {h} is not a multiple of n_head {heads}")
     inner = c.int("n_inner", 4 * h)
-    b.param("transformer.wte", (vocab, h), "embed_tokens", kind="embedding")
+    tied = c.bool("tie_word_embeddings", True)
+    b.param("transformer.wte", (vocab, h), "embed_tokens", kind="embedding",
+            note="tied with lm_head" if tied else "untied")  # tied: simulator.compute charges the head
     b.param("transformer.wpe", (c.int("n_positions", 1024), h), "embed_positions", kind="embedding", uses=0.0)
     for i in range(n):
         b.layer += 1
@@ -392,7 +394,7 @@ def _gpt2(b: _Builder, c: _Cfg) -> int:
     b.layer += 1
     b.vector("transformer.ln_f", "norm", h)
     b.vector("transformer.ln_f.bias", "norm.bias", h)
-    if not c.bool("tie_word_embeddings", True):
+    if not tied:
         b.param("lm_head", (vocab, h), "lm_head", kind="head")
     return n
 

@@ -11,15 +11,17 @@ with tensor / pipeline parallelism (`tp`, `pp` where the config has them) every 
                   memory 'free' layouts only the owned ones plus the two units in use (param_copies)
   gradients       FSDP / HSDP / sharded: n / S in param_dtype (FSDP2 keeps sharded gradients in the
                   parameter's dtype); ddp and DMuon's owner-layout Muon matrices: n (every rank computes the
-                  whole gradient before it is reduced)
+                  whole gradient before it is reduced; the FSDP2 owner layouts drop it once packed into
+                  the unit's buffer, `consume_grads`: one layer's in flight)
   optimizer       AdamW: 2 moments (exp_avg, exp_avg_sq) of its parameters' local elements, fp32;
                   DMuon's ddp layout updates AdamW parameters in 1/N pieces (`shard_adamw`): their moments / N;
                   Muon momentum (fp32): naive and sharded on the local shard (n / S), DMuon owner layouts
                   on the owner only (`plan.owners`: the rank's owned elements; summed over the ranks they
                   are the whole momentum once); adamw strategy: the Muon matrices on AdamW (2 moments)
   param_copies    compute-dtype copies the forward / backward read: FSDP keep every layer's gathered
-                  parameters after forward (FSDP2 reshard_after_forward=False), free two layers (the one
-                  running and one prefetched); DMuon 'free' two owner units; ddp / owner layouts with a
+                  parameters after forward (FSDP2 reshard_after_forward=False), free the root unit
+                  (embeddings, head, final norm: FSDP2 never reshards the root after forward) and two
+                  blocks (the one running and one prefetched); DMuon 'free' two owner units; ddp / owner layouts with a
                   param_dtype wider than the compute dtype: autocast's casts of every weight, saved for
                   backward
   activations     `simulator.memory_activations.activation_bytes` (Korthikanti et al. 2022's count per
@@ -38,8 +40,9 @@ with tensor / pipeline parallelism (`tp`, `pp` where the config has them) every 
                   and every update (2 x the Muon elements, param_dtype) + the largest shape's call; DMuon:
                   its owner's largest batch
 Peaks (the step's two phases; `peak_phase` names the larger):
-  forward/backward = parameters + optimizer + param_copies + comm_buckets
-                     + max(activations, gradients)   (backward frees activations as gradients arrive)
+  forward/backward = parameters + optimizer + param_copies + the runtime's buffers
+                     + max(activations, gradients + FSDP2's reduction in flight)   (activations peak as
+                     backward starts and are freed as gradients arrive; the last reduction ends it)
   optimizer        = parameters + optimizer + gradients + the runtime's buffers + ns_workspace
                      (FSDP2's reduce-scatter in flight is over by then)
 Capacity: the profile's `memory_gib` (datasheets; CPU: the host's RAM, shared by the node's ranks).
@@ -189,19 +192,25 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
     owner_layout = strategy == "dmuon" and layout != "sharded"
     free = layout.endswith("-free") if free is None else free
 
-    params = grads = states = copies = 0.0
+    params = grads = states = copies = root = 0.0
     layer_numel: dict[int, float] = {}
     layer_muon: dict[int, float] = {}
+    block_numel: dict[int, float] = {}
     for p in workload.params:
         expert = cfg.ep > 1 and ".experts." in p.name
         n = p.numel / model_split / (cfg.ep if expert else 1)
         s = max(1, shard // cfg.ep) if expert else shard
         muon = p.optimizer == "muon" and strategy != "adamw"
         layer_numel[p.layer] = layer_numel.get(p.layer, 0.0) + n
+        if p.block is None and not (muon and owner_layout):
+            root += n  # FSDP2's root unit: embeddings, head, final norm (never resharded after forward)
+        elif p.block is not None:
+            block_numel[p.layer] = block_numel.get(p.layer, 0.0) + n
         if muon and owner_layout:  # whole on every rank (keep); owned + units in use (free)
             layer_muon[p.layer] = layer_muon.get(p.layer, 0.0) + n
             params += 0.0 if free else n * e_m
-            grads += n * e_m
+            # FSDP2 owner layouts drop each gradient once packed into its unit's buffer (consume_grads)
+            grads += n * e_m if layout == "ddp" else 0.0
             continue
         params += n / s * e_m
         grads += n / s * e_m
@@ -215,8 +224,8 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
     largest = max(layer_numel.values(), default=0.0)
     if layout == "ddp":
         copies = sum(layer_numel.values()) * e_c if e_c != e_m else 0.0
-    elif free:
-        copies = 2 * largest * e_c
+    elif free:  # the root unit stays gathered (FSDP2 skips its reshard after forward) + two blocks
+        copies = (root + 2 * max(block_numel.values(), default=0.0)) * e_c
     else:
         copies = sharded_numel * e_c + (sum(layer_muon.values()) * e_c if owner_layout and e_c != e_m else 0)
     if owner_layout and free:
@@ -232,6 +241,7 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
         owner_numel = sum(layer_muon.values())  # DMuon's owner-layout Muon matrices: its own units
         buckets = owner_numel * (e_g + e_pc)
         in_flight = largest * (e_c + e_g) if total > owner_numel else 0.0
+        in_flight += max(layer_muon.values(), default=0.0) * e_m  # one layer's gradients before packing
 
     sp = bool(getattr(cfg, "sp", tp > 1))  # sequence parallelism where the config says (else with any TP)
     acts = activation_bytes(workload, cfg.seq_len, cfg.micro_batch, e_c, tp=tp, sp=sp, pp=pp,
@@ -276,9 +286,9 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
         if batched:  # dmuon.NaiveMuon: every matrix's input gathered, then every update, before applying
             ns_base += 2.0 * sum(m.rows * m.cols * m.count for m in muon) / model_split * e_m
 
-    base_fb = params + states + copies + buckets + in_flight
+    base_fb = params + states + copies + buckets
     base_opt = params + states + grads + buckets
-    fb = base_fb + max(act_total, grads)
+    fb = base_fb + max(act_total, grads + in_flight)  # activations peak as backward starts, gradients at its end
     opt = base_opt + ns_base
     best = (max(fb, opt), 0, fb >= opt, owned[0] if owned else 0.0, work[0] if work else ns_base)
     for rank in range(len(owned)):

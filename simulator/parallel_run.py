@@ -33,8 +33,9 @@ from dataclasses import replace
 from dmuon.errors import InputError
 from dmuon.plan.cost import CostAnswer
 
-from .compute import layer_flops, layer_times
-from .parallel import hidden_of, layout_of, model_heads, p2p_time, stage_layers, stage_workload, tp_layer_comm
+from .compute import activation_memory_s, layer_flops, layer_times
+from .parallel import (hidden_of, layout_of, model_heads, p2p_time, stage_layers, stage_workload,
+                       tp_layer_comm)
 from .pipeline import simulate_pipeline
 
 
@@ -115,6 +116,9 @@ def _dp_config(cfg, stage_wl, lay, profile, cost, full):
         links = SimulatorLinks(profile.network, lay.per_node, source=f"simulator profile {profile.name}")
         cost = TPCost(base, _shard_shapes(stage_wl, full), lay.tp, links,
                       DTYPE_BYTES[cfg.grad_comm_dtype or profile.dtype], cfg.strategy == "naive")
+    # the stage's compute is parallel_run's (with the profile's memory-bound passes, which need the model's
+    # heads); the DP step's own layer times only set how much of its communication they hide
+    dp_profile = replace(dp_profile, activation_rw_passes=0.0)
     return replace(cfg, workload=stage_wl, model=None, per_head=False, gpus=lay.dp,
                    gpus_per_node=lay.dp_per_node, gpu=dp_profile, cluster=None, nic_gbps=None,
                    overlap_slowdown=None, cost=cost, tp=1, pp=1, vpp=1, sp=False, microbatches=None,
@@ -127,7 +131,8 @@ def run_parallel(cfg, workload, profile, per_node: int, run_dp) -> dict:
     profile, GPUs per node and its `run` (for each stage's data-parallel step)."""
     from .step import DTYPE_BYTES
 
-    lay = layout_of(cfg, per_node, model_heads(cfg.model))
+    heads = model_heads(cfg.model)
+    lay = layout_of(cfg, per_node, heads)
     stages = stage_layers(workload, lay.pp, lay.vpp)
     hidden = hidden_of(workload)
     elem = DTYPE_BYTES[profile.dtype]
@@ -158,8 +163,11 @@ def run_parallel(cfg, workload, profile, per_node: int, run_dp) -> dict:
         first_extra.append(ef)
         last_extra.append(eb)
         times = [(a * k, b * k) for a, b in layer_times(stage_wl, profile, cfg.seq_len, cfg.micro_batch,
-                                                         per_node, cfg.cpu_threads)]
-        flops = layer_flops(stage_wl, cfg.seq_len, cfg.micro_batch)
+                                                         per_node, cfg.cpu_threads, lay.tp, lay.sp,
+                                                         heads and heads[0], hidden)]
+        flops = layer_flops(stage_wl, cfg.seq_len, cfg.micro_batch, profile.attention_causal_fraction)
+        score_s = activation_memory_s(profile, cfg.seq_len, cfg.micro_batch, hidden, heads and heads[0],
+                                      lay.tp, lay.sp)[2] * k
         is_block = [any(p.block is not None for p in ps) for ps in stage_wl.layer_params()]
         fs, bs, pos, nb = [], [], 0, 0
         for c in chunks:
@@ -170,7 +178,7 @@ def run_parallel(cfg, workload, profile, per_node: int, run_dp) -> dict:
             fwd = sum(times[i][0] for i in idx)
             rec = {"none": 0.0, "full": fwd,
                    "selective": sum(flops[i].attention_flops / profile.fwd_flops for i in idx) * k
-                   }[lay.recompute]
+                   + blocks * score_s}[lay.recompute]
             fs.append(fwd + blocks * tp_f)
             bs.append(sum(times[i][1] for i in idx) + rec + blocks * tp_b)
         f_s.append(fs)

@@ -117,8 +117,13 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
         else:
             layer_adamw[p.layer] += p.numel
             layer_adamw_tensors[p.layer] += 1
+    heads = hidden = None
+    if profile.activation_rw_passes:  # memory-bound passes (simulator.compute): the model's heads and width
+        from .parallel import hidden_of, model_heads
+
+        heads, hidden = (model_heads(cfg.model) or (None,))[0], hidden_of(workload)
     times = [(f * k, b * k) for f, b in layer_times(workload, profile, cfg.seq_len, cfg.micro_batch, per_node,
-                                                     cfg.cpu_threads)]
+                                                     cfg.cpu_threads, heads=heads, hidden=hidden or 0)]
 
     ns_answers = {}
     naive_methods = [cfg.naive_ns_method]
@@ -151,6 +156,10 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
                      profile.contention(per_node, cfg.cpu_threads) * k, DTYPE_BYTES[profile.dtype])
         ns_naive_local = [t for t, w in zip(ns_naive, ep.muon_ep, strict=True) if w in (None, 0)]
     network = profile.network_for(per_node, k if profile.cpu_cores else 1.0)
+    from .step_published import published_mechanisms  # issue 28: system 'published'
+
+    published = (published_mechanisms(cfg.system, cfg.published_off, cfg.published_on)
+                 if cfg.strategy == "dmuon" else frozenset())
     plan = None
     info = {"ns_makespan_s": 0.0, "balancer": "", "method": "", "notes": list(workload.notes)}
     if cfg.strategy == "dmuon":
@@ -173,7 +182,8 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
                                        source=f"simulator profile {profile.name} network")
             method = ns_method_of(cfg, profile)
             plan = plan_for(muon, world, priced, balancer=cfg.balancer, method=method,
-                            dtype=ns_dtype, batching=cfg.batching, max_batch=cfg.max_batch,
+                            dtype=ns_dtype, batching=cfg.batching,
+                            max_batch=1 if "ns_per_matrix" in published else cfg.max_batch,
                             bucket_numel=cfg.bucket_numel, time_limit_s=cfg.milp_time_limit_s,
                             max_split=cfg.max_split, links=links, ep=cfg.ep,
                             owner_momentum=cfg.layout != "sharded",  # sharded: momentum on shards
@@ -198,7 +208,7 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
         hierarchical=cfg.hierarchical, overlap=cfg.overlap,
         param_bytes=DTYPE_BYTES[cfg.param_comm_dtype or profile.dtype],
         grad_bytes=DTYPE_BYTES[cfg.grad_comm_dtype or profile.dtype], plan=plan, ns_stretch=ns_stretch,
-        split_exchange=cfg.split_exchange, ep_spec=ep,
+        split_exchange=cfg.split_exchange, ep_spec=ep, published=published,
     )
     # called after the step programs are built: they price the elementwise passes provenance names
     def provenance() -> dict:

@@ -60,6 +60,7 @@ from .engine import Cluster, Op, paused_gc
 from .step_comm import CommPrograms
 from .step_ep import EPPrograms
 from .step_optimizer import OptimizerPrograms
+from .step_published import PublishedPrograms, check_published
 from .step_template import TemplatePrograms
 from .symmetry import Unsupported
 
@@ -98,6 +99,7 @@ class StepSpec:
     steps: int = 2
     sm_share: float = 0.0  # share of a GPU's SMs each running collective takes (simulator.engine)
     ep_spec: object = None  # simulator.step_ep.EPSpec with ep > 1 (expert parallelism), else None
+    published: frozenset = frozenset()  # system 'published': its mechanisms on (simulator.step_published)
 
     @property
     def n_layers(self) -> int:
@@ -113,10 +115,11 @@ class Built:
     notes: list[str] = field(default_factory=list)
 
 
-class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms):
+class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms, PublishedPrograms):
     def __init__(self, spec: StepSpec, cluster: Cluster):
         self.s = spec
         self.c = cluster
+        self.pub = spec.published  # system 'published' (simulator.step_published); empty: ours
         n, p = spec.n_ranks, spec.per_node
         self.nodes = n // p
         self.world = Group(self.nodes, p)
@@ -255,6 +258,10 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms):
                 ops = [cop(col, r, "fwd", step, (dep, opt_dep)) for col in cols]
             if publish_here:
                 for b in self._first_b.get(l, ()):
+                    if self.pub:  # system 'published' (simulator.step_published)
+                        pubs[b] = self._pub_broadcast(r, b, step, prev["pub_deps"].get(b, ()),
+                                                      phase="pub" if step else "fwd", tag="pub", issue=dep)
+                        continue
                     pubs[b] = self._publish(r, b, step, prev["pub_deps"].get(b, ()),
                                             phase="pub" if step else "fwd", stream=self.pub_stream,
                                             which="dense")
@@ -268,6 +275,10 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms):
             deps = list(gathers[l])
             if publish_here:
                 deps += [pubs[b] for b in self.layer_buckets.get(l, ())]
+                if "prefetch_wait" in self.pub and l + 1 < L:  # waits the next group's unshard (published)
+                    deps += [pubs[b] for b in self.layer_buckets.get(l + 1, ())]
+            if l == 0 and "sync_publish" in self.pub:  # one post-step publish phase (published)
+                deps += list(prev["pubs"].values())
             if self.dm and not self.sharded and not s.overlap:
                 if l == 0:  # dmuon without overlap: everything published first
                     deps += list(prev["pubs"].values())
@@ -285,7 +296,8 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms):
         gathers: dict[int, list[Op]] = {}
         pubs: dict[int, Op] = {}
         bwd: dict[int, Op] = {}
-        red = {"last": None, "adamw_last": None, "bucket": {}, "layer": {}}
+        red = {"last": None, "adamw_last": None, "bucket": {}, "layer": {}, "bucket_last": None}
+        stage1: list = []  # published 'drain': the groups' stage-1 reduces, latest last
 
         def gather(l: int, dep: Op | None) -> None:
             cols = self._cols(("ag", step, "bwd", l, self._gk), lambda: [
@@ -294,8 +306,10 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms):
             ops = [self._cop(col, r, "bwd", step, (dep,)) for col in cols]
             if self.dm and not self.sharded:
                 for b in self._last_b.get(l, ()):
-                    pubs[b] = self._publish(r, b, step, (dep,), phase="bwd", tag="regather",
-                                            stream=self.pub_stream, which="dense")
+                    pubs[b] = (self._pub_broadcast(r, b, step, (dep,), phase="bwd", tag="regather")
+                               if self.pub else
+                               self._publish(r, b, step, (dep,), phase="bwd", tag="regather",
+                                             stream=self.pub_stream, which="dense"))
             gathers[l] = ops
 
         if regather:
@@ -308,6 +322,8 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms):
                 deps = list(gathers[l])
                 if self.dm and not self.sharded:
                     deps += [pubs[b] for b in self.layer_buckets.get(l, ())]
+            if "drain" in self.pub and len(stage1) >= 2:  # published: the previous group's stage 1
+                deps.append(stage1[-2])
             bwd[l] = self._layer_op(r, step, l, "bwd", s.layer_bwd_s[l], deps,
                                     bwd[l + 1] if l + 1 < L else fwd[L - 1])[0]
             numel, mu = self._gathered_numel(l)  # reduced like it is gathered
@@ -318,7 +334,13 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms):
                     red["adamw_last"] = op
             if self.dm and (not self.sharded or self.ep > 1):  # sharded: the experts' part only
                 for b in self._first_b.get(l, ()):
-                    op = red["bucket"][b] = self._reduce_bucket(r, b, step, bwd[l])
+                    if self.pub:  # system 'published' (simulator.step_published)
+                        first, op = self._pub_reduce(r, b, step, bwd[l])
+                        stage1.append(first)
+                        red["bucket_last"] = op or red["bucket_last"]
+                    else:
+                        op = self._reduce_bucket(r, b, step, bwd[l])
+                    red["bucket"][b] = op
                     red["last"] = op or red["last"]
         return red
 
@@ -357,6 +379,7 @@ def build(spec: StepSpec, overlap_slowdown: float = 0.0, comm_overlap_slowdown: 
         raise InputError(f"unknown layout {spec.layout!r}; accepted: {', '.join(LAYOUTS)}")
     if spec.strategy == "dmuon" and spec.plan is None:
         raise InputError("the dmuon strategy needs a plan")
+    check_published(spec)
     streams = ("compute", "comm", "inter") if spec.layout.startswith("hsdp") else ("compute", "comm")
     if spec.strategy == "dmuon" and spec.layout.endswith("-free"):
         streams += ("pub",)  # the publications of memory='free' (see _Programs.pub_stream)

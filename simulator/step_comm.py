@@ -72,7 +72,7 @@ class CommPrograms:
 
     def coll(self, rank: int, key: tuple, group: str, kind: str, size_bytes: float, *, muon_fraction: float,
              max_share: float = 0.0, step: int = 0, repeat: int = 1, nccl: bool = True, owners: int = 1,
-             owners_per_local: int = 1, flat: bool = False):
+             owners_per_local: int = 1, flat: bool = False, coalesced: bool = False):
         """The collective `key` of rank's group instance (created once per instance); repeat: it stands for
         that many back-to-back collectives of `size_bytes` (their summed time and bytes); flat: never
         two-level (owner reduces / broadcasts issued as plain torch.distributed calls)."""
@@ -87,7 +87,7 @@ class CommPrograms:
             cost = collective_time_s(kind, size_bytes, g, self.s.network,
                                      hierarchical=self.s.hierarchical and not flat,
                                      max_share_bytes=max_share, nccl=nccl, owners=owners,
-                                     owners_per_local=owners_per_local)
+                                     owners_per_local=owners_per_local, coalesced=coalesced)
             present = self.present.get((group, inst), n)
             c = self.c.new_collective("/".join(str(k) for k in key), kind, present, cost * repeat,
                                       bytes_per_rank=bytes_per_rank(kind, size_bytes, n) * repeat,

@@ -115,6 +115,8 @@ class OptimizerPrograms(SplitPrograms):
                 if self.ep > 1 and self.expert_batch[k]:
                     continue
                 deps = [red["bucket"][b] for b in bks if red["bucket"].get(b) is not None]
+                if "opt_order" in self.pub:  # published: no NS before the last group's reduce
+                    deps.append(red["bucket_last"])
                 if bt.group:
                     last = self._split_batch(r, step, k, bt, momentum_s * numel / owned, deps)
                 else:
@@ -125,11 +127,16 @@ class OptimizerPrograms(SplitPrograms):
                 for b in bks:
                     by_bucket.setdefault(b, []).append(last)
             prev["pub_deps"] = {b: tuple(v) for b, v in by_bucket.items()}
+            if self._published_active() and self._hsdp_stages():  # simulator.step_published
+                self._pub_replicate(r, step, by_bucket, prev)
+            elif "sync_publish" in self.pub:
+                prev["pubs"] = {("sync", b): v[-1] for b, v in by_bucket.items()}
             if adam_numel:
                 last = cm(r, "adamw", self._adamw_s(adam_numel, self._adamw_tensors(), self._adamw_layers()),
                           phase="opt", step=step, deps=(red["adamw_last"],))
             prev["adam"] = last
-            prev["pubs"] = {}
+            if "sync_publish" not in self.pub:
+                prev["pubs"] = {}
             if not s.overlap:
                 prev["pubs"] = {b: self._publish(r, b, step + 1, prev["pub_deps"].get(b, ()), phase="opt",
                                                  op_step=step, which="dense") for b in range(self.n_buckets)}

@@ -33,7 +33,7 @@ class TemplatePrograms:
 
     def _fwd_bwd(self, r: int, step: int, prev: dict) -> tuple[list[Op], dict]:
         """(forward's layer ops, backward's reductions) of rank r's step, as `_forward` / `_backward`."""
-        if self.c._noise is not None:
+        if self.c._noise is not None or self.pub:  # published: per-rank programs (no templates)
             fwd = self._forward(r, step, prev)
             return fwd, self._backward(r, step, fwd)
         key = (step, self._ok, tuple(prev["pubs"]))

@@ -144,7 +144,8 @@ def test_validate_exits_1_when_a_bound_breaks(paper_run, tmp_path, capsys):
     assert code == 1
     df = pd.read_csv(val / "validation.csv")
     assert set(df["check"]) == {"published_8xa800", "ns_replay", "headline", "closed_loop",
-                                "multinode_public", "memory_formulas", "memory_public", "memory_cpu"}
+                                "multinode_public", "memory_formulas", "memory_public", "memory_cpu",
+                                "megatron_public"}
     cl = df[df["check"] == "closed_loop"]
     assert list(cl["metric"]) == ["step", "optimizer"] and not cl["within_bound"].any()
     pub = df[df["check"] == "published_8xa800"]

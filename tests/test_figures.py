@@ -336,7 +336,16 @@ def test_sensitivity_figure_from_its_csv_ranked_by_swing(tmp_path):
         sensitivity(pd.concat([sensitivity_rows(), sensitivity_rows().assign(gpus=8)]))
 
 
+def breakdown_rows():  # scripts/published_vs_ours.py --breakdown (figure 12)
+    return pd.DataFrame([{"workload": w, "gpus": 128, "layout": lay, "part": part, "points": v,
+                          "published_pct": 3.0, "ours_pct": 2.0, "adamw_share": 0.2, "layers": 28,
+                          "muon_per_layer": 7.0, "small_share": 0.4}
+                         for w in ("pi0", "wall-oss") for lay in ("fsdp-keep", "hsdp-free")
+                         for part, v in (("ours forward", 1.5), ("coalesce", -0.5), ("hsdp_stages", 2.0))])
+
+
 DATA = {
+    "published": breakdown_rows,
     "sensitivity": sensitivity_rows,
     "moe": moe_rows,
     "moe_ep": moe_ep_rows,

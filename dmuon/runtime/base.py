@@ -46,7 +46,7 @@ from .guards import (  # noqa: F401 (COMM_DTYPES: re-export)
     submit_flags,
 )
 from .hooks import BackwardTracker, ForwardWaits
-from .model import broadcast_module_state, forward_layers
+from .model import broadcast_module_state, check_same_model, forward_layers
 from .planning import build_model_plan
 from .state import STATE_FORMAT, load_rank_state, rank_state_dict  # noqa: F401 (STATE_FORMAT: re-export)
 from .tp import tp_variant_of
@@ -159,8 +159,8 @@ class DistributedMuonBase(torch.optim.Optimizer):
         self._has_grad = self._nonfinite = None
         self._flags = None
         self.shard_adamw = self.owner_centric if shard_adamw is None else bool(shard_adamw)
-
         self.groups = build_groups(process_group, node_size, timeout_s)
+        check_same_model({"Muon": muon_routes, "AdamW": adamw_routes, "expert": expert_routes}, self.groups)
         self.ep = check_ep(ep, self.groups.world_size, process_group=process_group)
         broadcast_module_state(model, self.groups, skip={id(r.param) for r in expert_routes})
         self.rank, self.world_size = self.groups.rank, self.groups.world_size

@@ -58,14 +58,25 @@ class _Geometry:
         self.coord = [where[g] for g in ranks]  # plan rank -> (replica, shard)
         self.r, self.s = self.coord[opt.rank]
         timeout = datetime.timedelta(seconds=timeout_s)
+        # the mesh spans the world: every rank creates every group, in the same order. A mesh of part of
+        # the world (a pipeline stage's dp mesh): only its members, with local synchronization, so ranks
+        # of other stages neither join nor wait (groups.build_groups does the same)
+        local_sync = len(ranks) != dist.get_world_size()
+
+        def new(members, mine):
+            if local_sync and not mine:
+                return None
+            return dist.new_group([int(g) for g in members.tolist()], timeout=timeout,
+                                  use_local_synchronization=local_sync)
+
         self.shard_group = self.replicate_group = None
-        for r in range(self.R):  # every rank creates every group, in the same order
-            pg = dist.new_group([int(g) for g in grid[r].tolist()], timeout=timeout)
+        for r in range(self.R):
+            pg = new(grid[r], r == self.r)
             if r == self.r:
                 self.shard_group = pg
         if self.R > 1:
             for s in range(self.S):
-                pg = dist.new_group([int(g) for g in grid[:, s].tolist()], timeout=timeout)
+                pg = new(grid[:, s], s == self.s)
                 if s == self.s:
                     self.replicate_group = pg
         self.rows = []  # per matrix: rows held by each shard rank

@@ -1,5 +1,6 @@
-"""What the runtime reads from a model: forward-order layers of its parameters, and the one-time
-broadcast that makes every replica start from rank 0's weights (as DDP does).
+"""What the runtime reads from a model: forward-order layers of its parameters, the check that every rank
+of the optimizer's group holds the same parameters (`check_same_model`), and the one-time broadcast that
+makes every replica start from rank 0's weights (as DDP does).
 
 Layer rule (`forward_layers`): parameters whose names share the path up to the first numeric component
 form one layer (a repeated block: "layers.3.mlp.up.weight" -> "layers.3"); any other parameter's layer is
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..errors import InputError
 from .groups import CommGroups
 
 
@@ -63,3 +65,31 @@ def broadcast_module_state(model: torch.nn.Module, groups: CommGroups, skip=froz
             n = t.numel()
             t.copy_(flat[pos:pos + n].view(t.shape).to(t.device))
             pos += n
+
+
+def check_same_model(routes_by_kind: dict, groups: CommGroups) -> None:
+    """Every rank of the optimizer's group must hand it the same parameters (name, global shape, dtype,
+    route; `routes_by_kind` = {"Muon": routes, "AdamW": ..., "expert": ...}), in the same order: the plan,
+    the buckets and every collective assume it. A pipeline stage's optimizer (process_group = that stage's
+    data-parallel group) given another stage's module, or ranks that route a parameter differently, would
+    otherwise hang or mix up weights. One all-gather of
+    the lists at construction; InputError on every rank naming the first difference."""
+    if groups.world_size == 1:
+        return
+    mine = [(r.name, tuple(r.param.shape), str(r.param.dtype), kind)
+            for kind, routes in routes_by_kind.items() for r in routes]
+    everyone: list = [None] * groups.world_size
+    dist.all_gather_object(everyone, mine, group=groups.group)
+    def at(entries, k):
+        return "nothing" if k >= len(entries) else " ".join(map(str, entries[k]))
+
+    for r, theirs in enumerate(everyone):
+        if theirs == mine:
+            continue
+        diff = next((k for k, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b),
+                    min(len(mine), len(theirs)))
+        raise InputError(f"rank {groups.global_rank(r)} of this optimizer's process group has other "
+                         f"parameters than rank {groups.global_rank(groups.rank)} ({len(theirs)} vs "
+                         f"{len(mine)}; #{diff}: {at(theirs, diff)} vs {at(mine, diff)}); accepted: the same "
+                         "module and muon_predicate on every rank of the group (with pipeline parallelism: "
+                         "process_group = the stage's data-parallel group, e.g. mesh['dp'].get_group())")

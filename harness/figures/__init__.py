@@ -6,7 +6,8 @@ figure the command and the data file behind it. comparison.md is written by `har
 
 Modules: common (style, saving), paper (1, 2, 6), scaling (3), ablation (4), balancers (5),
 validation (7), kernels (8), moe (9), moe_ep (10), sensitivity (11: the tornado chart of
-`harness sensitivity`, drawn from its CSV), comparison (comparison.md).
+`harness sensitivity`, drawn from its CSV), published (12: the overhead breakdown per model of
+`scripts/published_vs_ours.py --breakdown`), comparison (comparison.md).
 """
 
 from __future__ import annotations
@@ -109,6 +110,15 @@ FIGURES = {
             file_stem="sensitivity",
             command="harness sensitivity --workload qwen2.5-7b --gpus 128 --csv "
             f"results/sensitivity/{SENSITIVITY_CSV}",
+        ),
+        FigureSpec(
+            12,
+            "overhead_breakdown",
+            "published",
+            "Why DMuon's overhead differs between models: its parts per model, published schedule",
+            "published:overhead_breakdown",
+            data="breakdown.csv",
+            command="python -m scripts.published_vs_ours --breakdown results/published/breakdown.csv",
         ),
     )
 }

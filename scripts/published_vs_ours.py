@@ -1,0 +1,129 @@
+"""DMuon's step overhead over AdamW with our schedule and the public implementation's (`system="published"`),
+side by side per layout, and what each mechanism of the published schedule costs there: the overhead with
+every mechanism on less the overhead with that one off (simulator.step_published.MECHANISMS; positive:
+the public code pays it, i.e. our schedule's change saves it). Then the public README's 128-GPU VLA rows
+(experiments/reference/published_128gpu_vla.csv) against both systems, in points.
+
+    python -m scripts.published_vs_ours                      # pi0, wall-oss x 4 layouts, 128 A800s
+    python -m scripts.published_vs_ours --workload qwen2.5-7b --gpus 64 --layouts fsdp-keep,hsdp-free
+    python -m scripts.published_vs_ours --rows-only          # the public rows only
+    python -m scripts.published_vs_ours --breakdown results/published/breakdown.csv   # figure 12's data
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+from simulator.api import SimConfig, simulate
+from simulator.step_published import MECHANISMS
+
+LAYOUTS = ("fsdp-keep", "fsdp-free", "hsdp-keep", "hsdp-free")  # FSDP-Z2, FSDP-Z3, HSDP-Z2, HSDP-Z3
+PUBLIC_NAME = {"fsdp-keep": "FSDP-Z2", "fsdp-free": "FSDP-Z3", "hsdp-keep": "HSDP-Z2", "hsdp-free": "HSDP-Z3"}
+ROWS = Path(__file__).resolve().parents[1] / "experiments" / "reference" / "published_128gpu_vla.csv"
+
+
+def overheads(workload: str, gpus: int, layout: str, **kw) -> dict:
+    """{"ours": %, "published": %, mechanism: % it costs} of DMuon over AdamW for one layout."""
+    base = dict(workload=workload, gpus=gpus, layout=layout, **kw)
+    adamw = simulate(SimConfig(strategy="adamw", **base)).step_s
+
+    def pct(**extra) -> float:
+        return (simulate(SimConfig(strategy="dmuon", **base, **extra)).step_s / adamw - 1) * 100
+
+    out = {"ours": pct(), "published": pct(system="published")}
+    for m in MECHANISMS:
+        out[m] = out["published"] - pct(system="published", published_off=(m,))
+    return out
+
+
+PHASES = ("forward_s", "backward_s", "optimizer_s")
+BREAKDOWN_WORKLOADS = ("qwen2.5-1.5b", "llama3.2-3b", "qwen2.5-7b", "llama3.1-8b", "pi0", "wall-oss", "wall-wm")
+
+
+def breakdown(workload: str, gpus: int, layout: str) -> list[dict]:
+    """DMuon's overhead over AdamW with `system="published"` split into parts (points of the AdamW step):
+    our schedule's overhead by phase (DMuon's forward / backward / optimizer less AdamW's), then what
+    each published mechanism adds on top (published less published with it off), and the interaction
+    left over (published less the sum of the parts); plus the model's traits that set them."""
+    base = dict(workload=workload, gpus=gpus, layout=layout)
+    a = simulate(SimConfig(strategy="adamw", **base))
+    o = simulate(SimConfig(strategy="dmuon", **base))
+    pub = simulate(SimConfig(strategy="dmuon", system="published", **base))
+    pts = {f"ours {ph[:-2]}": (getattr(o, ph) - getattr(a, ph)) / a.step_s * 100 for ph in PHASES}
+    for m in MECHANISMS:
+        off = simulate(SimConfig(strategy="dmuon", system="published", published_off=(m,), **base))
+        pts[m] = (pub.step_s - off.step_s) / a.step_s * 100
+    total = (pub.step_s / a.step_s - 1) * 100
+    pts["interaction"] = total - sum(pts.values())
+    traits = _traits(workload)
+    return [dict(workload=workload, gpus=gpus, layout=layout, part=k, points=v, published_pct=total,
+                 ours_pct=(o.step_s / a.step_s - 1) * 100, **traits) for k, v in pts.items()]
+
+
+def _traits(workload: str) -> dict:
+    """The model's traits the breakdown is read against: AdamW (embedding, head, norms) share of the
+    parameters, layers, Muon matrices per layer, and matrices under the public code's 5 M-element merge
+    threshold (`SMALL_PARAM_THRESHOLD`)."""
+    from simulator.workload import resolve_workload
+
+    w = resolve_workload(workload, None, False)
+    muon = [p for p in w.params if p.optimizer == "muon"]
+    total = sum(p.numel for p in w.params)
+    layers = len({p.layer for p in muon}) or 1
+    return dict(adamw_share=sum(p.numel for p in w.params if p.optimizer != "muon") / total,
+                layers=w.n_layers, muon_per_layer=len(muon) / layers,
+                small_share=sum(1 for p in muon if p.numel < 5_000_000) / max(len(muon), 1))
+
+
+def public_rows() -> list[dict]:
+    with open(ROWS, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", default="pi0,wall-oss")
+    ap.add_argument("--gpus", type=int, default=128)
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--rows-only", action="store_true")
+    ap.add_argument("--breakdown", metavar="CSV", help="write the per-model breakdown (figure 12, "
+                    "`harness figures published`) of BREAKDOWN_WORKLOADS x fsdp-keep / hsdp-free to CSV")
+    a = ap.parse_args(argv)
+    if a.breakdown:
+        rows = [r for w in BREAKDOWN_WORKLOADS for lay in ("fsdp-keep", "hsdp-free")
+                for r in breakdown(w, a.gpus, lay)]
+        Path(a.breakdown).parent.mkdir(parents=True, exist_ok=True)
+        with open(a.breakdown, "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+            wr.writeheader()
+            wr.writerows({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows)
+        print(f"wrote {len(rows)} rows to {a.breakdown}")
+        return
+    if not a.rows_only:
+        names = list(MECHANISMS)
+        print(f"DMuon over AdamW, % of the AdamW step ({a.gpus} GPUs, a800, seq 2048 x micro-batch 2); per "
+              "mechanism: points the published schedule pays for it")
+        print(f"{'workload':12} {'layout':16} {'ours':>7} {'publ.':>7} " + " ".join(f"{m[:11]:>11}" for m in names))
+        for w in a.workload.split(","):
+            for lay in a.layouts.split(","):
+                o = overheads(w, a.gpus, lay)
+                print(f"{w:12} {lay + ' ' + PUBLIC_NAME.get(lay, ''):16} {o['ours']:+7.2f} {o['published']:+7.2f} "
+                      + " ".join(f"{o[m]:+11.2f}" for m in names), flush=True)
+    print("\npublic 128-GPU VLA rows (README): DMuon over AdamW, points")
+    errs = {"ours": [], "published": []}
+    for row in public_rows():
+        o = overheads(row["workload"], int(row["gpus"]), row["layout"])
+        pub = float(row["delta_pct"])
+        for k in errs:
+            errs[k].append(o[k] - pub)
+        print(f"{row['workload']:10} {row['public_layout']:8} public {pub:+5.1f}  ours {o['ours']:+6.2f} "
+              f"({o['ours'] - pub:+5.2f})  published {o['published']:+6.2f} ({o['published'] - pub:+5.2f})",
+              flush=True)
+    for k, v in errs.items():
+        print(f"mean |error| {k}: {sum(abs(x) for x in v) / len(v):.2f} points, max {max(abs(x) for x in v):.2f}")
+
+
+if __name__ == "__main__":
+    main()
