@@ -70,7 +70,7 @@ def rank_classes(n: int, groups, instance, signature) -> tuple[list[int], dict]:
             quot[g] = {i: sets.setdefault(frozenset(s), len(sets)) for i, s in members.items()}
         new_ids: dict = {}
         cols = [[quot[g][i] for i in inst[g]] for g in groups]
-        new = [new_ids.setdefault(key, len(new_ids)) for key in zip(color, *cols)]
+        new = [new_ids.setdefault(key, len(new_ids)) for key in zip(color, *cols, strict=True)]
         if len(new_ids) == k:  # no class split: the partition is stable, `quot` agrees with it
             return color, quot
         color, k = new, len(new_ids)
