@@ -26,6 +26,7 @@ COMMAND_MODULES: list[str] = [
     "harness.cmd_simulate",
     "harness.cmd_sensitivity",
     "harness.cmd_run",
+    "harness.cmd_search",
 ]
 
 app = typer.Typer(
