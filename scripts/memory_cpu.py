@@ -40,7 +40,10 @@ def main(argv=None) -> int:
     rows = [remodel(r, labels[r["run"]]) for r in rows]
     import pandas as pd
 
-    pd.DataFrame(rows, columns=["run", *CPU_COLUMNS]).to_csv(a.out, index=False)
+    from dmuon.io import atomic_path
+
+    with atomic_path(a.out) as tmp:
+        pd.DataFrame(rows, columns=["run", *CPU_COLUMNS]).to_csv(tmp, index=False)
     print(f"written: {a.out} ({len(rows)} rows)")
     return 0
 

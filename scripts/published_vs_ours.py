@@ -94,8 +94,9 @@ def main(argv=None) -> None:
     if a.breakdown:
         rows = [r for w in BREAKDOWN_WORKLOADS for lay in ("fsdp-keep", "hsdp-free")
                 for r in breakdown(w, a.gpus, lay)]
-        Path(a.breakdown).parent.mkdir(parents=True, exist_ok=True)
-        with open(a.breakdown, "w", newline="") as f:
+        from dmuon.io import atomic_path
+
+        with atomic_path(a.breakdown) as tmp, open(tmp, "w", newline="") as f:
             wr = csv.DictWriter(f, fieldnames=list(rows[0]))
             wr.writeheader()
             wr.writerows({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows)

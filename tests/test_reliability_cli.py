@@ -89,7 +89,7 @@ BAD = [
     (["simulate", "--workload", "nope"], r"unknown workload 'nope'; accepted: qwen2\.5-7b"),
     (["simulate", "--gpus", "0"], r"gpus must be an integer >= 1"),
     (["simulate", "--gpus", "12"], r"not a whole number of 8-GPU nodes"),
-    (["simulate", "--gpu", "b200"], r"unknown gpu profile 'b200'; accepted: a800"),
+    (["simulate", "--gpu", "b200"], r"unknown gpu profile 'b200'; accepted: a100, a800"),
     (["simulate", "--gpu", "{d}/missing.toml"], r"gpu profile file .* does not exist; accepted"),
     (["simulate", "--gpu", "{d}/prof_neg.toml"], r"nvlink_GBps must be a non-negative number, got -200"),
     (["simulate", "--gpu", "{d}/prof_unknown.toml"], r"prof_unknown\.toml: unknown key 'colour'; accepted"),

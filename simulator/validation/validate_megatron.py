@@ -112,15 +112,16 @@ def model_flops(r: Run) -> float:
 
 @lru_cache(maxsize=64)
 def _config_json(h: int, layers: int, heads: int, vocab: int, seq: int) -> str:
-    """A GPT config.json (simulator.models.hf_config's gpt2 family: QKV, projection, 4h MLP, tied head) in this
-    process's temporary folder, so the simulator reads the model (and its heads) as a user's --model."""
+    """A GPT config.json (simulator.models.hf_config's gpt2 family: QKV, projection, 4h MLP, tied head) in the
+    project's cache folder, so the simulator reads the model (and its heads) as a user's --model."""
     import json
-    import tempfile
 
-    d = Path(tempfile.mkdtemp(prefix="megatron-gpt-"))
-    (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": h, "n_layer": layers,
-                                               "n_head": heads, "vocab_size": vocab, "n_positions": seq}))
-    return str(d / "config.json")
+    from dmuon.io import atomic_write_text, cache_dir
+
+    path = cache_dir() / "megatron-gpt" / f"h{h}-l{layers}-a{heads}-v{vocab}-s{seq}" / "config.json"
+    atomic_write_text(path, json.dumps({"model_type": "gpt2", "n_embd": h, "n_layer": layers, "n_head": heads,
+                                        "vocab_size": vocab, "n_positions": seq}))
+    return str(path)
 
 
 def simulate_row(row: dict, profile=PROFILE) -> dict:
