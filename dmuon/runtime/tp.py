@@ -44,8 +44,8 @@ from .fsdp_sharded import _ShardedMixin
 from .planning import batch_method
 from .tp_overlap import TPPipeline
 
-ACCEPTED = ("accepted: 2-D DTensor Muon matrices on a mesh whose TP dim is named 'tp' (or a 1-D mesh no "
-            "fully_shard manages), placements (tp,), (Shard(0)|_StridedShard(0), tp) or (Replicate(), "
+ACCEPTED = ("accepted: 2-D DTensor Muon matrices on a mesh whose TP dim is named 'tp' (or an unnamed 1-D "
+            "mesh no fully_shard manages), placements (tp,), (Shard(0)|_StridedShard(0), tp) or (Replicate(), "
             "Shard(0)|_StridedShard(0), tp) with tp one of Shard(0), Shard(1), Replicate()")
 
 
@@ -55,8 +55,8 @@ def _tp_dim(p, model=None) -> int | None:
     names = mesh.mesh_dim_names or ()
     if "tp" in names:
         return names.index("tp")
-    if mesh.ndim == 1 and model is not None and fsdp_owner_module(model, p) is None:
-        return 0
+    if mesh.ndim == 1 and not names and model is not None and fsdp_owner_module(model, p) is None:
+        return 0  # an unnamed 1-D mesh; a named one ("dp": FSDP2 over a pipeline stage's dp group) is not TP
     return None
 
 
