@@ -328,10 +328,11 @@ def simulate(cfg: SimConfig) -> SimResult:
         return run(cfg, all_ranks=False)[0]
 
 
-def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
+def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True, _memory: bool = True):
     """(SimResult, the finished simulator.programs.step.Built) — the trace writer needs the second. all_ranks=False:
     ranks with identical programs are simulated once (the same result, faster; the trace then holds only
-    those ranks). _execute=False: (None, the Built not run yet): `build_programs`."""
+    those ranks). _execute=False: (None, the Built not run yet): `build_programs`. _memory=False: the
+    memory fields left at their defaults (a TP x PP stage's DP step, whose memory run_parallel does not use)."""
     from simulator.engine.engine import paused_gc
     from simulator.engine.metrics import measure
     from .setup import make_spec
@@ -350,7 +351,11 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
         profile = profile_of(cfg)
         per_node_cap = cfg.gpus_per_node or profile.gpus_per_node
         nodes, per_node = node_shape(cfg.gpus, per_node_cap)
-        out = run_parallel(cfg, resolve_workload(cfg.workload, cfg.model, cfg.per_head), profile, per_node, run)
+        from functools import partial
+
+        # each stage's DP step: its memory is not read (run_parallel's result has the job's, below)
+        out = run_parallel(cfg, resolve_workload(cfg.workload, cfg.model, cfg.per_head), profile, per_node,
+                           partial(run, _memory=False))
         settings = {k: v for k, v in asdict_shallow(cfg).items() if k not in ("workload", "plan", "cost", "gpu")}
         out["settings"] = {**settings, "nodes": nodes, "ranks_per_node": per_node, **out["settings"]}
         out.update(_memory_fields(cfg, None))  # simulator.models.memory: tp, pp, vpp, microbatches, recompute
@@ -401,7 +406,7 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True):
         ns_makespan_s=info["ns_makespan_s"], ns_busy_max_s=m["ns_busy_max_s"],
         plan_balancer=info["balancer"], plan_method=info["method"], settings=settings,
         provenance=info["provenance"](), notes=tuple(info["notes"] + built.notes), step_p90_s=p90,
-        **_memory_fields(cfg, spec.plan),
+        **(_memory_fields(cfg, spec.plan) if _memory else {}),
     )
     return result, built
 

@@ -291,8 +291,24 @@ def _uncertainty(table: dict, where: str) -> dict[str, dict]:
     return out
 
 
+_LOADED: dict[tuple, Profile] = {}
+
+
 def load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profile:
-    """A profile by name (simulator/profiles/<name>.toml) or from a .toml path."""
+    """A profile by name (simulator/profiles/<name>.toml) or from a .toml path. The built-in profiles are
+    parsed once per process while no file of simulator/profiles changes (a search loads one per layout);
+    a Profile is frozen and shared."""
+    text = str(name_or_path)
+    if not (PROFILE_DIR / f"{text}.toml").is_file():
+        return _load_profile(name_or_path, _seen)
+    key = (text, _seen, tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size)
+                              for f in sorted(PROFILE_DIR.glob("*.toml"))))
+    if key not in _LOADED:
+        _LOADED[key] = _load_profile(name_or_path, _seen)
+    return _LOADED[key]
+
+
+def _load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Profile:
     text = str(name_or_path)
     path = PROFILE_DIR / f"{text}.toml"
     if not path.is_file():

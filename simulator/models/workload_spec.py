@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from dmuon.errors import InputError
 from dmuon.plan.types import MatrixSpec
@@ -79,9 +80,10 @@ class Workload:
     notes: tuple[str, ...] = ()
     source: str = "catalog"
 
-    @property
+    @cached_property
     def muon_matrices(self) -> tuple[MatrixSpec, ...]:
-        """The Muon-managed matrices as planner input (name, shape, layer)."""
+        """The Muon-managed matrices as planner input (name, shape, layer); built once per workload (frozen,
+        as are its MatrixSpecs)."""
         return tuple(MatrixSpec(p.name, p.rows, p.cols, p.layer, p.count) for p in self.params
                      if p.optimizer == "muon")
 

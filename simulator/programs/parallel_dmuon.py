@@ -125,9 +125,22 @@ def stage_dp_plan(cfg, stage_wl, full: dict, lay, profile, cost) -> tuple[Plan, 
     from .step import DTYPE_BYTES
 
     plan = stage_tp_plan(cfg, stage_wl, full, lay.tp, lay.dp, profile, cost)
-    sim_links = SimulatorLinks(profile.network, lay.per_node, source=f"simulator profile {profile.name}")
-    times = matrix_times(plan, cost, sim_links, DTYPE_BYTES[cfg.grad_comm_dtype or profile.dtype])
-    return plan, dp_view(plan, stage_wl.muon_matrices, times)
+    wire = DTYPE_BYTES[cfg.grad_comm_dtype or profile.dtype]
+    # the view depends on the plan (cached by its inputs, simulator.costs), the cost table, the links
+    # (the network, by value, and node size) and the shards: built once per distinct input (a search
+    # asks again for every micro-batch, recompute and layout of one tp / pp)
+    key = (id(plan), id(cost), profile.name, repr(profile.network), lay.per_node, wire,
+           tuple(stage_wl.muon_matrices))
+    got = _VIEWS.get(key)
+    if got is None:
+        sim_links = SimulatorLinks(profile.network, lay.per_node, source=f"simulator profile {profile.name}")
+        times = matrix_times(plan, cost, sim_links, wire)
+        # holding plan and cost keeps their ids from being reused while cached
+        got = _VIEWS[key] = (plan, cost, dp_view(plan, stage_wl.muon_matrices, times))
+    return plan, got[-1]
+
+
+_VIEWS: dict[tuple, tuple] = {}
 
 
 def mode_note(views) -> str:
