@@ -16,6 +16,7 @@
  */
 #include "engine_native_state.h"
 #include "engine_native_loop.h"
+#include "engine_native_replay.h"
 
 static Py_ssize_t slot_offset(PyObject *type, const char *name)
 {
@@ -234,6 +235,7 @@ fail:
 
 static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS, "Run a cluster's streams to completion (simulator.engine.engine_native.run_native)."},
+    {"replay", replay, METH_VARARGS, "One rank's ops from a step template (engine_native_replay.h)."},
     {NULL, NULL, 0, NULL},
 };
 
