@@ -1,12 +1,13 @@
 """Template replays in C (simulator/engine/engine_native_replay.h) build the programs the Python loop builds:
-every op's fields, collective and dependencies, for every simulated rank; and the same results."""
+every op's fields, collective and dependencies, for every simulated rank; and the same results. The metric
+scans in C (engine_native_measure.h) read the same numbers as simulator.engine.metrics' Python loops."""
 
 import json
 
 import pytest
 
 from simulator.api import SimConfig, run
-from simulator.engine import engine_native
+from simulator.engine import engine_native, metrics
 from simulator.engine.engine import Op
 from simulator.engine.symmetry import result_digest
 from simulator.programs import step_template
@@ -97,3 +98,21 @@ def test_native_replay_rejects_a_template_that_does_not_fit(native):
         native.replay(Op, seq, 3, ["compute"], [[None]], {}, 3, [2])
     with pytest.raises(KeyError):  # a placeholder the rank has no ops for
         native.replay(Op, [(0, 0, 0, "x", "fwd", 0, 1.0, -1, (-1,))], 3, ["compute"], [[None]], {}, 1, [1])
+
+
+@pytest.mark.parametrize("label,kw", CONFIGS[:2], ids=[c[0] for c in CONFIGS[:2]])
+def test_native_metric_scans_read_what_the_python_ones_read(native, moe, monkeypatch, label, kw):
+    """simulator.engine.metrics.measure with its scans in C (engine_native_measure.h) and in Python: the
+    same dict, floats bit for bit, on a finished run (all ranks, so idle ranks and every stream count)."""
+    kw = dict(kw)
+    if kw.pop("moe", False):
+        kw.update(model=moe, seq_len=128, micro_batch=1)
+    _, built = run(SimConfig(**kw), all_ranks=True)
+    cl = built.cluster
+    assert native.phase_ends(Op, [(ops, st == "compute") for (_, st), ops in cl.queues.items()], 1) is not None
+    assert native.compute_gaps(Op, cl.queues[(0, "compute")], 0.0, 1e9, 1) is not None
+    got = {s: repr(sorted(metrics.measure(built, s).items())) for s in (0, 1)}
+    monkeypatch.setitem(metrics.SCANS, "mode", "python")
+    assert got == {s: repr(sorted(metrics.measure(built, s).items())) for s in (0, 1)}
+    cl.queues[(0, "compute")][0].end = 1  # an int time: the C scans hand over to the Python ones
+    assert native.phase_ends(Op, [(cl.queues[(0, "compute")], True)], 1) is None

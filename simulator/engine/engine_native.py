@@ -34,7 +34,8 @@ from dmuon.io import atomic_path, cache_dir
 from .engine_fast import MAX_SM_SHARE
 
 SRC = Path(__file__).with_name("engine_native.c")
-HEADERS = ("engine_native_state.h", "engine_native_loop.h", "engine_native_replay.h")  # included by SRC
+HEADERS = ("engine_native_state.h", "engine_native_loop.h", "engine_native_replay.h",
+           "engine_native_measure.h")  # included by SRC
 # -ffp-contract=off: no fused multiply-adds, so every sum and product rounds as Python's do
 CFLAGS = ("-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fwrapv")
 MODES = ("auto", "native", "python")
