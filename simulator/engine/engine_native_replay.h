@@ -4,13 +4,15 @@
  * replayed op cost ~1 us of interpreter time (a 9-field tuple unpacked, its dependencies looked up, an
  * `Op(...)` call with twelve slot stores); Kimi-K2-like at 4096 GPUs replays ~2.4 M of them.
  *
- * replay(op_type, seq, rank, names, mine, ex, nflat, sizes) -> (flat, lists)
- *   seq    [(fi, si, pos, name, phase, step, dur, ci, refs)]: the template's ops in creation order (index
- *          in the record, stream index, position on the stream, the Op fields, index of its collective in
- *          mine[si] (-1: a compute op), dependency references: >= 0 an op of the record, < 0 a placeholder)
- *   mine   per stream the rank's collectives, by index (its last item None: ci = -1)
- *   ex     placeholder reference -> tuple of this rank's ops it stands for
- *   sizes  per stream its op count; returns flat (nflat ops by record index) and per stream its ops.
+ * replay(op_type, seq, rank, names, crefs, by_inst, ex, nflat, sizes) -> (flat, lists) or None
+ *   seq     [(fi, si, pos, name, phase, step, dur, ci, refs)]: the template's ops in creation order (index
+ *           in the record, stream index, position on the stream, the Op fields, index of its collective in
+ *           crefs[si] (-1: a compute op), dependency references: >= 0 an op of the record, < 0 a placeholder)
+ *   crefs   per stream its collectives as (group index, key id)
+ *   by_inst per group index the rank's instance's collectives {key id: collective}; None is returned
+ *           where one is missing (the rank would create it: `_replay` builds it by the step logic then)
+ *   ex      placeholder reference -> tuple of this rank's ops it stands for
+ *   sizes   per stream its op count; returns flat (nflat ops by record index) and per stream its ops.
  * An op whose dependency is created after it (it lay before it in memory) gets its dependencies once all
  * ops exist, as the Python loop's `late` list does. Values are shared, not copied (ints, floats and
  * strings are immutable): the same objects the Python loop would store. */
@@ -84,18 +86,18 @@ static PyObject *replay_deps(PyObject *refs, PyObject *flat, PyObject *ex, int *
 
 static PyObject *replay(PyObject *self, PyObject *args)
 {
-    PyObject *op_type, *seq, *rank, *names, *mine, *ex, *sizes;
+    PyObject *op_type, *seq, *rank, *names, *crefs, *by_inst, *ex, *sizes;
     Py_ssize_t nflat, off[R_NSLOTS];
     (void)self;
-    if (!PyArg_ParseTuple(args, "O!O!OO!O!O!nO!", &PyType_Type, &op_type, &PyList_Type, &seq, &rank,
-                          &PyList_Type, &names, &PyList_Type, &mine, &PyDict_Type, &ex, &nflat,
-                          &PyList_Type, &sizes))
+    if (!PyArg_ParseTuple(args, "O!O!OO!O!O!O!nO!", &PyType_Type, &op_type, &PyList_Type, &seq, &rank,
+                          &PyList_Type, &names, &PyList_Type, &crefs, &PyList_Type, &by_inst, &PyDict_Type,
+                          &ex, &nflat, &PyList_Type, &sizes))
         return NULL;
     for (int k = 0; k < R_NSLOTS; k++)
         if ((off[k] = slot_offset(op_type, R_SLOTS[k])) < 0) return NULL;
     Py_ssize_t ns = PyList_GET_SIZE(names);
-    if (PyList_GET_SIZE(mine) != ns || PyList_GET_SIZE(sizes) != ns || nflat < 0) {
-        PyErr_SetString(PyExc_ValueError, "replay: names, mine and sizes must have one item per stream");
+    if (PyList_GET_SIZE(crefs) != ns || PyList_GET_SIZE(sizes) != ns || nflat < 0) {
+        PyErr_SetString(PyExc_ValueError, "replay: names, crefs and sizes must have one item per stream");
         return NULL;
     }
     PyTypeObject *tp = (PyTypeObject *)op_type;
@@ -126,13 +128,29 @@ static PyObject *replay(PyObject *self, PyObject *args)
             PyErr_SetString(PyExc_IndexError, "replay: a template op outside its record or twice in it");
             goto fail;
         }
-        PyObject *stream_ops = PyList_GET_ITEM(lists, si), *cs = PyList_GET_ITEM(mine, si);
+        PyObject *stream_ops = PyList_GET_ITEM(lists, si), *cs = PyList_GET_ITEM(crefs, si);
         if (pos < 0 || pos >= PyList_GET_SIZE(stream_ops) || PyList_GET_ITEM(stream_ops, pos) != NULL ||
-            !PyList_Check(cs) || ci < -1 || ci >= PyList_GET_SIZE(cs) || PyList_GET_SIZE(cs) == 0) {
+            !PyList_Check(cs) || ci < -1 || ci >= PyList_GET_SIZE(cs)) {
             PyErr_SetString(PyExc_IndexError, "replay: a template op's position or collective out of range");
             goto fail;
         }
-        PyObject *coll = PyList_GET_ITEM(cs, ci < 0 ? PyList_GET_SIZE(cs) - 1 : ci);
+        PyObject *coll = Py_None;
+        if (ci >= 0) {
+            PyObject *cr = PyList_GET_ITEM(cs, ci), *inst;
+            Py_ssize_t gi;
+            if (!PyTuple_Check(cr) || PyTuple_GET_SIZE(cr) != 2 ||
+                ((gi = PyLong_AsSsize_t(PyTuple_GET_ITEM(cr, 0))) == -1 && PyErr_Occurred()) ||
+                gi < 0 || gi >= PyList_GET_SIZE(by_inst) || !PyDict_Check(inst = PyList_GET_ITEM(by_inst, gi))) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_IndexError, "replay: a collective reference outside by_inst");
+                goto fail;
+            }
+            coll = PyDict_GetItemWithError(inst, PyTuple_GET_ITEM(cr, 1));
+            if (!coll) {
+                if (PyErr_Occurred()) goto fail;
+                goto missing; /* this rank's instance lacks it: no replay */
+            }
+        }
         PyObject *refs = PyTuple_GET_ITEM(t, 8);
         if (!PyTuple_Check(refs)) {
             PyErr_SetString(PyExc_TypeError, "replay: dependency references must be a tuple");
@@ -202,6 +220,12 @@ static PyObject *replay(PyObject *self, PyObject *args)
     Py_DECREF(flat);
     Py_DECREF(lists);
     return out;
+missing:
+    Py_XDECREF(flat);
+    Py_XDECREF(lists);
+    Py_XDECREF(late);
+    Py_XDECREF(zero);
+    Py_RETURN_NONE;
 fail:
     Py_XDECREF(flat);
     Py_XDECREF(lists);

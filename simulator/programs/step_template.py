@@ -136,19 +136,23 @@ class TemplatePrograms:
     def _replay(self, r: int, t: tuple, prev: dict):
         streams, groups, seq, used, (fwd, last, bucket, layer) = t
         by_inst = [self._col_by_inst.get((g, self._instance(g, r)[1]), {}) for g in groups]
-        mine = []
-        for _, _, crefs in streams:  # this rank's instance of every collective, or None if one is missing
-            cs = [by_inst[gi].get(kid) for gi, kid in crefs]
-            if None in cs:
-                return None
-            cs.append(None)  # index -1: a compute op
-            mine.append(cs)
         names = [st for st, _, _ in streams]
         ex = self._expansions(prev, used)
         native = self._native_replay()
         if native is not None:  # the same loop in C (simulator/engine/engine_native_replay.h)
-            flat, lists = native.replay(Op, seq, r, names, mine, ex, len(seq), [n for _, n, _ in streams])
+            got = native.replay(Op, seq, r, names, [crefs for _, _, crefs in streams], by_inst, ex, len(seq),
+                                [n for _, n, _ in streams])
+            if got is None:  # a collective of this rank's instances is missing
+                return None
+            flat, lists = got
         else:
+            mine = []
+            for _, _, crefs in streams:  # this rank's instance of every collective, or None if one is missing
+                cs = [by_inst[gi].get(kid) for gi, kid in crefs]
+                if None in cs:
+                    return None
+                cs.append(None)  # index -1: a compute op
+                mine.append(cs)
             flat, lists = self._replay_ops(r, seq, names, mine, ex, [n for _, n, _ in streams])
         for st, new in zip(names, lists, strict=True):
             self._qs[st].extend(new)
