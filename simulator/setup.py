@@ -162,7 +162,7 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
                  if cfg.strategy == "dmuon" else frozenset())
     plan = None
     info = {"ns_makespan_s": 0.0, "balancer": "", "method": "", "notes": list(workload.notes)}
-    host_tensors = 0  # published adamw_unfused: the public AdamW loop's tensors (simulator.programs.published_host)
+    host_tensors = 0  # published adamw_unfused: the public AdamW loop's tensors (programs.published_host)
     if "adamw_unfused" in published:
         from simulator.programs.published_host import adamw_loop_tensors
 

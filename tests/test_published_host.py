@@ -27,7 +27,8 @@ def test_host_loop_gates_past_the_queue_only():
 
 
 def test_tensor_counts_per_model():
-    assert adamw_loop_tensors("qwen2.5-7b", 2) == (143, None)  # 28 x (3 biases + 2 norms) + norm + embed + head
+    # 28 x (3 biases + 2 norms) + the final norm + embed + head
+    assert adamw_loop_tensors("qwen2.5-7b", 2) == (143, None)
     assert adamw_loop_tensors("llama3.1-8b", 2) == (67, None)
     assert adamw_loop_tensors("pi0", 1) == (361, None)
     n, note = adamw_loop_tensors("my-model", 3)

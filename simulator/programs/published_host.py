@@ -1,6 +1,6 @@
-"""The public implementation's host-side (CPU launch) cost on DMuon's optimizer phase, for `system="published"`
-(switches `adamw_unfused` and `ns_eager` of `simulator.programs.step_published.MECHANISMS`; docs/simulator.md,
-"What `--system published` models", items 14-17).
+"""The public implementation's host-side (CPU launch) cost on DMuon's optimizer phase, for
+`system="published"`: switches `adamw_unfused` and `ns_eager` of `simulator.programs.step_published.MECHANISMS`
+(docs/simulator.md, "What `--system published` models", items 14-17).
 
 The public optimizer (X-Square-Robot/dmuon `dmuon/optim/muon.py`) runs eagerly, one Python call per tensor:
 
@@ -19,7 +19,8 @@ The public optimizer (X-Square-Robot/dmuon `dmuon/optim/muon.py`) runs eagerly, 
 
 Mechanism (one host loop per rank): the host issues the optimizer's launches in program order, one every
 `EAGER_OP_S`; the CUDA stream holds up to `LAUNCH_QUEUE` pending launches, so the host (which runs ahead of
-a GPU-bound backward: FSDP2 does not block the CPU) enters the optimizer with that many already queued.
+a GPU-bound backward: FSDP2's memory management "does not require blocking the CPU", PyTorch's `fully_shard`
+docs) enters the optimizer with that many already queued.
 Launch i > LAUNCH_QUEUE of the phase is issued (i - LAUNCH_QUEUE) x EAGER_OP_S after the phase's first op
 starts, so an op whose launches end at i cannot finish before then: its duration is max(its GPU time, the
 host time of its launches past the queue) (`HostLoop.gate`). Gaps where the GPU waits for data are not
@@ -28,7 +29,8 @@ credited to the host (the queue is full then), so the cost is an upper bound of 
 Public measurements (not fitted to any row):
 - `EAGER_OP_S` = 6.5 us = the CUDA driver's launch, 4-5 us per kernel, measured by launching 10,000 small
   kernels on one stream (NVIDIA developer forums, "CUDA stream are blocked when launch lots of kernels
-  (>1000)", https://forums.developer.nvidia.com/t/cuda-stream-are-blocked-when-luanch-lots-of-kernels-1000/68937;
+  (>1000)",
+  https://forums.developer.nvidia.com/t/cuda-stream-are-blocked-when-luanch-lots-of-kernels-1000/68937;
   midpoint 4.5 us) + PyTorch's Python and dispatcher overhead per eager op, about 2 us (`x*x`,
   requires_grad=False, measured by a PyTorch maintainer in pytorch/pytorch issue #41383).
 - `LAUNCH_QUEUE` = 1000: the same forum measurement, "the buffer size is about 1000 kernels" per stream
@@ -45,7 +47,8 @@ EAGER_OP_S = 6.5e-6  # host seconds per eager op: 4.5 us driver launch + 2 us Py
 LAUNCH_QUEUE = 1000  # pending launches a stream holds before the host blocks (docstring)
 ADAMW_LAUNCHES = 9  # `_adamw_update_tensor` with weight decay > 0 (docstring)
 HOST_MECHANISMS = ("adamw_unfused", "ns_eager")
-TENSORS_PATH = Path(__file__).resolve().parents[2] / "experiments" / "reference" / "published_nonmatrix_tensors.csv"
+TENSORS_PATH = (Path(__file__).resolve().parents[2] / "experiments" / "reference"
+                / "published_nonmatrix_tensors.csv")
 
 
 def ns_launches(grad_bytes: int) -> int:
@@ -94,7 +97,8 @@ class HostPrograms:
     """Hooks of `simulator.programs.step_optimizer` (mixed into `simulator.programs.step._Programs`)."""
 
     def _host_loop(self) -> HostLoop | None:
-        """A new host loop where a host mechanism is on (system 'published', dmuon on FSDP / HSDP), else None."""
+        """A new host loop where a host mechanism is on (system 'published', dmuon on FSDP / HSDP), else
+        None."""
         if not any(m in self.pub for m in HOST_MECHANISMS) or not self._published_active():
             return None
         return HostLoop()

@@ -101,7 +101,7 @@ class StepSpec:
     sm_share: float = 0.0  # share of a GPU's SMs each running collective takes (simulator.engine.engine)
     ep_spec: object = None  # simulator.programs.step_ep.EPSpec with ep > 1 (expert parallelism), else None
     published: frozenset = frozenset()  # system 'published': its mechanisms on (simulator.programs.step_published)
-    published_adamw_tensors: int = 0  # published adamw_unfused: tensors of the public AdamW loop (published_host)
+    published_adamw_tensors: int = 0  # published adamw_unfused: the public AdamW loop's tensors (published_host)
 
     @property
     def n_layers(self) -> int:
