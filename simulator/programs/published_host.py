@@ -1,5 +1,5 @@
 """The public implementation's host-side (CPU launch) cost on DMuon's optimizer phase, for
-`system="published"`: switches `adamw_unfused` and `ns_eager` of `simulator.programs.step_published.MECHANISMS`
+`system="published"`: `adamw_unfused` and `ns_eager` in `simulator.programs.step_published.MECHANISMS`
 (docs/simulator.md, "What `--system published` models", items 14-17).
 
 The public optimizer (X-Square-Robot/dmuon `dmuon/optim/muon.py`) runs eagerly, one Python call per tensor:
