@@ -351,6 +351,9 @@ def rebatch(model: WorkModel, loads: Loads) -> Loads:
     """Per rank and class, the cheapest batching of the matrices it holds (never increases a load)."""
     out: Loads = []
     for rank in loads:
+        if not rank:  # most ranks of a large world hold nothing
+            out.append({})
+            continue
         new = {}
         for s, sizes in rank.items():
             k = sum(sizes)
@@ -485,7 +488,8 @@ def lpt(model: WorkModel, counts=None, initial=None) -> Loads:
         if loads is None:
             continue
         loads = rebatch(model, loads)
-        per_rank = [rank_load_s(model, r) + b for r, b in zip(loads, base, strict=True)]
+        # an empty rank's load is its base (0 + b == b: the same float)
+        per_rank = [(rank_load_s(model, r) if r else 0) + b for r, b in zip(loads, base, strict=True)]
         key = (max(per_rank), sum(per_rank), idx)
         if best_key is None or key < best_key:
             best_key, best = key, loads
