@@ -204,8 +204,13 @@ class WorkModel:
 
     def best_split(self, s: int, k: int, max_size: int | None = None) -> tuple[int, ...]:
         """Batch sizes (descending) covering k matrices of class s at least total time (DP over the usable
-        sizes <= max_size; ties: fewer batches, then larger batches first)."""
-        return self._dp(s, max_size, k).sizes(k)
+        sizes <= max_size; ties: fewer batches, then larger batches first). Kept per (class, k, cap): LPT
+        asks again for every candidate cap and rank (~300,000 calls at 65,536 ranks)."""
+        key = ("split", s, k, max_size)
+        got = self._split_cache.get(key)
+        if got is None:
+            got = self._split_cache[key] = self._dp(s, max_size, k).sizes(k)
+        return got
 
     def _dp(self, s: int, max_size: int | None, k: int) -> batchdp.SplitDP:
         cls = self.classes[s]
