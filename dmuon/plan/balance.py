@@ -204,13 +204,11 @@ class WorkModel:
 
     def best_split(self, s: int, k: int, max_size: int | None = None) -> tuple[int, ...]:
         """Batch sizes (descending) covering k matrices of class s at least total time (DP over the usable
-        sizes <= max_size; ties: fewer batches, then larger batches first). Kept per (class, k, cap): LPT
-        asks again for every candidate cap and rank (~300,000 calls at 65,536 ranks)."""
-        key = ("split", s, k, max_size)
-        got = self._split_cache.get(key)
-        if got is None:
-            got = self._split_cache[key] = self._dp(s, max_size, k).sizes(k)
-        return got
+        sizes <= max_size; ties: fewer batches, then larger batches first)."""
+        key = ("split", s, k, max_size)  # kept: LPT asks per cap and rank (~300,000 calls at 65,536 ranks)
+        if key not in self._split_cache:
+            self._split_cache[key] = self._dp(s, max_size, k).sizes(k)
+        return self._split_cache[key]
 
     def _dp(self, s: int, max_size: int | None, k: int) -> batchdp.SplitDP:
         cls = self.classes[s]
@@ -356,9 +354,6 @@ def rebatch(model: WorkModel, loads: Loads) -> Loads:
     """Per rank and class, the cheapest batching of the matrices it holds (never increases a load)."""
     out: Loads = []
     for rank in loads:
-        if not rank:  # most ranks of a large world hold nothing
-            out.append({})
-            continue
         new = {}
         for s, sizes in rank.items():
             k = sum(sizes)
@@ -493,7 +488,6 @@ def lpt(model: WorkModel, counts=None, initial=None) -> Loads:
         if loads is None:
             continue
         loads = rebatch(model, loads)
-        # an empty rank's load is its base (0 + b == b: the same float)
         per_rank = [(rank_load_s(model, r) if r else 0) + b for r, b in zip(loads, base, strict=True)]
         key = (max(per_rank), sum(per_rank), idx)
         if best_key is None or key < best_key:
