@@ -17,7 +17,9 @@ for its own group instances, and each placeholder replaced by that rank's ops (N
 `Cluster.compute` does). A rank whose instance of some collective does not exist yet (it would create it: the
 first rank of a group) is built through the step logic, so collectives are created in the same order as
 without templates. With stragglers (`jitter`) every compute op draws its time in program order: nothing is
-replayed then.
+replayed then. A replay's ops are created in C where the compiled event loop loads
+(simulator/engine/engine_native_replay.h, the loop of `_replay_ops`; tests/test_sim_symmetry_replay.py
+compares both): ~0.25 us per op instead of ~1 us.
 """
 
 from __future__ import annotations
