@@ -448,8 +448,7 @@ def lpt_marginal(model: WorkModel, counts=None, initial=None) -> Loads | None:
     load and count change; so the ranks holding k matrices of the class keep one heap keyed by their
     exact candidate load (load + cover(k + 1) - cover(k), rank), and each matrix looks only at the top of
     every such heap: O(log N + distinct k) per matrix instead of O(N)."""
-    n_ranks = model.world_size
-    todo = _counts(model, counts)
+    n_ranks, todo = model.world_size, _counts(model, counts)
     counts = [[0] * len(model.classes) for _ in range(n_ranks)]
     load, used = [0.0] * n_ranks if initial is None else list(initial), [0] * n_ranks
     cap = model.memory_cap_bytes
@@ -466,6 +465,8 @@ def lpt_marginal(model: WorkModel, counts=None, initial=None) -> Loads | None:
                 return None
             (new, best), k = min(tops)
             heapq.heappop(heaps[k])
+            if not heaps[k]:  # emptied: `tops` scans live heaps, not every k seen (quadratic on few ranks)
+                del heaps[k]
             load[best] = new
             counts[best][s] += 1
             used[best] += need
@@ -478,8 +479,7 @@ def lpt(model: WorkModel, counts=None, initial=None) -> Loads:
     """Greedy LPT: over batches with every batch-size cap 1..max usable size, and over single matrices
     with marginal batching costs (`lpt_marginal`); the best makespan wins (ties: less total work, then
     candidate order). Each rank then re-batches what it holds. counts / initial: as `lpt_for_cap`."""
-    top = max(max(c.sizes) for c in model.classes)
-    best_key, best = None, None
+    top, best_key, best = max(max(c.sizes) for c in model.classes), None, None
     candidates = [lambda cap=cap: lpt_for_cap(model, cap, counts, initial) for cap in range(1, top + 1)]
     candidates.append(lambda: lpt_marginal(model, counts, initial))
     base = [0.0] * model.world_size if initial is None else initial
