@@ -16,6 +16,7 @@ from collections import Counter
 from dmuon.errors import InputError
 
 from simulator.engine.engine import Op
+from .published_partition import owner_slots, published_plan
 
 # name -> (item, public code it models): what each switch turns on
 MECHANISMS = {
@@ -37,10 +38,15 @@ MECHANISMS = {
                    "forward (and, Z3, backward) `unshard`; ours: one two-level exchange over every rank",
     "master_fp32": "7: the replicate broadcast carries the fp32 master (`master_dtype=torch.float32`), "
                    "4 bytes per element (HSDP only)",
+    "owner_cost": "1-3: the NS placement is the public partition's (`compute_balanced_assignment`: LPT of "
+                  "`_matrix_optimizer_cost_units` over (shard, replicate) slots, same-layer spreading), not "
+                  "build_plan's: each allocation unit's owner runs its matrices' NS "
+                  "(simulator.programs.published_partition); FSDP / HSDP layouts",
     "pack_small": "2, 3: a layer's collectives per allocation unit of the public partition: each matrix of "
                   "at least 5 M elements its own unit on its own slot (same-layer spreading, `used_slots`), "
                   "those below merged into one (`pack_small_params`, `SMALL_PARAM_THRESHOLD`); counts the "
-                  "FSDP exchange's collectives only (the NS placement stays the plan's)",
+                  "FSDP exchange's collectives (the distinct owners of the layer's units), and with "
+                  "`owner_cost` places the merged unit on one owner",
     "fwd_prefetch": "9: the next group's publication is prefetched at depth 1 on the broadcast stream: "
                     "issued from layer l's pre-forward hook (`unshard(prefetch=True)`, the cap "
                     "`forward_prefetch_depth` has while HSDP publications are pending), so it starts once "
@@ -54,7 +60,6 @@ OPT_IN = {
                     "post-step phase (`broadcast_all_updates`): the next forward starts after all of them",
 }
 SYSTEMS = ("ours", "published")
-SMALL_PARAM_THRESHOLD = 5_000_000  # the public partition.py's merge threshold (elements)
 
 
 def published_mechanisms(system: str, off=(), on=()) -> frozenset:
@@ -74,6 +79,23 @@ def published_mechanisms(system: str, off=(), on=()) -> frozenset:
     if system == "ours":
         return frozenset()
     return frozenset(set(MECHANISMS) - set(off) | set(on))
+
+
+def published_plan_of(cfg, published: frozenset, matrices, per_node: int, cost, method: str, dtype: str,
+                      orientation):
+    """`owner_cost`: the Plan of the public partition on cfg's FSDP (shard = every rank) or HSDP (shard = a
+    node's ranks, replicate = the nodes) mesh; None where build_plan's plan stands (the switch off, ddp,
+    sharded)."""
+    if "owner_cost" not in published or cfg.layout in ("ddp", "sharded"):
+        return None
+    if cfg.max_split > 1:
+        raise InputError("system 'published' places whole matrices as the public partition does (owner_cost); "
+                         "accepted: max_split=1, or published_off=('owner_cost',)")
+    shard = per_node if cfg.layout.startswith("hsdp") else cfg.gpus
+    return published_plan(matrices, shard, cfg.gpus // shard, cost, method=method, dtype=dtype,
+                          max_batch=1 if "ns_per_matrix" in published else cfg.max_batch,
+                          bucket_numel=cfg.bucket_numel, orientation=orientation,
+                          merge_small="pack_small" in published)
 
 
 class PublishedPrograms:
@@ -114,14 +136,12 @@ class PublishedPrograms:
                          owners_per_local=per_local, flat=flat, coalesced="coalesce" in self.pub)
 
     def _units(self, b: int) -> int:
-        """Allocation units of bucket b in the public partition: its matrices of >= 5 M elements (each its
-        own owner, same-layer spreading) plus one for all smaller ones (`pack_small_params`)."""
+        """Owners of bucket b in the public partition (simulator.programs.published_partition, small matrices
+        merged): one per allocation unit of its layers while a layer has slots to spread them over."""
         units = self.__dict__.setdefault("_units_of", {})
         if b not in units:
-            mats = self.s.plan.matrices
-            ms = [mats[i] for i in self.s.plan.buckets[b].members]  # a spec of count c: c matrices
-            big = sum(m.count for m in ms if m.rows * m.cols >= SMALL_PARAM_THRESHOLD)
-            units[b] = big + (1 if any(m.rows * m.cols < SMALL_PARAM_THRESHOLD for m in ms) else 0)
+            slots = owner_slots(self.s.plan.matrices, self.shard_size, self.s.n_ranks // self.shard_size)
+            units[b] = len({slots[i] for i in self.s.plan.buckets[b].members})
         return units[b]
 
     def _row_owned(self, b: int) -> dict:
