@@ -106,6 +106,8 @@ class OptimizerPrograms(SplitPrograms):
             # experts' after the AdamW pass (`_expert_step`)
             by_bucket: dict[int, list[Op]] = {}
             mine = self.batches_of.get(self.plan_rank(r), ())
+            if "opt_order" in self.pub:  # published: the groups walked in the next forward's order
+                mine = sorted(mine, key=lambda t: t[2])
             owned = sum(t[3] for t in mine) or 1  # a split member of exchange "lead" owns nothing
             n_owned = sum(len(t[1].members) for t in mine)
             n_buckets = len({b for t in mine for b in t[2]})
