@@ -86,9 +86,12 @@ def test_coalesced_owner_collectives_pay_the_launch_once():
                                  coalesced=True) == one
 
 
-def test_pack_small_counts_fewer_fsdp_collectives(ours):
+def test_pack_small_counts_group_py_collectives(ours):
     only = tuple(m for m in MECHANISMS if m not in ("pack_small", "flat_exchange"))
     packed = _times(layout="fsdp-keep", system="published", published_off=only)[1]
     apart = _times(layout="fsdp-keep", system="published", published_off=(*only, "pack_small"))[1]
-    assert packed.step_s < apart.step_s  # qwen2.5-1.5b: every attention matrix is under 5 M elements
+    # qwen2.5-1.5b: every attention matrix is under 5 M elements, so a layer's publication (forward on
+    # keep) has fewer broadcasts, one per owner of its units; its reduce one per parameter, more than owners
+    assert packed.forward_s < apart.forward_s
+    assert packed.backward_s > apart.backward_s
     assert packed.comm_bytes_per_rank == apart.comm_bytes_per_rank

@@ -42,11 +42,11 @@ MECHANISMS = {
                   "`_matrix_optimizer_cost_units` over (shard, replicate) slots, same-layer spreading), not "
                   "build_plan's: each allocation unit's owner runs its matrices' NS "
                   "(simulator.programs.published_partition); FSDP / HSDP layouts",
-    "pack_small": "2, 3: a layer's collectives per allocation unit of the public partition: each matrix of "
-                  "at least 5 M elements its own unit on its own slot (same-layer spreading, `used_slots`), "
-                  "those below merged into one (`pack_small_params`, `SMALL_PARAM_THRESHOLD`); counts the "
-                  "FSDP exchange's collectives (the distinct owners of the layer's units), and with "
-                  "`owner_cost` places the merged unit on one owner",
+    "pack_small": "2, 3, 4: a layer's collectives as group.py issues them: a broadcast per owner of the "
+                  "public partition's allocation units (each matrix of at least 5 M elements its own unit on "
+                  "its own slot, `used_slots`; those below merged into one, `pack_small_params`, "
+                  "`SMALL_PARAM_THRESHOLD`; `_by_owner`'s packed buffers), a reduce per parameter "
+                  "(`reduce_grads`); with `owner_cost` the merged unit's matrices have one owner",
     "fwd_prefetch": "9: the next group's publication is prefetched at depth 1 on the broadcast stream: "
                     "issued from layer l's pre-forward hook (`unshard(prefetch=True)`, the cap "
                     "`forward_prefetch_depth` has while HSDP publications are pending), so it starts once "
@@ -130,10 +130,25 @@ class PublishedPrograms:
         flat = group != "world" or "flat_exchange" in self.pub
         p = self.s.per_node
         per_local = max(Counter(o % p for o in owned).values()) if group == "world" else 1
-        roots = self._units(b) if group == "world" and "pack_small" in self.pub else len(owned)
+        roots = self._roots(r, b, kind, group, owned)
         return self.coll(r, key, group, kind, payload * elem_bytes, muon_fraction=1.0,
                          max_share=max(owned.values()) * elem_bytes, step=step, owners=roots,
                          owners_per_local=per_local, flat=flat, coalesced="coalesce" in self.pub)
+
+    def _roots(self, r: int, b: int, kind: str, group: str, owned: dict) -> int:
+        """Collectives in one of bucket b's exchanges (`pack_small`; else one per owner in `owned`): group.py
+        `reduce_grads` issues one reduce per parameter (stage 1 over the shard group; stage 2 per parameter
+        of rank r's shard column), `unshard` one broadcast per owner coordinate of the layer (`_by_owner`'s
+        packed buffers; the replicate broadcast per owner of the column)."""
+        if "pack_small" not in self.pub:
+            return len(owned)
+        plan = self.s.plan
+        members = plan.buckets[b].members
+        if kind == "reduce":
+            p = self.s.per_node
+            return (sum(1 for i in members if plan.owners[i] % p == r % p) if group == "inter"
+                    else len(members))
+        return len(owned) if group == "inter" else self._units(b)
 
     def _units(self, b: int) -> int:
         """Owners of bucket b in the public partition (simulator.programs.published_partition, small matrices
