@@ -42,11 +42,15 @@ MECHANISMS = {
                   "`_matrix_optimizer_cost_units` over (shard, replicate) slots, same-layer spreading), not "
                   "build_plan's: each allocation unit's owner runs its matrices' NS "
                   "(simulator.programs.published_partition); FSDP / HSDP layouts",
-    "pack_small": "2, 3, 4: a layer's collectives as group.py issues them: a broadcast per owner of the "
-                  "public partition's allocation units (each matrix of at least 5 M elements its own unit on "
-                  "its own slot, `used_slots`; those below merged into one, `pack_small_params`, "
-                  "`SMALL_PARAM_THRESHOLD`; `_by_owner`'s packed buffers), a reduce per parameter "
-                  "(`reduce_grads`); with `owner_cost` the merged unit's matrices have one owner",
+    "pack_small": "2, 3: a layer's broadcasts over the shard group one per owner of the public partition's "
+                  "allocation units (`unshard`, `_by_owner`'s packed buffers: each matrix of at least 5 M "
+                  "elements its own unit on its own slot, `used_slots`; those below merged into one, "
+                  "`pack_small_params`, `SMALL_PARAM_THRESHOLD`); with `owner_cost` the merged unit's "
+                  "matrices have one owner",
+    "param_collectives": "4, 7: group.py's reduces one per parameter (`reduce_grads` stage 1 over the shard "
+                         "group, `_launch_stage2_replicate_reduce` across nodes) and HSDP's replicate "
+                         "broadcast one per parameter of the shard column (`replicate_broadcast_async`), "
+                         "not one per owner",
     "fwd_prefetch": "9: the next group's publication is prefetched at depth 1 on the broadcast stream: "
                     "issued from layer l's pre-forward hook (`unshard(prefetch=True)`, the cap "
                     "`forward_prefetch_depth` has while HSDP publications are pending), so it starts once "
@@ -136,19 +140,20 @@ class PublishedPrograms:
                          owners_per_local=per_local, flat=flat, coalesced="coalesce" in self.pub)
 
     def _roots(self, r: int, b: int, kind: str, group: str, owned: dict) -> int:
-        """Collectives in one of bucket b's exchanges (`pack_small`; else one per owner in `owned`): group.py
-        `reduce_grads` issues one reduce per parameter (stage 1 over the shard group; stage 2 per parameter
-        of rank r's shard column), `unshard` one broadcast per owner coordinate of the layer (`_by_owner`'s
-        packed buffers; the replicate broadcast per owner of the column)."""
-        if "pack_small" not in self.pub:
-            return len(owned)
+        """Collectives in one of bucket b's exchanges, as group.py issues them: one per owner in `owned`
+        (ours); `param_collectives`: one per parameter for the reduces and the cross-node broadcast (rank
+        r's shard column across nodes); `pack_small`: one broadcast per owner coordinate of the partition's
+        allocation units over the shard group."""
         plan = self.s.plan
         members = plan.buckets[b].members
-        if kind == "reduce":
+        if "param_collectives" in self.pub and group == "inter":
             p = self.s.per_node
-            return (sum(1 for i in members if plan.owners[i] % p == r % p) if group == "inter"
-                    else len(members))
-        return len(owned) if group == "inter" else self._units(b)
+            return sum(1 for i in members if plan.owners[i] % p == r % p)
+        if "param_collectives" in self.pub and kind == "reduce":
+            return len(members)
+        if "pack_small" in self.pub and kind == "broadcast" and group != "inter":
+            return self._units(b)
+        return len(owned)
 
     def _units(self, b: int) -> int:
         """Owners of bucket b in the public partition (simulator.programs.published_partition, small matrices
