@@ -162,6 +162,12 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
                  if cfg.strategy == "dmuon" else frozenset())
     plan = None
     info = {"ns_makespan_s": 0.0, "balancer": "", "method": "", "notes": list(workload.notes)}
+    host_tensors = 0  # published adamw_unfused: the public AdamW loop's tensors (programs.published_host)
+    if "adamw_unfused" in published:
+        from simulator.programs.published_host import adamw_loop_tensors
+
+        host_tensors, note = adamw_loop_tensors(workload.name, sum(layer_adamw_tensors))
+        info["notes"] += [note] if note else []
     if cfg.strategy == "dmuon":
         # every layout plans over all ranks, as the runtime does (HSDP: fsdp2-owner on a replicate x shard
         # mesh spreads owners over all R x S ranks, two-level exchange, each NS once in the job)
@@ -211,6 +217,7 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
         param_bytes=DTYPE_BYTES[cfg.param_comm_dtype or profile.dtype],
         grad_bytes=DTYPE_BYTES[cfg.grad_comm_dtype or profile.dtype], plan=plan, ns_stretch=ns_stretch,
         split_exchange=cfg.split_exchange, ep_spec=ep, published=published,
+        published_adamw_tensors=host_tensors,
     )
     # called after the step programs are built: they price the elementwise passes provenance names
     def provenance() -> dict:

@@ -14,6 +14,7 @@ PART_COLORS = {
     "owner_cost": "#17becf", "ns_per_matrix": "#dd8452", "opt_order": "#937860", "drain": "#da8bc3",
     "flat_exchange": "#c44e52", "param_collectives": "#bcbd22",
     "coalesce": "#55a868", "hsdp_stages": "#ccb974", "master_fp32": "#8c8c8c", "fwd_prefetch": "#e377c2",
+    "adamw_unfused": "#17becf", "ns_eager": "#bcbd22",  # simulator.programs.published_host
     "interaction": "#dddddd",
 }
 

@@ -55,6 +55,12 @@ MECHANISMS = {
                     "issued from layer l's pre-forward hook (`unshard(prefetch=True)`, the cap "
                     "`forward_prefetch_depth` has while HSDP publications are pending), so it starts once "
                     "layer l - 1's compute is done, not as soon as its update is",
+    "adamw_unfused": "14: DMuon's AdamW as a Python loop of 9 eager kernels per non-Muon tensor (norms, "
+                     "biases, embeddings; `_step_adamw_params` -> `_adamw_update_tensor`), host-bound at one "
+                     "launch per `EAGER_OP_S` past the stream's launch queue (programs.published_host)",
+    "ns_eager": "15-17: momentum, Gram NS and update eager per owned matrix (`_step_muon_params`, "
+                "`gram_newton_schulz_local`: 33 launches with bf16 gradients; no CUDA-graph replay at the "
+                "run set's date), on the same host loop (simulator.programs.published_host)",
 }
 OPT_IN = {
     "prefetch_wait": "9: the stored state.py's `_pre_forward` -> `self._next_group.unshard()` without "
