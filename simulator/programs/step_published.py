@@ -58,6 +58,11 @@ MECHANISMS = {
     "adamw_unfused": "14: DMuon's AdamW as a Python loop of 9 eager kernels per non-Muon tensor (norms, "
                      "biases, embeddings; `_step_adamw_params` -> `_adamw_update_tensor`), host-bound at one "
                      "launch per `EAGER_OP_S` past the stream's launch queue (programs.published_host)",
+    "fsdp2_tail": "5: every owned NS waits the FSDP2 (non-Muon) parameters' reduce tail: FSDP2's root "
+                  "post-backward callback (`FSDPState._root_post_backward_final_callback` -> "
+                  "`FSDPParamGroup.finalize_backward` -> `_wait_for_post_backward`) makes the compute stream wait "
+                  "every group's reduce event (HSDP: its replicate all-reduce) before `optimizer.step()` runs, and "
+                  "the public Muon's group loop queues its NS behind it",
     "ns_eager": "15-17: momentum, Gram NS and update eager per owned matrix (`_step_muon_params`, "
                 "`gram_newton_schulz_local`: 33 launches with bf16 gradients; no CUDA-graph replay at the "
                 "run set's date), on the same host loop (simulator.programs.published_host)",
