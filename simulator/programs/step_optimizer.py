@@ -120,8 +120,8 @@ class OptimizerPrograms(SplitPrograms):
                 deps = [red["bucket"][b] for b in bks if red["bucket"].get(b) is not None]
                 if "opt_order" in self.pub:  # published: no NS before the last group's reduce
                     deps.append(red["bucket_last"])
-                if "fsdp2_tail" in self.pub:  # published: FSDP2's final callback waits its reduces
-                    deps.append(red["adamw_last"])
+                if "fsdp2_tail" in self.pub and self._published_active():  # published: FSDP2's root
+                    deps.append(red["adamw_last"])  # post-backward callback waits its reduces first
                 if bt.group:
                     last = self._split_batch(r, step, k, bt, momentum_s * numel / owned, deps)
                 else:
