@@ -68,9 +68,10 @@ MECHANISMS = {
                 "run set's date), on the same host loop (simulator.programs.published_host)",
 }
 OPT_IN = {
-    "prefetch_wait": "9: the stored state.py's `_pre_forward` -> `self._next_group.unshard()` without "
+    "prefetch_wait": "9: state.py 1d4ac26's `_pre_forward` -> `self._next_group.unshard()` without "
                      "prefetch=True: layer l's compute waits for layer l + 1's publication on the compute "
-                     "stream (a stall in every layer; which state.py the published runs used is not stored)",
+                     "stream (a stall in every layer; the older version: 001f582, the commit whose README "
+                     "reports the run set, passes prefetch=True)",
     "sync_publish": "11: `replicate_async=False`: every group's publication dispatched and waited in one "
                     "post-step phase (`broadcast_all_updates`): the next forward starts after all of them",
 }
