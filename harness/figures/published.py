@@ -15,6 +15,7 @@ PART_COLORS = {
     "flat_exchange": "#c44e52", "param_collectives": "#bcbd22",
     "coalesce": "#55a868", "hsdp_stages": "#ccb974", "master_fp32": "#8c8c8c", "fwd_prefetch": "#e377c2",
     "adamw_unfused": "#17becf", "ns_eager": "#bcbd22",  # simulator.programs.published_host
+    "fsdp2_tail": "#8b4513",  # the NS behind FSDP2's end-of-backward reduce wait
     "interaction": "#dddddd",
 }
 
