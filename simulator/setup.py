@@ -156,7 +156,7 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
                      profile.contention(per_node, cfg.cpu_threads) * k, DTYPE_BYTES[profile.dtype])
         ns_naive_local = [t for t, w in zip(ns_naive, ep.muon_ep, strict=True) if w in (None, 0)]
     network = profile.network_for(per_node, k if profile.cpu_cores else 1.0)
-    from simulator.programs.step_published import published_mechanisms  # issue 28: system 'published'
+    from simulator.programs.step_published import published_mechanisms, published_plan_of  # issue 28
 
     published = (published_mechanisms(cfg.system, cfg.published_off, cfg.published_on)
                  if cfg.strategy == "dmuon" else frozenset())
@@ -187,13 +187,15 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
                 links = SimulatorLinks(network, per_node, hierarchical=cfg.hierarchical,
                                        source=f"simulator profile {profile.name} network")
             method = ns_method_of(cfg, profile)
-            plan = plan_for(muon, world, priced, balancer=cfg.balancer, method=method,
+            orient = orientation_of(muon, profile, method) if cfg.ep == 1 else False
+            plan = published_plan_of(cfg, published, muon, per_node, priced, method, ns_dtype, orient) or plan_for(
+                            muon, world, priced, balancer=cfg.balancer, method=method,
                             dtype=ns_dtype, batching=cfg.batching,
                             max_batch=1 if "ns_per_matrix" in published else cfg.max_batch,
                             bucket_numel=cfg.bucket_numel, time_limit_s=cfg.milp_time_limit_s,
                             max_split=cfg.max_split, links=links, ep=cfg.ep,
                             owner_momentum=cfg.layout != "sharded",  # sharded: momentum on shards
-                            orientation=orientation_of(muon, profile, method) if cfg.ep == 1 else False)
+                            orientation=orient)
         info.update(ns_makespan_s=max(plan.ns_loads_s) * ns_stretch, balancer=plan.balancer,
                     method=plan.method)  # the plan's NS part (its batch times less their momentum)
         info["notes"] += list(plan.notes)

@@ -106,6 +106,8 @@ class OptimizerPrograms(SplitPrograms):
             # experts' after the AdamW pass (`_expert_step`)
             by_bucket: dict[int, list[Op]] = {}
             mine = self.batches_of.get(self.plan_rank(r), ())
+            if "opt_order" in self.pub:  # published: the groups walked in the next forward's order
+                mine = sorted(mine, key=lambda t: t[2])
             owned = sum(t[3] for t in mine) or 1  # a split member of exchange "lead" owns nothing
             n_owned = sum(len(t[1].members) for t in mine)
             n_buckets = len({b for t in mine for b in t[2]})
@@ -118,6 +120,8 @@ class OptimizerPrograms(SplitPrograms):
                 deps = [red["bucket"][b] for b in bks if red["bucket"].get(b) is not None]
                 if "opt_order" in self.pub:  # published: no NS before the last group's reduce
                     deps.append(red["bucket_last"])
+                if "fsdp2_tail" in self.pub and self._published_active():  # published: FSDP2's root
+                    deps.append(red["adamw_last"])  # post-backward callback waits its reduces first
                 if bt.group:
                     last = self._split_batch(r, step, k, bt, momentum_s * numel / owned, deps)
                 else:
