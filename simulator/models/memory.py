@@ -230,18 +230,32 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
         copies = sharded_numel * e_c + (sum(layer_muon.values()) * e_c if owner_layout and e_c != e_m else 0)
     if owner_layout and free:
         copies = 2 * largest * max(e_c, e_m)
-    # the runtime's persistent exchange buffers (dmuon.runtime.units: one flat buffer per unit of every
-    # parameter it reduces; DMuon's units a second one it publishes from) + FSDP2's reduce-scatter in flight
+    # the runtime's exchange buffers (dmuon.runtime.units): ddp one persistent flat buffer per unit of every
+    # parameter it reduces (DMuon's units a second one it publishes from); the FSDP2 owner layouts'
+    # units are transient (build_units: transient=True): a unit's buffer lives while it is in flight,
+    # then the rank keeps its owned chunk of the summed gradients (the reduce job's result) until the
+    # next step's reduction (per rank, below: owned elements x grad_comm_dtype)
     e_pc = DTYPE_BYTES[cfg.param_comm_dtype or profile.dtype]
     total = sum(layer_numel.values())
-    in_flight = 0.0  # FSDP2's reduce-scatter of one layer: backward only
+    owner_numel = sum(layer_muon.values())  # DMuon's owner-layout Muon matrices: its own units
+    transient = owner_layout and layout != "ddp"
+    in_flight = 0.0  # the largest reduction in flight at the end of backward
+    end_fb = copies + grads  # ddp: every gradient with the weights (and autocast's copies) at backward's end
     if layout == "ddp":
         buckets = total * (e_g + (e_pc if strategy == "dmuon" else 0))
     else:
-        owner_numel = sum(layer_muon.values())  # DMuon's owner-layout Muon matrices: its own units
-        buckets = owner_numel * (e_g + e_pc)
-        in_flight = largest * (e_c + e_g) if total > owner_numel else 0.0
-        in_flight += max(layer_muon.values(), default=0.0) * e_m  # one layer's gradients before packing
+        buckets = 0.0
+        # FSDP2's reduce-scatter of one unit (torch's _fsdp_collectives.foreach_reduce: the unit's unsharded
+        # gradients (compute dtype) are copied into the reduce-scatter input (grad_comm_dtype) and then
+        # cleared, before the sharded output exists): the root unit (fully_shard(model): embeddings, head,
+        # final norm) reduces last, after every block resharded (FSDP2's post-backward), with the root
+        # still gathered; a block's unit while its own backward runs
+        unit = max(root, max(block_numel.values(), default=0.0))
+        in_flight = unit * (e_c + e_g) if total > owner_numel else 0.0
+        if transient:  # one Muon unit: the layer's whole gradients, then its packed buffer (consume_grads)
+            in_flight = max(in_flight, max(layer_muon.values(), default=0.0) * (e_m + e_g))
+        root_shard = root / max(1, shard) * e_m if total > owner_numel else 0.0
+        end_fb = root * e_c + grads - root_shard + in_flight
 
     sp = bool(getattr(cfg, "sp", tp > 1))  # sequence parallelism where the config says (else with any TP)
     acts = activation_bytes(workload, cfg.seq_len, cfg.micro_batch, e_c, tp=tp, sp=sp, pp=pp,
@@ -286,25 +300,30 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
         if batched:  # dmuon.NaiveMuon: every matrix's input gathered, then every update, before applying
             ns_base += 2.0 * sum(m.rows * m.cols * m.count for m in muon) / model_split * e_m
 
-    base_fb = params + states + copies + buckets
     base_opt = params + states + grads + buckets
-    fb = base_fb + max(act_total, grads + in_flight)  # activations peak as backward starts, gradients at its end
+    # activations peak as backward starts (every copy held), gradients at its end (end_fb)
+    fb = params + states + buckets + max(copies + act_total, end_fb)
     opt = base_opt + ns_base
-    best = (max(fb, opt), 0, fb >= opt, owned[0] if owned else 0.0, work[0] if work else ns_base)
+    best = (max(fb, opt), 0, fb >= opt, owned[0] if owned else 0.0, work[0] if work else ns_base, 0.0)
     for rank in range(len(owned)):
         extra_fb, extra_opt = owned[rank], owned[rank] + work[rank]
+        chunk = 0.0
+        if transient:  # the owned chunk of the summed gradients; the publications after the rank's NS
+            chunk = owned[rank] / 4 * e_g
+            extra_fb += chunk
+            extra_opt = owned[rank] + chunk + max(work[rank], owner_numel * e_pc)
         if owner_layout and free:  # the rank's owned matrices, whole
             own_w = owned[rank] / 4 * e_m
             extra_fb += own_w
             extra_opt += own_w
         peak = max(fb + extra_fb, opt + extra_opt)
         if peak > best[0]:
-            best = (peak, rank, fb + extra_fb >= opt + extra_opt, owned[rank], work[rank])
-    peak, rank, fb_wins, own_states, ns_ws = best
+            best = (peak, rank, fb + extra_fb >= opt + extra_opt, owned[rank], work[rank], chunk)
+    peak, rank, fb_wins, own_states, ns_ws, chunk = best
     params_r = params + (own_states / 4 * e_m if owner_layout and free else 0.0)
     cap = profile_capacity(profile, per_node)
     return MemoryBreakdown(parameters=params_r, gradients=grads, optimizer=states + own_states,
-                           param_copies=copies, activations=act_total, comm_buckets=buckets + in_flight,
+                           param_copies=copies, activations=act_total, comm_buckets=buckets + in_flight + chunk,
                            ns_workspace=ns_ws, peak_bytes=peak,
                            peak_phase="forward/backward" if fb_wins else "optimizer",
                            capacity_bytes=cap, rank=rank, notes=tuple(notes))
