@@ -26,11 +26,17 @@ with tensor / pipeline parallelism (`tp`, `pp` where the config has them) every 
                   backward
   activations     `simulator.models.memory_activations.activation_bytes` (Korthikanti et al. 2022's count per
                   layer, any recompute, TP / SP, PP in-flight micro-batches, the output layer and fp32 loss)
-  comm_buckets    the runtime's persistent exchange buffers (`dmuon.runtime.units`: one flat buffer per
-                  unit over every parameter it reduces, grad_comm_dtype; DMuon's units a second one it
-                  publishes from, param_comm_dtype): ddp every parameter (DMuon: x 2), owner layouts the
-                  Muon matrices x 2; plus FSDP2's reduction in flight: the largest layer's unsharded
-                  gradient (compute dtype) and its reduce-scatter input (grad_comm_dtype)
+  comm_buckets    the runtime's exchange buffers (`dmuon.runtime.units`): ddp one persistent flat buffer per
+                  unit over every parameter it reduces (grad_comm_dtype; DMuon's units a second one it
+                  publishes from, param_comm_dtype); the FSDP2 owner layouts' DMuon units are transient
+                  (`build_units`: transient=True): a unit's buffers live while it is in flight, and each
+                  rank keeps its owned chunk of the summed gradients (the reduce job's result, grad_comm_dtype)
+                  until the next step's reduction; the publications (every Muon matrix, param_comm_dtype)
+                  follow the rank's NS in the optimizer phase. Plus FSDP2's reduction in flight (torch's
+                  `_fsdp_collectives.foreach_reduce`: a unit's unsharded gradients, compute dtype, copied
+                  into the reduce-scatter input, grad_comm_dtype, then cleared): the largest unit, the root
+                  (fully_shard(model): embeddings, head, final norm, reduced last) or a block; and in the
+                  owner layouts one layer's Muon gradients and their packed buffer
   ns_workspace    one NS call at a time: its input stack in param_dtype, X, the result and the m x m
                   products in the NS dtype: k (2 m n e_param + e_ns (2 m n + c m^2)), k matrices of the
                   short side m, long side n, c = 3 standard (A, A^2, B), 4 Gram (R, Z, Q, RZ)
@@ -40,11 +46,18 @@ with tensor / pipeline parallelism (`tp`, `pp` where the config has them) every 
                   and every update (2 x the Muon elements, param_dtype) + the largest shape's call; DMuon:
                   its owner's largest batch
 Peaks (the step's two phases; `peak_phase` names the larger):
-  forward/backward = parameters + optimizer + param_copies + the runtime's buffers
-                     + max(activations, gradients + FSDP2's reduction in flight)   (activations peak as
-                     backward starts and are freed as gradients arrive; the last reduction ends it)
+  forward/backward = parameters + optimizer + the runtime's persistent buffers
+                     + max(param_copies + activations,            (backward starts: every copy held)
+                           end of backward)
+                     end of backward, FSDP layouts: the root unit's copies (FSDP2 reshards each block after
+                     its backward; the root, gathered, reduces last) + gradients other than the root's
+                     shard + the reduction in flight; ddp: param_copies + gradients. Measured on this CPU
+                     (the fsdp2-owner rows of scripts/memory_cpu.py, bench model and HF Llama, the resident
+                     set sampled every 0.2 ms per phase): adamw and dmuon peak at the root's reduce-scatter,
+                     after every Muon unit's reduction.
   optimizer        = parameters + optimizer + gradients + the runtime's buffers + ns_workspace
-                     (FSDP2's reduce-scatter in flight is over by then)
+                     (owner layouts with transient units: the owned gradient chunk + max(NS workspace,
+                     the publications))
 Capacity: the profile's `memory_gib` (datasheets; CPU: the host's RAM, shared by the node's ranks).
 ASSUMPTION (shown in notes): no allocator fragmentation or caching (PyTorch's caching allocator reserves
 more than it allocates: `harness validate`'s memory section compares both where published).
