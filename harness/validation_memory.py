@@ -205,10 +205,10 @@ def remodel(row: dict, opts: list[str]) -> dict:
 
     model_raw, workload = None, None
     if opt("--model"):
-        from .hf_model import shrunk_config
+        from .hf_model import read_config, shrink  # no transformers: the run built this config already
 
-        _, model_raw = shrunk_config(opt("--model"), layers=opt("--layers", int), hidden=opt("--hidden", int),
-                                     vocab=opt("--vocab", int))
+        model_raw = shrink(read_config(opt("--model"))[1], layers=opt("--layers", int),
+                           hidden=opt("--hidden", int), vocab=opt("--vocab", int))
     else:
         from simulator.models.workload import load_workload
 

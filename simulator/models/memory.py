@@ -252,6 +252,10 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
     total = sum(layer_numel.values())
     owner_numel = sum(layer_muon.values())  # DMuon's owner-layout Muon matrices: its own units
     transient = owner_layout and layout != "ddp"
+    # keep: step() launches every unit's publication at its end (dmuon.runtime.base: each allocates its whole
+    # buffer at launch); free: the residency publishes a unit from its hooks (fsdp_memory: the two units
+    # in use, counted in param_copies)
+    publish = owner_numel * e_pc if transient and not free else 0.0
     in_flight = 0.0  # the largest reduction in flight at the end of backward
     end_fb = copies + grads  # ddp: every gradient with the weights (and autocast's copies) at backward's end
     if layout == "ddp":
@@ -324,7 +328,7 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
         if transient:  # the owned chunk of the summed gradients; the publications after the rank's NS
             chunk = owned[rank] / 4 * e_g
             extra_fb += chunk
-            extra_opt = owned[rank] + chunk + max(work[rank], owner_numel * e_pc)
+            extra_opt = owned[rank] + chunk + max(work[rank], publish)
         if owner_layout and free:  # the rank's owned matrices, whole
             own_w = owned[rank] / 4 * e_m
             extra_fb += own_w
@@ -336,7 +340,7 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
     params_r = params + (own_states / 4 * e_m if owner_layout and free else 0.0)
     cap = profile_capacity(profile, per_node)
     return MemoryBreakdown(parameters=params_r, gradients=grads, optimizer=states + own_states,
-                           param_copies=copies, activations=act_total, comm_buckets=buckets + in_flight + chunk,
+                           param_copies=copies, activations=act_total, comm_buckets=buckets + in_flight + chunk + publish,
                            ns_workspace=ns_ws, peak_bytes=peak,
                            peak_phase="forward/backward" if fb_wins else "optimizer",
                            capacity_bytes=cap, rank=rank, notes=tuple(notes))
