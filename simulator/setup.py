@@ -156,12 +156,18 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
                      profile.contention(per_node, cfg.cpu_threads) * k, DTYPE_BYTES[profile.dtype])
         ns_naive_local = [t for t, w in zip(ns_naive, ep.muon_ep, strict=True) if w in (None, 0)]
     network = profile.network_for(per_node, k if profile.cpu_cores else 1.0)
-    from simulator.programs.step_published import published_mechanisms  # issue 28: system 'published'
+    from simulator.programs.step_published import published_mechanisms, published_plan_of  # issue 28
 
     published = (published_mechanisms(cfg.system, cfg.published_off, cfg.published_on)
                  if cfg.strategy == "dmuon" else frozenset())
     plan = None
     info = {"ns_makespan_s": 0.0, "balancer": "", "method": "", "notes": list(workload.notes)}
+    host_tensors = 0  # published adamw_unfused: the public AdamW loop's tensors (programs.published_host)
+    if "adamw_unfused" in published:
+        from simulator.programs.published_host import adamw_loop_tensors
+
+        host_tensors, note = adamw_loop_tensors(workload.name, sum(layer_adamw_tensors))
+        info["notes"] += [note] if note else []
     if cfg.strategy == "dmuon":
         # every layout plans over all ranks, as the runtime does (HSDP: fsdp2-owner on a replicate x shard
         # mesh spreads owners over all R x S ranks, two-level exchange, each NS once in the job)
@@ -181,13 +187,15 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
                 links = SimulatorLinks(network, per_node, hierarchical=cfg.hierarchical,
                                        source=f"simulator profile {profile.name} network")
             method = ns_method_of(cfg, profile)
-            plan = plan_for(muon, world, priced, balancer=cfg.balancer, method=method,
+            orient = orientation_of(muon, profile, method) if cfg.ep == 1 else False
+            plan = published_plan_of(cfg, published, muon, per_node, priced, method, ns_dtype, orient) or plan_for(
+                            muon, world, priced, balancer=cfg.balancer, method=method,
                             dtype=ns_dtype, batching=cfg.batching,
                             max_batch=1 if "ns_per_matrix" in published else cfg.max_batch,
                             bucket_numel=cfg.bucket_numel, time_limit_s=cfg.milp_time_limit_s,
                             max_split=cfg.max_split, links=links, ep=cfg.ep,
                             owner_momentum=cfg.layout != "sharded",  # sharded: momentum on shards
-                            orientation=orientation_of(muon, profile, method) if cfg.ep == 1 else False)
+                            orientation=orient)
         info.update(ns_makespan_s=max(plan.ns_loads_s) * ns_stretch, balancer=plan.balancer,
                     method=plan.method)  # the plan's NS part (its batch times less their momentum)
         info["notes"] += list(plan.notes)
@@ -209,6 +217,7 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
         param_bytes=DTYPE_BYTES[cfg.param_comm_dtype or profile.dtype],
         grad_bytes=DTYPE_BYTES[cfg.grad_comm_dtype or profile.dtype], plan=plan, ns_stretch=ns_stretch,
         split_exchange=cfg.split_exchange, ep_spec=ep, published=published,
+        published_adamw_tensors=host_tensors,
     )
     # called after the step programs are built: they price the elementwise passes provenance names
     def provenance() -> dict:

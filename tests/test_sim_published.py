@@ -86,9 +86,16 @@ def test_coalesced_owner_collectives_pay_the_launch_once():
                                  coalesced=True) == one
 
 
-def test_pack_small_counts_fewer_fsdp_collectives(ours):
-    only = tuple(m for m in MECHANISMS if m not in ("pack_small", "flat_exchange"))
-    packed = _times(layout="fsdp-keep", system="published", published_off=only)[1]
-    apart = _times(layout="fsdp-keep", system="published", published_off=(*only, "pack_small"))[1]
-    assert packed.step_s < apart.step_s  # qwen2.5-1.5b: every attention matrix is under 5 M elements
-    assert packed.comm_bytes_per_rank == apart.comm_bytes_per_rank
+def test_pack_small_and_param_collectives_count_group_py_collectives(ours):
+    only = tuple(m for m in MECHANISMS if m not in ("pack_small", "param_collectives", "flat_exchange"))
+
+    def run(*on):
+        return _times(layout="fsdp-keep", system="published",
+                      published_off=(*only, *{"pack_small", "param_collectives"} - set(on)))[1]
+    flat, packed, per_param = run(), run("pack_small"), run("param_collectives")
+    # qwen2.5-1.5b: every attention matrix is under 5 M elements, so a layer has fewer owners to broadcast
+    # from (its publication, in forward on keep); its reduces one per parameter, more than its owners
+    assert packed.forward_s < flat.forward_s and packed.backward_s == pytest.approx(flat.backward_s, rel=1e-9)
+    assert per_param.backward_s > flat.backward_s
+    assert per_param.forward_s == pytest.approx(flat.forward_s, rel=1e-9)
+    assert packed.comm_bytes_per_rank == flat.comm_bytes_per_rank == per_param.comm_bytes_per_rank

@@ -11,8 +11,10 @@ from .common import WALL_WM_NOTE, caption, plt
 
 PART_COLORS = {
     "ours forward": "#4c72b0", "ours backward": "#64b5cd", "ours optimizer": "#8172b3",
-    "ns_per_matrix": "#dd8452", "opt_order": "#937860", "drain": "#da8bc3", "flat_exchange": "#c44e52",
+    "owner_cost": "#17becf", "ns_per_matrix": "#dd8452", "opt_order": "#937860", "drain": "#da8bc3",
+    "flat_exchange": "#c44e52", "param_collectives": "#bcbd22",
     "coalesce": "#55a868", "hsdp_stages": "#ccb974", "master_fp32": "#8c8c8c", "fwd_prefetch": "#e377c2",
+    "adamw_unfused": "#17becf", "ns_eager": "#bcbd22",  # simulator.programs.published_host
     "interaction": "#dddddd",
 }
 

@@ -60,6 +60,7 @@ from simulator.engine.engine import Cluster, Op, paused_gc
 from .step_comm import CommPrograms
 from .step_ep import EPPrograms
 from .step_optimizer import OptimizerPrograms
+from .published_host import HostPrograms
 from .step_published import PublishedPrograms, check_published
 from .step_template import TemplatePrograms
 from simulator.engine.symmetry import Unsupported
@@ -100,6 +101,7 @@ class StepSpec:
     sm_share: float = 0.0  # share of a GPU's SMs each running collective takes (simulator.engine.engine)
     ep_spec: object = None  # simulator.programs.step_ep.EPSpec with ep > 1 (expert parallelism), else None
     published: frozenset = frozenset()  # system 'published': its mechanisms on (simulator.programs.step_published)
+    published_adamw_tensors: int = 0  # published adamw_unfused: the public AdamW loop's tensors (published_host)
 
     @property
     def n_layers(self) -> int:
@@ -115,7 +117,7 @@ class Built:
     notes: list[str] = field(default_factory=list)
 
 
-class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms, PublishedPrograms):
+class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms, PublishedPrograms, HostPrograms):
     def __init__(self, spec: StepSpec, cluster: Cluster):
         self.s = spec
         self.c = cluster

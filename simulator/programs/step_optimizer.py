@@ -106,11 +106,14 @@ class OptimizerPrograms(SplitPrograms):
             # experts' after the AdamW pass (`_expert_step`)
             by_bucket: dict[int, list[Op]] = {}
             mine = self.batches_of.get(self.plan_rank(r), ())
+            if "opt_order" in self.pub:  # published: the groups walked in the next forward's order
+                mine = sorted(mine, key=lambda t: t[2])
             owned = sum(t[3] for t in mine) or 1  # a split member of exchange "lead" owns nothing
             n_owned = sum(len(t[1].members) for t in mine)
             n_buckets = len({b for t in mine for b in t[2]})
             momentum_s = (s.elementwise_s(owned, "muon_momentum", n_owned)  # one pass per step, pro rata
                           + s.elementwise_s(owned, "grad_prep", n_buckets))
+            host = self._host_loop()  # published: the eager host loop (simulator.programs.published_host)
             for k, bt, bks, numel in mine:
                 if self.ep > 1 and self.expert_batch[k]:
                     continue
@@ -122,7 +125,8 @@ class OptimizerPrograms(SplitPrograms):
                 else:
                     # the plan's batch time includes its momentum share (Batch.momentum_s) for balancing;
                     # the momentum is priced here, once, with this step's elementwise pricing
-                    last = cm(r, f"batch{k}", bt.ns_s * s.ns_stretch + momentum_s * numel / owned,
+                    last = cm(r, f"batch{k}", self._host_batch(host, bt.ns_s * s.ns_stretch
+                                                                + momentum_s * numel / owned, len(bt.members)),
                               phase="opt", step=step, deps=deps)
                 for b in bks:
                     by_bucket.setdefault(b, []).append(last)
@@ -132,7 +136,8 @@ class OptimizerPrograms(SplitPrograms):
             elif "sync_publish" in self.pub:
                 prev["pubs"] = {("sync", b): v[-1] for b, v in by_bucket.items()}
             if adam_numel:
-                last = cm(r, "adamw", self._adamw_s(adam_numel, self._adamw_tensors(), self._adamw_layers()),
+                last = cm(r, "adamw", self._host_adamw(host, self._adamw_s(adam_numel, self._adamw_tensors(),
+                                                                            self._adamw_layers())),
                           phase="opt", step=step, deps=(red["adamw_last"],))
             prev["adam"] = last
             if "sync_publish" not in self.pub:

@@ -16,6 +16,7 @@ from collections import Counter
 from dmuon.errors import InputError
 
 from simulator.engine.engine import Op
+from .published_partition import owner_slots, published_plan
 
 # name -> (item, public code it models): what each switch turns on
 MECHANISMS = {
@@ -37,14 +38,29 @@ MECHANISMS = {
                    "forward (and, Z3, backward) `unshard`; ours: one two-level exchange over every rank",
     "master_fp32": "7: the replicate broadcast carries the fp32 master (`master_dtype=torch.float32`), "
                    "4 bytes per element (HSDP only)",
-    "pack_small": "2, 3: a layer's collectives per allocation unit of the public partition: each matrix of "
-                  "at least 5 M elements its own unit on its own slot (same-layer spreading, `used_slots`), "
-                  "those below merged into one (`pack_small_params`, `SMALL_PARAM_THRESHOLD`); counts the "
-                  "FSDP exchange's collectives only (the NS placement stays the plan's)",
+    "owner_cost": "1-3: the NS placement is the public partition's (`compute_balanced_assignment`: LPT of "
+                  "`_matrix_optimizer_cost_units` over (shard, replicate) slots, same-layer spreading), not "
+                  "build_plan's: each allocation unit's owner runs its matrices' NS "
+                  "(simulator.programs.published_partition); FSDP / HSDP layouts",
+    "pack_small": "2, 3: a layer's broadcasts over the shard group one per owner of the public partition's "
+                  "allocation units (`unshard`, `_by_owner`'s packed buffers: each matrix of at least 5 M "
+                  "elements its own unit on its own slot, `used_slots`; those below merged into one, "
+                  "`pack_small_params`, `SMALL_PARAM_THRESHOLD`); with `owner_cost` the merged unit's "
+                  "matrices have one owner",
+    "param_collectives": "4, 7: group.py's reduces one per parameter (`reduce_grads` stage 1 over the shard "
+                         "group, `_launch_stage2_replicate_reduce` across nodes) and HSDP's replicate "
+                         "broadcast one per parameter of the shard column (`replicate_broadcast_async`), "
+                         "not one per owner",
     "fwd_prefetch": "9: the next group's publication is prefetched at depth 1 on the broadcast stream: "
                     "issued from layer l's pre-forward hook (`unshard(prefetch=True)`, the cap "
                     "`forward_prefetch_depth` has while HSDP publications are pending), so it starts once "
                     "layer l - 1's compute is done, not as soon as its update is",
+    "adamw_unfused": "14: DMuon's AdamW as a Python loop of 9 eager kernels per non-Muon tensor (norms, "
+                     "biases, embeddings; `_step_adamw_params` -> `_adamw_update_tensor`), host-bound at one "
+                     "launch per `EAGER_OP_S` past the stream's launch queue (programs.published_host)",
+    "ns_eager": "15-17: momentum, Gram NS and update eager per owned matrix (`_step_muon_params`, "
+                "`gram_newton_schulz_local`: 33 launches with bf16 gradients; no CUDA-graph replay at the "
+                "run set's date), on the same host loop (simulator.programs.published_host)",
 }
 OPT_IN = {
     "prefetch_wait": "9: the stored state.py's `_pre_forward` -> `self._next_group.unshard()` without "
@@ -54,7 +70,6 @@ OPT_IN = {
                     "post-step phase (`broadcast_all_updates`): the next forward starts after all of them",
 }
 SYSTEMS = ("ours", "published")
-SMALL_PARAM_THRESHOLD = 5_000_000  # the public partition.py's merge threshold (elements)
 
 
 def published_mechanisms(system: str, off=(), on=()) -> frozenset:
@@ -74,6 +89,23 @@ def published_mechanisms(system: str, off=(), on=()) -> frozenset:
     if system == "ours":
         return frozenset()
     return frozenset(set(MECHANISMS) - set(off) | set(on))
+
+
+def published_plan_of(cfg, published: frozenset, matrices, per_node: int, cost, method: str, dtype: str,
+                      orientation):
+    """`owner_cost`: the Plan of the public partition on cfg's FSDP (shard = every rank) or HSDP (shard = a
+    node's ranks, replicate = the nodes) mesh; None where build_plan's plan stands (the switch off, ddp,
+    sharded)."""
+    if "owner_cost" not in published or cfg.layout in ("ddp", "sharded"):
+        return None
+    if cfg.max_split > 1:
+        raise InputError("system 'published' places whole matrices as the public partition does (owner_cost); "
+                         "accepted: max_split=1, or published_off=('owner_cost',)")
+    shard = per_node if cfg.layout.startswith("hsdp") else cfg.gpus
+    return published_plan(matrices, shard, cfg.gpus // shard, cost, method=method, dtype=dtype,
+                          max_batch=1 if "ns_per_matrix" in published else cfg.max_batch,
+                          bucket_numel=cfg.bucket_numel, orientation=orientation,
+                          merge_small="pack_small" in published)
 
 
 class PublishedPrograms:
@@ -108,20 +140,34 @@ class PublishedPrograms:
         flat = group != "world" or "flat_exchange" in self.pub
         p = self.s.per_node
         per_local = max(Counter(o % p for o in owned).values()) if group == "world" else 1
-        roots = self._units(b) if group == "world" and "pack_small" in self.pub else len(owned)
+        roots = self._roots(r, b, kind, group, owned)
         return self.coll(r, key, group, kind, payload * elem_bytes, muon_fraction=1.0,
                          max_share=max(owned.values()) * elem_bytes, step=step, owners=roots,
                          owners_per_local=per_local, flat=flat, coalesced="coalesce" in self.pub)
 
+    def _roots(self, r: int, b: int, kind: str, group: str, owned: dict) -> int:
+        """Collectives in one of bucket b's exchanges, as group.py issues them: one per owner in `owned`
+        (ours); `param_collectives`: one per parameter for the reduces and the cross-node broadcast (rank
+        r's shard column across nodes); `pack_small`: one broadcast per owner coordinate of the partition's
+        allocation units over the shard group."""
+        plan = self.s.plan
+        members = plan.buckets[b].members
+        if "param_collectives" in self.pub and group == "inter":
+            p = self.s.per_node
+            return sum(1 for i in members if plan.owners[i] % p == r % p)
+        if "param_collectives" in self.pub and kind == "reduce":
+            return len(members)
+        if "pack_small" in self.pub and kind == "broadcast" and group != "inter":
+            return self._units(b)
+        return len(owned)
+
     def _units(self, b: int) -> int:
-        """Allocation units of bucket b in the public partition: its matrices of >= 5 M elements (each its
-        own owner, same-layer spreading) plus one for all smaller ones (`pack_small_params`)."""
+        """Owners of bucket b in the public partition (simulator.programs.published_partition, small matrices
+        merged): one per allocation unit of its layers while a layer has slots to spread them over."""
         units = self.__dict__.setdefault("_units_of", {})
         if b not in units:
-            mats = self.s.plan.matrices
-            ms = [mats[i] for i in self.s.plan.buckets[b].members]  # a spec of count c: c matrices
-            big = sum(m.count for m in ms if m.rows * m.cols >= SMALL_PARAM_THRESHOLD)
-            units[b] = big + (1 if any(m.rows * m.cols < SMALL_PARAM_THRESHOLD for m in ms) else 0)
+            slots = owner_slots(self.s.plan.matrices, self.shard_size, self.s.n_ranks // self.shard_size)
+            units[b] = len({slots[i] for i in self.s.plan.buckets[b].members})
         return units[b]
 
     def _row_owned(self, b: int) -> dict:
