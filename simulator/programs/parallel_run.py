@@ -26,6 +26,7 @@ With tp = pp = 1, one micro-batch and no recomputation, simulator.api.run runs t
 
 from __future__ import annotations
 
+from copy import deepcopy
 from dataclasses import replace
 
 from dmuon.errors import InputError
@@ -116,6 +117,49 @@ def _dp_config(cfg, stage_wl, lay, profile, cost, full):
                    microbatches=None, recompute="none")
 
 
+def _dp_key(dcfg, run_dp) -> tuple | None:
+    """What a stage's data-parallel step is a function of: every SimConfig field by value (repr), the plan
+    and the cost table by identity (the DP view is cached by its inputs: simulator.programs.parallel_dmuon),
+    the symmetry switch and `run_dp`; None where a field has no value repr (an object's address could be reused)."""
+    from dataclasses import fields
+
+    from simulator.engine.symmetry import enabled
+
+    key = [enabled(), repr(run_dp)]  # simulator.api.run (a module function: its address is stable)
+    for f in fields(dcfg):
+        v = getattr(dcfg, f.name)
+        if f.name in ("plan", "cost") and v is not None:
+            key.append((f.name, id(v)))
+            continue
+        text = repr(v)
+        if " at 0x" in text:
+            return None
+        key.append((f.name, text))
+    return tuple(key)
+
+
+def dp_step(dcfg, run_dp) -> tuple:
+    """(SimResult, forward compute s, backward compute s) of a stage's data-parallel step, simulated once
+    per distinct config in this process: the stage's DP step runs one micro-batch without recomputation
+    (`_dp_config`), so a search's layouts that differ only in recomputation, micro-batches per step or
+    pipeline schedule around the same stage ask for the same one. The simulation is deterministic, so
+    the reused result is the one simulating again gives (tests/test_parallel_cache.py)."""
+    key = _dp_key(dcfg, run_dp)
+    got = _DP_STEPS.get(key) if key is not None else None
+    if got is None:
+        r, built = run_dp(dcfg, all_ranks=False)
+        got = (r, sum(built.spec.layer_fwd_s), sum(built.spec.layer_bwd_s), dcfg.plan, dcfg.cost)
+        if key is not None:
+            if len(_DP_STEPS) >= _DP_STEPS_MAX:  # oldest first; its plan / cost may then be freed
+                del _DP_STEPS[next(iter(_DP_STEPS))]
+            _DP_STEPS[key] = got  # holding plan and cost keeps their ids from being reused while cached
+    return got[:3]
+
+
+_DP_STEPS: dict[tuple, tuple] = {}
+_DP_STEPS_MAX = 256  # a SimResult and a few floats each
+
+
 def run_parallel(cfg, workload, profile, per_node: int, run_dp) -> dict:
     """The SimResult fields of a TP x PP x DP step (module docstring) but gpus, gpus_per_node, strategy and
     layout; settings: the parallel ones only. cfg validated by simulator.api, which passes the workload, the
@@ -145,9 +189,8 @@ def run_parallel(cfg, workload, profile, per_node: int, run_dp) -> dict:
                      p.attn_width, p.block is None) for p in stage_wl.params)
         if sig not in cache:
             dcfg = _dp_config(cfg, stage_wl, lay, profile, cfg.cost, full)
-            r, built = run_dp(dcfg, all_ranks=False)
+            r, fc, bc = dp_step(dcfg, run_dp)
             views += [dcfg.plan] if dcfg.plan is not None else []
-            fc, bc = sum(built.spec.layer_fwd_s), sum(built.spec.layer_bwd_s)
             cache[sig] = (r, max(0.0, r.forward_s - fc), max(0.0, r.backward_s - bc))
         r, ef, eb = cache[sig]
         dp_res.append(r)
@@ -213,5 +256,6 @@ def run_parallel(cfg, workload, profile, per_node: int, run_dp) -> dict:
         muon_comm_bytes_per_rank=r.muon_comm_bytes_per_rank, muon_comm_volume=r.muon_comm_volume,
         ns_makespan_s=max(x.ns_makespan_s for x in dp_res),
         ns_busy_max_s=max(x.ns_busy_max_s for x in dp_res),
-        plan_balancer=r.plan_balancer, plan_method=r.plan_method, settings=settings, provenance=r.provenance,
+        plan_balancer=r.plan_balancer, plan_method=r.plan_method, settings=settings,
+        provenance=deepcopy(r.provenance),  # r may be cached (dp_step): the caller gets its own
         notes=tuple(notes), step_p90_s=step)
