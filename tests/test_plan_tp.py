@@ -118,3 +118,31 @@ def test_bad_input_one_line_errors():
         build_tp_plan(m, 2, H100, tp=2, mode="blockwise")
     with pytest.raises(InputError, match="shard_dims has 2 entries for 1 matrices"):
         build_tp_plan(m, 2, H100, tp=2, shard_dims=[0, 1])
+
+
+def test_least_loaded_heaps_answer_as_the_scans():
+    """build_tp_plan's heaps (`_LeastLoaded`) pick what a scan over every rank / TP group picks, ties
+    included (equal loads: many zero-time and repeated times)."""
+    import random
+
+    from dmuon.plan.tp import _LeastLoaded
+
+    rng = random.Random(3)
+    for world, tp in ((48, 4), (16, 1), (64, 8)):
+        loads, group_load = [0.0] * world, [0.0] * (world // tp)
+        pick = _LeastLoaded(loads, group_load, tp)
+        for _ in range(300):
+            t = rng.choice((0.0, 1.0, 2.5, rng.random()))
+            if tp > 1 and rng.random() < 0.4:
+                d = min(range(world // tp), key=lambda d: (max(loads[d * tp:(d + 1) * tp]), d))
+                assert pick.group() == d
+                for r in range(d * tp, (d + 1) * tp):
+                    loads[r] += t
+                group_load[d] += tp * t
+            else:
+                d = min(range(world), key=lambda r: (loads[r], group_load[r // tp], r))
+                assert pick.rank() == d
+                loads[d] += t
+                group_load[d // tp] += t
+                d //= tp
+            pick.changed(d)
