@@ -224,7 +224,24 @@ def activation_bytes(workload: Workload, seq_len: int, micro_batch: int, act_byt
     """{'layers', 'recompute_layer', 'head'}: bytes one rank holds at the end of its forward (the peak of
     activations): every layer's saved tensors (the busiest pipeline stage: its L/p layers x in-flight
     micro-batches), one layer's full activations while it is recomputed (recompute 'full'), the output
-    layer and loss (on the last stage; with pp = 1 the same rank)."""
+    layer and loss (on the last stage; with pp = 1 the same rank). Computed once per distinct input in a
+    process (a layout search asks again for every strategy and data-parallel layout)."""
+    key = (workload, seq_len, micro_batch, act_bytes, tp, sp, pp, micro_batches, virtual, recompute, attention,
+           loss_fp32, dropout)
+    got = _ACTIVATIONS.get(key)
+    if got is None:
+        if len(_ACTIVATIONS) >= 4096:
+            _ACTIVATIONS.clear()
+        got = _ACTIVATIONS[key] = _activation_bytes(*key)
+    return dict(got)
+
+
+_ACTIVATIONS: dict[tuple, dict[str, float]] = {}  # activation_bytes by its inputs (the workload by value)
+
+
+def _activation_bytes(workload: Workload, seq_len: int, micro_batch: int, act_bytes: int, tp: int, sp: bool,
+                      pp: int, micro_batches: int, virtual: int, recompute: str, attention: str,
+                      loss_fp32: bool, dropout: bool) -> dict[str, float]:
     if attention not in ATTENTION:
         from dmuon.errors import choice_error
 
