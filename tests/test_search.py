@@ -1,5 +1,6 @@
 """`harness search`: the enumeration's rules, search == brute force for adamw, naive and DMuon (pruning is
-sound: every bound <= its simulated step), resume, the fit filter, the command's table."""
+sound: every bound <= its simulated step), resume, the fit filter, the command's table; a stage's
+data-parallel step reused across layouts gives the fresh results."""
 
 import json
 
@@ -10,6 +11,9 @@ from dmuon.errors import InputError
 from harness.cmd_search import pareto_front
 from harness.search import Bounds, run_search
 from harness.search_space import ModelDims, Space, enumerate_layouts, model_dims, sim_fields
+from simulator.api import SimConfig, simulate
+from simulator.engine.symmetry import result_digest
+from simulator.programs import parallel_run
 
 TINY = {  # a 4-layer llama: every layout simulates in milliseconds
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
@@ -166,3 +170,40 @@ def test_command_prints_the_side_by_side_table(tiny_model, tmp_path, capsys):
     assert "best per strategy:" in out and "naive" in out and "vs adamw" in out
     assert (tmp_path / "pareto.png").is_file() and (tmp_path / "results.csv").is_file()
     assert main(["search", "--model", tiny_model, "--gpus", "16", "--tp", "x"]) == 2
+
+
+# ---- a TP x PP stage's data-parallel step, simulated once per distinct config (parallel_run.dp_step) ----
+def tp_cfg(model, strategy, layout, recompute, microbatches, pp=2):
+    return SimConfig(model=model, gpu="h100", gpus=32, strategy=strategy, layout=layout, tp=2, pp=pp, sp=True,
+                     seq_len=256, micro_batch=1, microbatches=microbatches, recompute=recompute)
+
+
+@pytest.mark.parametrize("strategy,layout", [("dmuon", "hsdp-free"), ("naive", "fsdp-keep"),
+                                             ("adamw", "ddp")])
+def test_reused_stage_steps_give_fresh_results(tiny_model, strategy, layout):
+    variants = [("none", 2), ("selective", 2), ("full", 2), ("none", 4)]
+    cold = {}
+    for rc, m in variants:
+        parallel_run._DP_STEPS.clear()
+        cold[rc, m] = result_digest(simulate(tp_cfg(tiny_model, strategy, layout, rc, m)))
+    parallel_run._DP_STEPS.clear()
+    sizes = []
+    for rc, m in variants:
+        r = simulate(tp_cfg(tiny_model, strategy, layout, rc, m))
+        assert result_digest(r) == cold[rc, m], (rc, m)
+        r.provenance["touched"] = True  # the caller's own copy: the cached result is not changed
+        sizes.append(len(parallel_run._DP_STEPS))
+    if strategy == "naive":  # its cost table is a new object per run: nothing reused, nothing wrong
+        assert sizes[0] >= 1
+    else:  # the stages' DP steps of the first variant serve the other three
+        assert sizes == [sizes[0]] * 4 and sizes[0] >= 1
+    assert all("touched" not in got[0].provenance for got in parallel_run._DP_STEPS.values())
+
+
+def test_keys_need_values(tiny_model):
+    c = tp_cfg(tiny_model, "dmuon", "hsdp-free", "none", 2)
+    assert parallel_run._dp_key(c, simulate) == parallel_run._dp_key(tp_cfg(tiny_model, "dmuon", "hsdp-free",
+                                                                         "none", 2), simulate)
+    assert parallel_run._dp_key(c, simulate) != parallel_run._dp_key(tp_cfg(tiny_model, "dmuon", "hsdp-keep",
+                                                                         "none", 2), simulate)
+    assert parallel_run._dp_key(SimConfig(workload=object()), simulate) is None  # an address: not cached

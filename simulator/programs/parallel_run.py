@@ -143,7 +143,7 @@ def dp_step(dcfg, run_dp) -> tuple:
     per distinct config in this process: the stage's DP step runs one micro-batch without recomputation
     (`_dp_config`), so a search's layouts that differ only in recomputation, micro-batches per step or
     pipeline schedule around the same stage ask for the same one. The simulation is deterministic, so
-    the reused result is the one simulating again gives (tests/test_parallel_cache.py)."""
+    the reused result is the one simulating again gives (tests/test_search.py)."""
     key = _dp_key(dcfg, run_dp)
     got = _DP_STEPS.get(key) if key is not None else None
     if got is None:
