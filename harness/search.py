@@ -87,6 +87,7 @@ class Bounds:
 
     def __init__(self):
         self._cache: dict[str, tuple] = {}
+        self._chunks: dict = {}  # (id(workload), pp, vpp) -> stage_layers; id(workload) -> its block layers
 
     def _layers(self, row: dict):
         """(per-layer forward s, backward s, naive NS s (None: not known per layer), workload, profile)."""
@@ -132,13 +133,17 @@ class Bounds:
             args = (lay, tokens, hidden_of(wl), DTYPE_BYTES[profile.dtype], net)
             tp_f, tp_b = tp_layer_comm(*args, backward=False)[0], tp_layer_comm(*args, backward=True)[0]
         full = row.get("recompute", "none") == "full"
-        if pp == 1:
-            chunks = [[list(range(len(fwd)))]]
-        else:
+        # per workload (held by self._cache: its id stays its own) and schedule, built once
+        chunks = self._chunks.get((id(wl), pp, vpp))
+        if chunks is None:
             from simulator.programs.parallel import stage_layers
 
-            chunks = stage_layers(wl, pp, vpp)
-        blocks = {i for i, ps in enumerate(wl.layer_params()) if any(p.block is not None for p in ps)}
+            chunks = self._chunks[id(wl), pp, vpp] = ([[list(range(len(fwd)))]] if pp == 1
+                                                      else stage_layers(wl, pp, vpp))
+        blocks = self._chunks.get(id(wl))
+        if blocks is None:
+            blocks = self._chunks[id(wl)] = {i for i, ps in enumerate(wl.layer_params())
+                                             if any(p.block is not None for p in ps)}
 
         def fb(layers) -> tuple[float, float]:
             f = sum(fwd[i] for i in layers) / tp + tp_f * sum(i in blocks for i in layers)

@@ -156,6 +156,19 @@ def dp_step(dcfg, run_dp) -> tuple:
     return got[:3]
 
 
+def _stage_workload(workload, layers: list[int], tp: int, name: str):
+    """simulator.programs.parallel.stage_workload, built once per distinct input in a process (the
+    workload by value; the result is frozen and only read)."""
+    key = (workload, tuple(layers), tp, name)
+    got = _STAGES.get(key)
+    if got is None:
+        if len(_STAGES) >= 1024:
+            _STAGES.clear()
+        got = _STAGES[key] = stage_workload(workload, layers, tp, name)
+    return got
+
+
+_STAGES: dict[tuple, tuple] = {}
 _DP_STEPS: dict[tuple, tuple] = {}
 _DP_STEPS_MAX = 256  # a SimResult and a few floats each
 
@@ -184,7 +197,7 @@ def run_parallel(cfg, workload, profile, per_node: int, run_dp) -> dict:
     f_s, b_s, first_extra, last_extra, dp_res, tp_s, blocks_of = [], [], [], [], [], [], []
     for s, chunks in enumerate(stages):
         layers = [l for c in chunks for l in c]
-        stage_wl, full = stage_workload(workload, layers, lay.tp, f"{workload.name} stage {s}")
+        stage_wl, full = _stage_workload(workload, layers, lay.tp, f"{workload.name} stage {s}")
         sig = tuple((p.matrix, p.rows, p.cols, p.count, p.optimizer, p.layer, p.matmuls_per_token,
                      p.attn_width, p.block is None) for p in stage_wl.params)
         if sig not in cache:
