@@ -322,7 +322,11 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
     fb = params + states + buckets + max(copies + act_total, end_fb)
     opt = base_opt + ns_base
     best = (max(fb, opt), 0, fb >= opt, owned[0] if owned else 0.0, work[0] if work else ns_base, 0.0)
-    for rank in range(len(owned)):
+    ranks = range(len(owned))
+    if len(owned) > 64:  # ranks owning nothing share one peak: the first stands for them (ties keep it)
+        idle = next((r for r in ranks if not (owned[r] or work[r])), None)
+        ranks = sorted([r for r in ranks if owned[r] or work[r]] + ([] if idle is None else [idle]))
+    for rank in ranks:
         extra_fb, extra_opt = owned[rank], owned[rank] + work[rank]
         chunk = 0.0
         if transient:  # the owned chunk of the summed gradients; the publications after the rank's NS
