@@ -160,15 +160,20 @@ class OptimizerPrograms(SplitPrograms):
         op = None
         st = step if op_step is None else op_step
         deps = tuple(deps)
+        for col in self._publish_cols(r, b, step, tag, st, which):
+            op = self._cop(col, r, phase, st, deps, stream)
+        return op
+
+    def _publish_cols(self, r: int, b: int, step: int, tag: str, st: int, which: str | None) -> list:
+        """The collectives of bucket b's publication for the rank `program` is issuing (`_cols`)."""
         key = (tag, step, b, self._ok, which)
-        cols = self._col_lists.get(key)  # simulator.programs.step._cols, without a closure per call (EP:
-        if cols is None:  # ~200,000 calls at Kimi-K2-like, 4096 GPUs)
+        cols = self._col_lists.get(key)  # simulator.programs.step._cols, without a closure per call
+        if cols is None:
+            s = self.s
             cols = self._cols(key, lambda: [
                 self.owner_coll(r, (tag, step, b, *ptag), b, "broadcast", s.param_bytes, group, st, part)
                 for group, ptag, part in self._owner_parts(r, b, which)])  # simulator.programs.step_ep
-        for col in cols:
-            op = self._cop(col, r, phase, st, deps, stream)
-        return op
+        return cols
 
     def _sharded_optimizer(self, r: int, step: int, adam_numel: float, red: dict, prev: dict) -> Op:
         """The sharded layout's optimizer; EP: the dense matrices only (buckets' dense parts,
@@ -232,16 +237,26 @@ class OptimizerPrograms(SplitPrograms):
         share (numel / pass_numel) of the momentum pass `momentum_s`; then per bucket, in forward order,
         the broadcast of its experts over the replica group, after the bucket's batches (`prev["pubs"]`
         under ("ep", bucket): the next forward's layers wait for their buckets'). Returns the last batch."""
-        s, cm = self.s, self.c.compute
+        s, cm = self.s, self._cmp  # simulator.programs.step: Cluster.compute's op, without its look-ups
         ex_by_bucket: dict[int, list[Op]] = {}
         for k, bt, bks, numel in ex_mine:
-            last = cm(r, f"batch{k}", bt.ns_s * s.ns_stretch + momentum_s * numel / pass_numel, phase="opt",
-                      step=step, deps=(last, red["last"]))
+            last = cm(r, f"batch{k}", bt.ns_s * s.ns_stretch + momentum_s * numel / pass_numel, "opt", step,
+                      (last, red["last"]))
             for b in bks:
                 ex_by_bucket.setdefault(b, []).append(last)
-        for b in range(self.n_buckets):
-            op = self._publish(r, b, step + 1, ex_by_bucket.get(b, ()), phase="opt", op_step=step,
-                               which="experts")
-            if op is not None:
-                prev["pubs"][("ep", b)] = op
+        # per bucket the experts' publication (`_publish`, which "experts"), its ops made here: ~200,000
+        # buckets at Kimi-K2-like, 4096 GPUs, most of them with no experts of this replica group
+        key = ("ep_pubs", step, self._ok)
+        pub_cols = self._col_lists.get(key)
+        if pub_cols is None:  # the first rank of its replica group: the collectives, in bucket order
+            pub_cols = [(b, cols) for b in range(self.n_buckets)
+                        if (cols := self._publish_cols(r, b, step + 1, "pub", step, "experts"))]
+            self._col_lists[key] = pub_cols
+        pubs, q = prev["pubs"], self._qs["comm"]
+        for b, cols in pub_cols:
+            deps = tuple(ex_by_bucket.get(b, ()))
+            for col in cols:
+                op = Op(r, "comm", col.name, "opt", step, 0.0, col, deps)
+                q.append(op)
+            pubs[("ep", b)] = op
         return last
