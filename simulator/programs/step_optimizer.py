@@ -20,33 +20,34 @@ class OptimizerPrograms(SplitPrograms):
             return
         plan = s.plan
         mats = plan.matrices
-        self.bucket_of = [0] * len(mats)
+        size = [m.numel for m in mats]  # each matrix's elements, read once (EP: ~70,000 matrices)
+        self.bucket_of = bucket_of = [0] * len(mats)
         self.bucket_layers: list[list[int]] = []
         for b in plan.buckets:
             for i in b.members:
-                self.bucket_of[i] = b.index
+                bucket_of[i] = b.index
             self.bucket_layers.append(sorted({mats[i].layer for i in b.members}))
         self.n_buckets = len(plan.buckets)
         self.layer_buckets: dict[int, list[int]] = {}
         for b, layers in enumerate(self.bucket_layers):
             for layer in layers:
                 self.layer_buckets.setdefault(layer, []).append(b)
-        self.bucket_numel = [sum(mats[i].numel for i in b.members) for b in plan.buckets]
+        self.bucket_numel = [sum([size[i] for i in b.members]) for b in plan.buckets]
         # bucket -> {plan rank: numel}; split batches (simulator.programs.step_split): with exchange "blocks" a member
         # owns its column block (1/k of each matrix): its gradient block is reduced to it, it keeps that
         # block's momentum and publishes it; with "lead" the lead owns the whole matrix, as unsplit
         blocks = s.split_exchange == "blocks"
         self.owned = [dict() for _ in plan.buckets]
-        for i, (m, g) in enumerate(zip(mats, plan.groups if blocks else [(o,) for o in plan.owners],
+        for i, (m, g) in enumerate(zip(size, plan.groups if blocks else [(o,) for o in plan.owners],
                                        strict=True)):
-            d = self.owned[self.bucket_of[i]]
+            d = self.owned[bucket_of[i]]
             for o in g:
-                d[o] = d.get(o, 0) + (m.numel if len(g) == 1 else m.numel / len(g))
+                d[o] = d.get(o, 0) + (m if len(g) == 1 else m / len(g))
         self.max_owned = [max(d.values()) for d in self.owned]  # largest single owner's share
         self.batches_of: dict[int, list] = {}
         for k, bt in enumerate(plan.batches):  # the plan's order (build_plan: readiness order per owner)
-            bks = sorted({self.bucket_of[i] for i in bt.members})
-            numel = sum(mats[i].numel for i in bt.members)
+            bks = sorted({bucket_of[i] for i in bt.members})
+            numel = sum([size[i] for i in bt.members])
             for o in bt.ranks:  # every member of a split batch runs its share (simulator.programs.step_split)
                 share = numel / len(bt.ranks) if bt.group and blocks else (numel if o == bt.owner else 0)
                 self.batches_of.setdefault(o, []).append((k, bt, bks, share))
