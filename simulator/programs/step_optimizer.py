@@ -245,19 +245,43 @@ class OptimizerPrograms(SplitPrograms):
                       (last, red["last"]))
             for b in bks:
                 ex_by_bucket.setdefault(b, []).append(last)
-        # per bucket the experts' publication (`_publish`, which "experts"), its ops made here: ~200,000
-        # buckets at Kimi-K2-like, 4096 GPUs, most of them with no experts of this replica group
+        # per bucket the experts' publication (`_publish`, which "experts"), made as a template replay
+        # (simulator.programs.step_template: the compiled loop where it loads): ~180,000 ops at
+        # Kimi-K2-like, 4096 GPUs, the same on every rank of a replica group but for their dependencies
         key = ("ep_pubs", step, self._ok)
-        pub_cols = self._col_lists.get(key)
-        if pub_cols is None:  # the first rank of its replica group: the collectives, in bucket order
-            pub_cols = [(b, cols) for b in range(self.n_buckets)
-                        if (cols := self._publish_cols(r, b, step + 1, "pub", step, "experts"))]
-            self._col_lists[key] = pub_cols
-        pubs, q = prev["pubs"], self._qs["comm"]
-        for b, cols in pub_cols:
-            deps = tuple(ex_by_bucket.get(b, ()))
-            for col in cols:
-                op = Op(r, "comm", col.name, "opt", step, 0.0, col, deps)
-                q.append(op)
-            pubs[("ep", b)] = op
+        tpl = self._col_lists.get(key)
+        if tpl is None:  # the first rank of its replica group: the collectives, in bucket order
+            tpl = self._col_lists[key] = self._pub_template(step, [
+                (b, cols) for b in range(self.n_buckets)
+                if (cols := self._publish_cols(r, b, step + 1, "pub", step, "experts"))])
+        buckets, seq, cols, lasts, crefs, by_inst = tpl
+        if not seq:
+            return last
+        ex = {-1 - k: tuple(ex_by_bucket.get(b, ())) for k, b in enumerate(buckets)}
+        native = self._native_replay()
+        if native is not None:
+            flat = native.replay(Op, seq, r, ["comm"], crefs, by_inst, ex, len(seq), [len(seq)])[0]
+        else:
+            flat = self._replay_ops(r, seq, ["comm"], [[*cols, None]], ex, [len(seq)])[0]
+        self._qs["comm"].extend(flat)
+        pubs = prev["pubs"]
+        for b, i in zip(buckets, lasts, strict=True):
+            pubs[("ep", b)] = flat[i]
         return last
+
+    @staticmethod
+    def _pub_template(step: int, pub_cols: list) -> tuple:
+        """The experts' publications of one step as a template (`_expert_step`): the buckets, per op
+        (index, stream 0, position, its collective's name, phase 'opt', step, 0 s, collective index, the
+        placeholder of its bucket's batches: -1 - k for the k-th bucket), the collectives, per bucket the
+        index of its last op (what the next forward waits for), and the replay's collective references."""
+        buckets, seq, cols, lasts = [], [], [], []
+        for k, (b, bcols) in enumerate(pub_cols):
+            refs = (-1 - k,)
+            for col in bcols:
+                i = len(seq)
+                seq.append((i, 0, i, col.name, "opt", step, 0.0, i, refs))
+                cols.append(col)
+            buckets.append(b)
+            lasts.append(len(seq) - 1)
+        return buckets, seq, cols, lasts, [[(0, j) for j in range(len(cols))]], [dict(enumerate(cols))]
