@@ -162,12 +162,9 @@ class TemplatePrograms:
         for st, new in zip(names, lists, strict=True):
             self._qs[st].extend(new)
 
-        def op(i):
-            return None if i is None else flat[i]
-
-        red = {k: op(i) for k, i in last.items()}
-        red["bucket"] = {b: op(i) for b, i in bucket.items()}
-        red["layer"] = {l: op(i) for l, i in layer.items()}
+        red = {k: None if i is None else flat[i] for k, i in last.items()}
+        red["bucket"] = {b: None if i is None else flat[i] for b, i in bucket.items()}
+        red["layer"] = {l: None if i is None else flat[i] for l, i in layer.items()}
         return [flat[i] for i in fwd], red
 
     @staticmethod
