@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import InputError
+
+if TYPE_CHECKING:  # torch is imported where tensors are cut (the routing rule and shapes need none)
+    import torch
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,8 @@ class MatrixLayout:
 
     def pieces(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every matrix of `t` (a tensor of the parameter's shape or numel) as a 2-D view, in order."""
+        import torch
+
         self._check(t)
         R, C = self.matrix_shape
         base = t.reshape(self.lead, R, C)
@@ -132,6 +136,8 @@ class MatrixLayout:
 
     def unstack(self, u: torch.Tensor) -> torch.Tensor:
         """The inverse of `stack`: (count, rows, cols) updates as one tensor of the parameter's shape."""
+        import torch
+
         if self.axis == 0:
             return u.reshape(self.shape)
         out = torch.empty(self.shape, dtype=u.dtype, device=u.device)
@@ -140,6 +146,8 @@ class MatrixLayout:
 
     def join(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The matrices `parts` (in order, any layout) as one tensor of the parameter's shape."""
+        import torch
+
         if len(parts) != self.count:
             raise InputError(f"{len(parts)} matrices for a layout of {self.count}")
         out = torch.empty(self.shape, dtype=parts[0].dtype, device=parts[0].device)

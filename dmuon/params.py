@@ -33,7 +33,8 @@ viewed (shape[0], -1) as one matrix). `DMuon(..., warn_no_muon=True)` warns abou
 or more dims that goes to AdamW.
 
 Used by `dmuon.Muon` (and the distributed optimizers) to build param groups, and by FSDP2 set-ups
-through `muon_params(model)`.
+through `muon_params(model)`. torch is imported by the functions that take modules or tensors (`route`), not
+with this module: the simulator's config.json reader calls `decide` and `attention_shape` without torch.
 """
 
 from __future__ import annotations
@@ -41,16 +42,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from .errors import InputError
 from .matrices import MatrixLayout
 
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
 HEAD_NAMES = frozenset({"lm_head", "output", "head", "classifier", "embed_out"})
-EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
-Predicate = Callable[[str, torch.Tensor], bool]
+Predicate = Callable[[str, "torch.Tensor"], bool]
 
 
 @dataclass(frozen=True)
@@ -234,7 +236,10 @@ def _is_conv1d(m: nn.Module) -> bool:
 
 def _module_routes(module: nn.Module, predicate: Predicate | None, per_head: bool,
                    attention: AttentionShape | None) -> list[Route]:
-    embeddings = [m for m in module.modules() if isinstance(m, EMBEDDING_TYPES)]
+    from torch import nn
+
+    embedding_types = (nn.Embedding, nn.EmbeddingBag)
+    embeddings = [m for m in module.modules() if isinstance(m, embedding_types)]
     vocab_sizes = {m.num_embeddings for m in embeddings}
     embedding_weights = {id(m.weight) for m in embeddings}
     linears = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear)]
@@ -249,7 +254,7 @@ def _module_routes(module: nn.Module, predicate: Predicate | None, per_head: boo
     kinds: dict[int, str] = {}
     for m in module.modules():
         for p in m.parameters(recurse=False):
-            if isinstance(m, EMBEDDING_TYPES):
+            if isinstance(m, embedding_types):
                 kinds.setdefault(id(p), "embedding")
             elif id(p) in embedding_weights:
                 kinds.setdefault(id(p), "tied")
@@ -271,6 +276,9 @@ def route(params_or_module, predicate: Predicate | None = None, *, per_head: boo
     """Routing decisions for a module, (name, param) pairs, or plain params (see module docstring):
     per_head cuts attention matrices per head; attention: the shape that cutting needs (a module's
     `config` gives it where it has one)."""
+    import torch
+    from torch import nn
+
     if predicate is not None and not callable(predicate):
         raise TypeError(f"muon_predicate must be callable (name, param) -> bool, "
                         f"got {type(predicate).__name__}")

@@ -119,13 +119,15 @@ def pareto_figure(summary, title: str, out_dir: Path) -> list[Path]:
 def register(app, bench) -> None:
     import typer
 
+    from .profile_help import gpu_help
+
     @app.command("search")
     def search_cmd(
         model: str = typer.Option(None, help="A Hugging Face config.json (path, folder, or a model in "
                                   "experiments/models/)."),
         workload: str = typer.Option(None, help="A catalog workload instead of --model (tp stays 1)."),
         gpus: int = typer.Option(..., help="GPUs in all."),
-        gpu: str = typer.Option("a800", help="Hardware profile (a800, h100, h200, cpu, or a .toml)."),
+        gpu: str = typer.Option("a800", help=gpu_help()),
         cluster: str = typer.Option(None, help="A cluster file (experiments/clusters/<name>)."),
         gpus_per_node: int = typer.Option(None, help="GPUs per node (default: the profile's)."),
         global_batch: int = typer.Option(None, help="Sequences per optimizer step (default: one per GPU)."),

@@ -22,11 +22,14 @@ RESULTS_DIR = Path("results/sensitivity")
 def register(app, bench) -> None:
     import typer
 
+    from .profile_help import gpu_help
+
     @app.command("sensitivity")
     def sensitivity_cmd(
         workload: str = typer.Option("qwen2.5-7b", help="Catalog workload or a .toml / .csv file."),
         gpus: int = typer.Option(128, help="Data-parallel ranks (GPUs)."),
-        gpu: str = typer.Option("a800", help="Hardware profile with an [uncertainty] table (a800)."),
+        gpu: str = typer.Option("a800", help=gpu_help("Hardware profile with an uncertainty table",
+                                                        "uncertainty", path=False)),
         strategy: str = typer.Option("dmuon", help="adamw | naive | dmuon."),
         layout: str = typer.Option("fsdp-keep", help="fsdp-keep | fsdp-free | hsdp-keep | hsdp-free | ddp | "
                                                      "sharded."),

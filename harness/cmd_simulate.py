@@ -127,6 +127,8 @@ def print_table(results) -> None:
 def register(app, bench) -> None:
     import typer
 
+    from .profile_help import gpu_help
+
     @app.command("simulate")
     def simulate_cmd(
         workload: str = typer.Option(None, help="Catalog workload or a .toml / .csv file (default "
@@ -141,8 +143,7 @@ def register(app, bench) -> None:
                                                "--gpus-per-node, --nic-gbps override it."),
         gpus: int = typer.Option(8, help="Data-parallel ranks (GPUs)."),
         gpus_per_node: int = typer.Option(None, help="Ranks per node (default: the profile's, 8 for GPUs)."),
-        gpu: str = typer.Option(None, help="Hardware profile: a800 | h100 | h200 | cpu | <path>.toml "
-                                           "(default a800, or the --cluster file's)."),
+        gpu: str = typer.Option(None, help=gpu_help()[:-1] + " (default a800, or the --cluster file's)."),
         strategy: str = typer.Option(ALL, help="adamw | naive | dmuon | all (side by side)."),
         layout: str = typer.Option("fsdp-keep", help="fsdp-keep | fsdp-free | hsdp-keep | hsdp-free | ddp | "
                                                      "sharded."),

@@ -205,10 +205,10 @@ def remodel(row: dict, opts: list[str]) -> dict:
 
     model_raw, workload = None, None
     if opt("--model"):
-        from .hf_model import shrunk_config
+        from .hf_model import read_config, shrink  # no transformers: the run built this config already
 
-        _, model_raw = shrunk_config(opt("--model"), layers=opt("--layers", int), hidden=opt("--hidden", int),
-                                     vocab=opt("--vocab", int))
+        model_raw = shrink(read_config(opt("--model"))[1], layers=opt("--layers", int),
+                           hidden=opt("--hidden", int), vocab=opt("--vocab", int))
     else:
         from simulator.models.workload import load_workload
 
@@ -219,15 +219,21 @@ def remodel(row: dict, opts: list[str]) -> dict:
 
 
 def cpu_checks(path: Path = CPU_CSV) -> list[dict]:
+    """The committed measurements against the current memory model (`remodel`: the file's modelled
+    columns are those of the model when it was written)."""
     if not path.is_file():
         return []
+    labels = {label: opts for opts, label in CPU_RUNS}
     out = []
     with open(path, newline="") as f:
         for r in csv.DictReader(f):
+            if r["run"] not in labels:
+                raise ValueError(f"{path}: unknown run {r['run']!r}; accepted: {', '.join(labels)}")
+            modelled = remodel(r, labels[r["run"]])["model_peak_mem_bytes"]
             out.append(_row("memory_cpu", f"{r['run']}: {r['strategy']}", r["workload"], r["strategy"],
                             "peak_memory", "GiB", float(r["peak_mem_bytes"]) / GIB,
                             f"measured here: harness bench step --exact-memory ({r['measured_at']})",
-                            float(r["model_peak_mem_bytes"]) / GIB, CPU_BOUND, True,
+                            float(modelled) / GIB, CPU_BOUND, True,
                             f"{r['n_params']} parameters, 2 ranks, seq {r['seq_len']} x {r['micro_batch']}",
                             "cpu"))
     return out

@@ -46,7 +46,7 @@ class SimConfig:
     gpus: int = _f(8, "data-parallel ranks (GPUs, or processes on a CPU)")
     gpus_per_node: int | None = _f(None, "ranks per node (None: the profile's node size); gpus must be "
                                          "<= it (one node) or a multiple of it")
-    gpu: object = _f("a800", "hardware profile: a name in simulator/profiles/ (a800, h100, h200, cpu), a "
+    gpu: object = _f("a800", "hardware profile: a name in simulator/profiles/ (simulator.fabric.hardware.profile_names()), a "
                              ".toml path, or a simulator.fabric.hardware.Profile; with `cluster`, anything but the "
                              "default 'a800' replaces the cluster file's GPU profile")
     model: str | None = _f(None, "a Hugging Face config.json (path, folder holding one, or a model in "

@@ -92,3 +92,21 @@ def test_a_choice_is_traced_to_the_option_that_held_it():
     plain = InputError("unknown profile 'nope'; accepted: a800")
     assert re.match(r"--profile: ", name_options(plain, str(plain), {"profile": "--profile"},
                                                  {"profile": "nope"}, set()))
+
+
+@pytest.mark.parametrize("command", ["search", "simulate", "sensitivity"])
+def test_gpu_help_lists_every_builtin_profile(command):
+    """--gpu's help text is built from simulator/profiles/*.toml (harness.profile_help): every built-in
+    profile is named (sensitivity: those with an [uncertainty] table, and no other)."""
+    from simulator.fabric.hardware import PROFILE_DIR, profile_names
+
+    r = CliRunner().invoke(app, [command, "--help"], terminal_width=400, env={"COLUMNS": "400"})
+    assert r.exit_code == 0, r.output
+    line = " ".join(ln for ln in r.output.splitlines() if "--gpu " in ln)
+    assert "a100" in profile_names()  # the profile the old hand-written texts left out
+    for name in profile_names():
+        has_table = "[uncertainty]" in (PROFILE_DIR / f"{name}.toml").read_text()
+        if command != "sensitivity" or has_table:
+            assert re.search(rf"\b{re.escape(name)}\b", line), (name, line)
+        else:
+            assert not re.search(rf"\b{re.escape(name)}\b", line), (name, line)

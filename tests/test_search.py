@@ -1,5 +1,5 @@
-"""`harness search`: the enumeration's rules, search == brute force (pruning is sound), resume, the fit
-filter, and the command's table."""
+"""`harness search`: the enumeration's rules, search == brute force for adamw, naive and DMuon (pruning is
+sound: every bound <= its simulated step), resume, the fit filter, the command's table."""
 
 import json
 
@@ -31,6 +31,9 @@ def tiny_space(model: str, **kw) -> Space:
                 tp=(1, 2), pp=(1, 2), vpp=(1,), micro_batch=(1, 2), recompute=("none", "full"))
     base.update(kw)
     return Space(**base)
+
+
+STRATEGIES = ("adamw", "naive", "dmuon")
 
 
 def reasons(dropped) -> set[str]:
@@ -89,8 +92,7 @@ def test_every_kept_layout_is_valid_and_distinct(tiny_model):
 
 
 def test_search_equals_brute_force_and_resumes(tiny_model, tmp_path):
-    space = tiny_space(tiny_model, gpus=8, global_batch=16, strategies=("adamw", "naive"),
-                       layouts=("fsdp-keep", "ddp"))
+    space = tiny_space(tiny_model, gpus=8, global_batch=16, strategies=STRATEGIES, layouts=("fsdp-keep", "ddp"))
     found = run_search(space, tmp_path, top=1, front=True)
     csv = (tmp_path / "results.csv").read_bytes()
     assert found.pruned > 0  # the bound does prune this space
@@ -101,7 +103,7 @@ def test_search_equals_brute_force_and_resumes(tiny_model, tmp_path):
     assert brute.pruned == 0 and brute.bound_violations == 0 and brute.reused == found.simulated
     assert brute.simulated + brute.reused == found.simulated + found.pruned
     assert all(r["step_s"] >= r["bound_s"] for r in brute.rows)  # the bound is a lower bound
-    for s in ("adamw", "naive"):
+    for s in STRATEGIES:
         want = [r for r in brute.rows if r["strategy"] == s][0]
         got = [r for r in found.rows if r["strategy"] == s][0]
         assert (got["run_id"], got["step_s"]) == (want["run_id"], want["step_s"]), s
@@ -112,8 +114,21 @@ def test_search_equals_brute_force_and_resumes(tiny_model, tmp_path):
     assert (layouts["status"] == "simulated").sum() == len(brute.rows)
     quick = run_search(space, tmp_path / "quick", top=1)  # the table only (default): prunes at least as much
     assert quick.pruned >= found.pruned
-    assert [quick.best(s)["run_id"] for s in ("adamw", "naive")] == [brute.best(s)["run_id"]
-                                                                       for s in ("adamw", "naive")]
+    assert [quick.best(s)["run_id"] for s in STRATEGIES] == [brute.best(s)["run_id"] for s in STRATEGIES]
+
+
+def test_dmuon_bound_is_sound_on_every_layout_kind(tiny_model, tmp_path):
+    """DMuon's lower bound (compute of the busiest stage; its owners' NS and the exchanges only add) never
+    exceeds its simulated step on 16 GPUs: fsdp / hsdp / sharded / ddp, tp, pp with interleaving,
+    recompute; and the search's best DMuon layout is brute force's."""
+    space = tiny_space(tiny_model, strategies=("dmuon",), layouts=("fsdp-keep", "hsdp-keep", "sharded", "ddp"),
+                       pp=(1, 2, 4), vpp=(1, 2), micro_batch=(1, 2))
+    brute = run_search(space, tmp_path, top=10**6)
+    assert len(brute.rows) > 50 and {r["layout"] for r in brute.rows} >= {"fsdp-keep", "hsdp-keep", "sharded", "ddp"}
+    assert {r["pp"] for r in brute.rows} == {1, 2, 4} and any(r["vpp"] == 2 for r in brute.rows)
+    assert brute.bound_violations == 0 and all(r["step_s"] >= r["bound_s"] > 0 for r in brute.rows)
+    found = run_search(space, tmp_path / "search", top=1)
+    assert found.pruned > 0 and found.best("dmuon")["run_id"] == brute.best("dmuon")["run_id"]
 
 
 def test_fit_filter_drops_what_does_not_fit(tiny_model, tmp_path):

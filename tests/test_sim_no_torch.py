@@ -16,6 +16,8 @@ from simulator.api import SimConfig, simulate
 for layout in ("fsdp-keep", "hsdp-free", "sharded"):
     r = simulate(SimConfig(workload="qwen2.5-7b", gpus=16, strategy="dmuon", layout=layout))
     assert r.step_s > 0
+# a Hugging Face config.json, routed by dmuon.params.decide (torch imported only where tensors are cut)
+assert simulate(SimConfig(model="qwen3-30b-a3b", gpus=16, ep=8)).step_s > 0
 print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -205,7 +205,10 @@ class WorkModel:
     def best_split(self, s: int, k: int, max_size: int | None = None) -> tuple[int, ...]:
         """Batch sizes (descending) covering k matrices of class s at least total time (DP over the usable
         sizes <= max_size; ties: fewer batches, then larger batches first)."""
-        return self._dp(s, max_size, k).sizes(k)
+        key = ("split", s, k, max_size)  # kept: LPT asks per cap and rank (~300,000 calls at 65,536 ranks)
+        if key not in self._split_cache:
+            self._split_cache[key] = self._dp(s, max_size, k).sizes(k)
+        return self._split_cache[key]
 
     def _dp(self, s: int, max_size: int | None, k: int) -> batchdp.SplitDP:
         cls = self.classes[s]
@@ -445,8 +448,7 @@ def lpt_marginal(model: WorkModel, counts=None, initial=None) -> Loads | None:
     load and count change; so the ranks holding k matrices of the class keep one heap keyed by their
     exact candidate load (load + cover(k + 1) - cover(k), rank), and each matrix looks only at the top of
     every such heap: O(log N + distinct k) per matrix instead of O(N)."""
-    n_ranks = model.world_size
-    todo = _counts(model, counts)
+    n_ranks, todo = model.world_size, _counts(model, counts)
     counts = [[0] * len(model.classes) for _ in range(n_ranks)]
     load, used = [0.0] * n_ranks if initial is None else list(initial), [0] * n_ranks
     cap = model.memory_cap_bytes
@@ -463,6 +465,8 @@ def lpt_marginal(model: WorkModel, counts=None, initial=None) -> Loads | None:
                 return None
             (new, best), k = min(tops)
             heapq.heappop(heaps[k])
+            if not heaps[k]:  # emptied: `tops` scans live heaps, not every k seen (quadratic on few ranks)
+                del heaps[k]
             load[best] = new
             counts[best][s] += 1
             used[best] += need
@@ -475,8 +479,7 @@ def lpt(model: WorkModel, counts=None, initial=None) -> Loads:
     """Greedy LPT: over batches with every batch-size cap 1..max usable size, and over single matrices
     with marginal batching costs (`lpt_marginal`); the best makespan wins (ties: less total work, then
     candidate order). Each rank then re-batches what it holds. counts / initial: as `lpt_for_cap`."""
-    top = max(max(c.sizes) for c in model.classes)
-    best_key, best = None, None
+    top, best_key, best = max(max(c.sizes) for c in model.classes), None, None
     candidates = [lambda cap=cap: lpt_for_cap(model, cap, counts, initial) for cap in range(1, top + 1)]
     candidates.append(lambda: lpt_marginal(model, counts, initial))
     base = [0.0] * model.world_size if initial is None else initial
@@ -485,7 +488,7 @@ def lpt(model: WorkModel, counts=None, initial=None) -> Loads:
         if loads is None:
             continue
         loads = rebatch(model, loads)
-        per_rank = [rank_load_s(model, r) + b for r, b in zip(loads, base, strict=True)]
+        per_rank = [(rank_load_s(model, r) if r else 0) + b for r, b in zip(loads, base, strict=True)]
         key = (max(per_rank), sum(per_rank), idx)
         if best_key is None or key < best_key:
             best_key, best = key, loads

@@ -249,11 +249,16 @@ def make_batches(model: WorkModel, loads: Loads, owners: Sequence[int], jobs=())
     N + j is split job j (one batch on its group)."""
     out = []
     n_ranks = model.world_size
+    holding: dict[int, list[int]] = {}  # class -> the ranks whose loads have it (most ranks hold no class)
+    for r, load in enumerate(loads):
+        for s in load:
+            holding.setdefault(s, []).append(r)
     for s, cls in enumerate(model.classes):
         by_holder: dict[int, list[int]] = {}
         for i in cls.members:
             by_holder.setdefault(owners[i], []).append(i)
-        for r in range(len(loads)):
+        # the ranks with slots or matrices of this class (the others have neither: no batch, nothing to check)
+        for r in sorted({*holding.get(s, ()), *(h for h in by_holder if 0 <= h < len(loads))}):
             sizes = sorted(loads[r].get(s, ()), reverse=True)
             mine = sorted(by_holder.get(r, ()), key=lambda i: (-model.matrices[i].layer, -i))
             if len(mine) != sum(sizes):

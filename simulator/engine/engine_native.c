@@ -16,6 +16,8 @@
  */
 #include "engine_native_state.h"
 #include "engine_native_loop.h"
+#include "engine_native_replay.h"
+#include "engine_native_measure.h"
 
 static Py_ssize_t slot_offset(PyObject *type, const char *name)
 {
@@ -234,6 +236,9 @@ fail:
 
 static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS, "Run a cluster's streams to completion (simulator.engine.engine_native.run_native)."},
+    {"replay", replay, METH_VARARGS, "One rank's ops from a step template (engine_native_replay.h)."},
+    {"phase_ends", phase_ends, METH_VARARGS, "Phase ends of a finished run (engine_native_measure.h)."},
+    {"compute_gaps", compute_gaps, METH_VARARGS, "A compute stream's idle and NS time (engine_native_measure.h)."},
     {NULL, NULL, 0, NULL},
 };
 

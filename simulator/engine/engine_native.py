@@ -1,8 +1,11 @@
-"""The cluster's event loop compiled: `engine_native.c` (with its two headers) is `simulator.engine.engine_fast`
+"""The cluster's event loop compiled: `engine_native.c` (with its headers) is `simulator.engine.engine_fast`
 written in C (the same model, arithmetic and timer order: the same op times, bit for bit;
 tests/test_sim_engine_fast.py), built on first use with the machine's C compiler and kept in a cache
 directory. Where no compiler or no Python headers
-are found, `Cluster.run` runs the Python loop instead (same results, slower) and says why once.
+are found, `Cluster.run` runs the Python loop instead (same results, slower) and says why once. The same
+module replays step templates (`replay`, engine_native_replay.h: `simulator.programs.step_template`) and
+scans a finished run's ops for the metrics (`phase_ends`, `compute_gaps`, engine_native_measure.h:
+`simulator.engine.metrics`), each beside the Python loop it mirrors (tests/test_sim_symmetry_replay.py).
 
 Why: at 4096 ranks a MoE step program has ~7 M ops; the Python loop spends ~3.5 us per op there (memory
 latency on ~10^7 scattered objects plus the interpreter), the C loop reads the same objects' slots directly.
@@ -34,7 +37,8 @@ from dmuon.io import atomic_path, cache_dir
 from .engine_fast import MAX_SM_SHARE
 
 SRC = Path(__file__).with_name("engine_native.c")
-HEADERS = ("engine_native_state.h", "engine_native_loop.h")  # included by SRC
+HEADERS = ("engine_native_state.h", "engine_native_loop.h", "engine_native_replay.h",
+           "engine_native_measure.h")  # included by SRC
 # -ffp-contract=off: no fused multiply-adds, so every sum and product rounds as Python's do
 CFLAGS = ("-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fwrapv")
 MODES = ("auto", "native", "python")

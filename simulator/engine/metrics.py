@@ -10,32 +10,29 @@ definitions of the reported times.
 
 from __future__ import annotations
 
+from . import engine_native
+from .engine import Op
+
+
+SCANS = {"mode": "auto"}  # "python": the Python scans even where the compiled ones load (tests)
+
+
+def _native():
+    """The compiled module with `phase_ends` / `compute_gaps` (simulator/engine/engine_native_measure.h: the
+    same scans as below in C), or None: the Python loops here (DMUON_SIM_ENGINE=python, no compiler)."""
+    return None if SCANS["mode"] == "python" else engine_native.load()
+
 
 def measure(built, step: int) -> dict:
     cl = built.cluster
     n = cl.n_ranks
-    fwd_end = [0.0] * (step + 1)  # per step (lists: ~10^6 ops per MoE run are read here)
-    bwd_end = list(fwd_end)
-    opt_end = list(fwd_end)
-    grad_end = list(fwd_end)
-    for (_, stream), ops in cl.queues.items():
-        compute = stream == cl.compute_stream
-        for op in ops:
-            s, e = op.step, op.end
-            if s > step or e is None:
-                continue
-            ph = op.phase
-            if ph == "opt":
-                if e > opt_end[s]:
-                    opt_end[s] = e
-            elif compute:
-                if ph == "fwd":
-                    if e > fwd_end[s]:
-                        fwd_end[s] = e
-                elif ph == "bwd" and e > bwd_end[s]:
-                    bwd_end[s] = e
-            elif ph == "bwd" and e > grad_end[s]:
-                grad_end[s] = e
+    native = _native()
+    got = native and native.phase_ends(Op, [(ops, stream == cl.compute_stream)
+                                            for (_, stream), ops in cl.queues.items() if ops], step)
+    if got:
+        fwd_end, bwd_end, opt_end, grad_end = got
+    else:
+        fwd_end, bwd_end, opt_end, grad_end = _phase_ends(cl, step)
     t0 = opt_end[step - 1] if step >= 1 else 0.0
     t1 = opt_end[step]
     exposed = {}
@@ -45,19 +42,9 @@ def measure(built, step: int) -> dict:
     for r in range(n):
         if not weight[r]:
             continue
-        prev_end = None
-        waited = 0.0
-        busy = 0.0
-        for op in cl.queues[(r, cl.compute_stream)]:
-            start = op.start
-            if start is None:
-                continue
-            if prev_end is not None and start > prev_end and t0 < start <= t1:
-                waited += start - max(prev_end, t0)
-            if op.step == step and op.name.startswith(("batch", "ns")):
-                busy += op.end - start
-            prev_end = op.end
-        exposed[r] = waited
+        ops = cl.queues[(r, cl.compute_stream)]
+        gaps = native and native.compute_gaps(Op, ops, t0, t1, step)
+        exposed[r], busy = gaps or _compute_gaps(ops, t0, t1, step)
         ns_busy.append(busy)
     total = muon = 0.0
     for c in cl.collectives:
@@ -83,3 +70,49 @@ def measure(built, step: int) -> dict:
         "t0": t0,
         "t1": t1,
     }
+
+
+def _phase_ends(cl, step: int) -> tuple[list, list, list, list]:
+    """Per step 0..step the latest end of forward compute, backward compute, optimizer (any stream) and
+    backward communication ops; 0.0 where none."""
+    fwd_end = [0.0] * (step + 1)  # per step (lists: ~10^6 ops per MoE run are read here)
+    bwd_end = list(fwd_end)
+    opt_end = list(fwd_end)
+    grad_end = list(fwd_end)
+    for (_, stream), ops in cl.queues.items():
+        compute = stream == cl.compute_stream
+        for op in ops:
+            s, e = op.step, op.end
+            if s > step or e is None:
+                continue
+            ph = op.phase
+            if ph == "opt":
+                if e > opt_end[s]:
+                    opt_end[s] = e
+            elif compute:
+                if ph == "fwd":
+                    if e > fwd_end[s]:
+                        fwd_end[s] = e
+                elif ph == "bwd" and e > bwd_end[s]:
+                    bwd_end[s] = e
+            elif ph == "bwd" and e > grad_end[s]:
+                grad_end[s] = e
+    return fwd_end, bwd_end, opt_end, grad_end
+
+
+def _compute_gaps(ops: list, t0: float, t1: float, step: int) -> tuple[float, float]:
+    """(idle gaps of one rank's compute stream before ops starting in (t0, t1], time of its NS batches of
+    `step`)."""
+    prev_end = None
+    waited = 0.0
+    busy = 0.0
+    for op in ops:
+        start = op.start
+        if start is None:
+            continue
+        if prev_end is not None and start > prev_end and t0 < start <= t1:
+            waited += start - max(prev_end, t0)
+        if op.step == step and op.name.startswith(("batch", "ns")):
+            busy += op.end - start
+        prev_end = op.end
+    return waited, busy

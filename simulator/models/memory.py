@@ -26,11 +26,17 @@ with tensor / pipeline parallelism (`tp`, `pp` where the config has them) every 
                   backward
   activations     `simulator.models.memory_activations.activation_bytes` (Korthikanti et al. 2022's count per
                   layer, any recompute, TP / SP, PP in-flight micro-batches, the output layer and fp32 loss)
-  comm_buckets    the runtime's persistent exchange buffers (`dmuon.runtime.units`: one flat buffer per
-                  unit over every parameter it reduces, grad_comm_dtype; DMuon's units a second one it
-                  publishes from, param_comm_dtype): ddp every parameter (DMuon: x 2), owner layouts the
-                  Muon matrices x 2; plus FSDP2's reduction in flight: the largest layer's unsharded
-                  gradient (compute dtype) and its reduce-scatter input (grad_comm_dtype)
+  comm_buckets    the runtime's exchange buffers (`dmuon.runtime.units`): ddp one persistent flat buffer per
+                  unit over every parameter it reduces (grad_comm_dtype; DMuon's units a second one it
+                  publishes from, param_comm_dtype); the FSDP2 owner layouts' DMuon units are transient
+                  (`build_units`: transient=True): a unit's buffers live while it is in flight, and each
+                  rank keeps its owned chunk of the summed gradients (the reduce job's result, grad_comm_dtype)
+                  until the next step's reduction; the publications (every Muon matrix, param_comm_dtype)
+                  follow the rank's NS in the optimizer phase. Plus FSDP2's reduction in flight (torch's
+                  `_fsdp_collectives.foreach_reduce`: a unit's unsharded gradients, compute dtype, copied
+                  into the reduce-scatter input, grad_comm_dtype, then cleared): the largest unit, the root
+                  (fully_shard(model): embeddings, head, final norm, reduced last) or a block; and in the
+                  owner layouts one layer's Muon gradients and their packed buffer
   ns_workspace    one NS call at a time: its input stack in param_dtype, X, the result and the m x m
                   products in the NS dtype: k (2 m n e_param + e_ns (2 m n + c m^2)), k matrices of the
                   short side m, long side n, c = 3 standard (A, A^2, B), 4 Gram (R, Z, Q, RZ)
@@ -40,11 +46,18 @@ with tensor / pipeline parallelism (`tp`, `pp` where the config has them) every 
                   and every update (2 x the Muon elements, param_dtype) + the largest shape's call; DMuon:
                   its owner's largest batch
 Peaks (the step's two phases; `peak_phase` names the larger):
-  forward/backward = parameters + optimizer + param_copies + the runtime's buffers
-                     + max(activations, gradients + FSDP2's reduction in flight)   (activations peak as
-                     backward starts and are freed as gradients arrive; the last reduction ends it)
+  forward/backward = parameters + optimizer + the runtime's persistent buffers
+                     + max(param_copies + activations,            (backward starts: every copy held)
+                           end of backward)
+                     end of backward, FSDP layouts: the root unit's copies (FSDP2 reshards each block after
+                     its backward; the root, gathered, reduces last) + gradients other than the root's
+                     shard + the reduction in flight; ddp: param_copies + gradients. Measured on this CPU
+                     (the fsdp2-owner rows of scripts/memory_cpu.py, bench model and HF Llama, the resident
+                     set sampled every 0.2 ms per phase): adamw and dmuon peak at the root's reduce-scatter,
+                     after every Muon unit's reduction.
   optimizer        = parameters + optimizer + gradients + the runtime's buffers + ns_workspace
-                     (FSDP2's reduce-scatter in flight is over by then)
+                     (owner layouts with transient units: the owned gradient chunk + max(NS workspace,
+                     the publications))
 Capacity: the profile's `memory_gib` (datasheets; CPU: the host's RAM, shared by the node's ranks).
 ASSUMPTION (shown in notes): no allocator fragmentation or caching (PyTorch's caching allocator reserves
 more than it allocates: `harness validate`'s memory section compares both where published).
@@ -230,18 +243,36 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
         copies = sharded_numel * e_c + (sum(layer_muon.values()) * e_c if owner_layout and e_c != e_m else 0)
     if owner_layout and free:
         copies = 2 * largest * max(e_c, e_m)
-    # the runtime's persistent exchange buffers (dmuon.runtime.units: one flat buffer per unit of every
-    # parameter it reduces; DMuon's units a second one it publishes from) + FSDP2's reduce-scatter in flight
+    # the runtime's exchange buffers (dmuon.runtime.units): ddp one persistent flat buffer per unit of every
+    # parameter it reduces (DMuon's units a second one it publishes from); the FSDP2 owner layouts'
+    # units are transient (build_units: transient=True): a unit's buffer lives while it is in flight,
+    # then the rank keeps its owned chunk of the summed gradients (the reduce job's result) until the
+    # next step's reduction (per rank, below: owned elements x grad_comm_dtype)
     e_pc = DTYPE_BYTES[cfg.param_comm_dtype or profile.dtype]
     total = sum(layer_numel.values())
-    in_flight = 0.0  # FSDP2's reduce-scatter of one layer: backward only
+    owner_numel = sum(layer_muon.values())  # DMuon's owner-layout Muon matrices: its own units
+    transient = owner_layout and layout != "ddp"
+    # keep: step() launches every unit's publication at its end (dmuon.runtime.base: each allocates its whole
+    # buffer at launch); free: the residency publishes a unit from its hooks (fsdp_memory: the two units
+    # in use, counted in param_copies)
+    publish = owner_numel * e_pc if transient and not free else 0.0
+    in_flight = 0.0  # the largest reduction in flight at the end of backward
+    end_fb = copies + grads  # ddp: every gradient with the weights (and autocast's copies) at backward's end
     if layout == "ddp":
         buckets = total * (e_g + (e_pc if strategy == "dmuon" else 0))
     else:
-        owner_numel = sum(layer_muon.values())  # DMuon's owner-layout Muon matrices: its own units
-        buckets = owner_numel * (e_g + e_pc)
-        in_flight = largest * (e_c + e_g) if total > owner_numel else 0.0
-        in_flight += max(layer_muon.values(), default=0.0) * e_m  # one layer's gradients before packing
+        buckets = 0.0
+        # FSDP2's reduce-scatter of one unit (torch's _fsdp_collectives.foreach_reduce: the unit's unsharded
+        # gradients (compute dtype) are copied into the reduce-scatter input (grad_comm_dtype) and then
+        # cleared, before the sharded output exists): the root unit (fully_shard(model): embeddings, head,
+        # final norm) reduces last, after every block resharded (FSDP2's post-backward), with the root
+        # still gathered; a block's unit while its own backward runs
+        unit = max(root, max(block_numel.values(), default=0.0))
+        in_flight = unit * (e_c + e_g) if total > owner_numel else 0.0
+        if transient:  # one Muon unit: the layer's whole gradients, then its packed buffer (consume_grads)
+            in_flight = max(in_flight, max(layer_muon.values(), default=0.0) * (e_m + e_g))
+        root_shard = root / max(1, shard) * e_m if total > owner_numel else 0.0
+        end_fb = root * e_c + grads - root_shard + in_flight
 
     sp = bool(getattr(cfg, "sp", tp > 1))  # sequence parallelism where the config says (else with any TP)
     acts = activation_bytes(workload, cfg.seq_len, cfg.micro_batch, e_c, tp=tp, sp=sp, pp=pp,
@@ -286,25 +317,30 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
         if batched:  # dmuon.NaiveMuon: every matrix's input gathered, then every update, before applying
             ns_base += 2.0 * sum(m.rows * m.cols * m.count for m in muon) / model_split * e_m
 
-    base_fb = params + states + copies + buckets
     base_opt = params + states + grads + buckets
-    fb = base_fb + max(act_total, grads + in_flight)  # activations peak as backward starts, gradients at its end
+    # activations peak as backward starts (every copy held), gradients at its end (end_fb)
+    fb = params + states + buckets + max(copies + act_total, end_fb)
     opt = base_opt + ns_base
-    best = (max(fb, opt), 0, fb >= opt, owned[0] if owned else 0.0, work[0] if work else ns_base)
+    best = (max(fb, opt), 0, fb >= opt, owned[0] if owned else 0.0, work[0] if work else ns_base, 0.0)
     for rank in range(len(owned)):
         extra_fb, extra_opt = owned[rank], owned[rank] + work[rank]
+        chunk = 0.0
+        if transient:  # the owned chunk of the summed gradients; the publications after the rank's NS
+            chunk = owned[rank] / 4 * e_g
+            extra_fb += chunk
+            extra_opt = owned[rank] + chunk + max(work[rank], publish)
         if owner_layout and free:  # the rank's owned matrices, whole
             own_w = owned[rank] / 4 * e_m
             extra_fb += own_w
             extra_opt += own_w
         peak = max(fb + extra_fb, opt + extra_opt)
         if peak > best[0]:
-            best = (peak, rank, fb + extra_fb >= opt + extra_opt, owned[rank], work[rank])
-    peak, rank, fb_wins, own_states, ns_ws = best
+            best = (peak, rank, fb + extra_fb >= opt + extra_opt, owned[rank], work[rank], chunk)
+    peak, rank, fb_wins, own_states, ns_ws, chunk = best
     params_r = params + (own_states / 4 * e_m if owner_layout and free else 0.0)
     cap = profile_capacity(profile, per_node)
     return MemoryBreakdown(parameters=params_r, gradients=grads, optimizer=states + own_states,
-                           param_copies=copies, activations=act_total, comm_buckets=buckets + in_flight,
+                           param_copies=copies, activations=act_total, comm_buckets=buckets + in_flight + chunk + publish,
                            ns_workspace=ns_ws, peak_bytes=peak,
                            peak_phase="forward/backward" if fb_wins else "optimizer",
                            capacity_bytes=cap, rank=rank, notes=tuple(notes))

@@ -90,15 +90,26 @@ class Workload:
     def experts_apart(self) -> Workload:
         """This workload with every expert matrix its own ParamSpec (named `...experts.<e>....`), as expert
         parallelism places them (`dmuon.plan.ep`: each EP rank holds its experts; the simulator's EP
-        programs); everything else as it is."""
+        programs); everything else as it is. Built once per workload (the simulator's spec and memory model
+        both ask; Kimi-K2-like has ~70,000 expert matrices), so its `muon_matrices` are built once too."""
+        got = self.__dict__.get("_experts_apart")
+        if got is not None:
+            return got
         out = []
+        new = object.__new__
         for p in self.params:
             if p.count == 1 or ".experts." not in p.name:
                 out.append(p)
                 continue
-            out += [replace(p, name=n, matrix=kind, count=1, pieces=())
-                    for n, kind in zip(p.pieces, p.matrix_kinds(), strict=True)]
-        return replace(self, params=tuple(out))
+            for n, kind in zip(p.pieces, p.matrix_kinds(), strict=True):
+                # replace(p, name=n, matrix=kind, count=1, pieces=()) without its per-field __init__ (ParamSpec
+                # validates nothing): its fields copied, four of them set
+                q = new(ParamSpec)
+                q.__dict__.update(p.__dict__, name=n, matrix=kind, count=1, pieces=())
+                out.append(q)
+        got = replace(self, params=tuple(out))
+        self.__dict__["_experts_apart"] = got  # a cache beside the frozen fields (as cached_property does)
+        return got
 
     @property
     def adamw_params(self) -> tuple[ParamSpec, ...]:

@@ -85,10 +85,15 @@ class CommPrograms:
         c = self.colls.get(full)
         if c is None:
             n = g.size
-            cost = collective_time_s(kind, size_bytes, g, self.s.network,
-                                     hierarchical=self.s.hierarchical and not flat,
-                                     max_share_bytes=max_share, nccl=nccl, owners=owners,
-                                     owners_per_local=owners_per_local, coalesced=coalesced)
+            # priced once per shape: the instances of a group kind repeat the same arguments (a pure function)
+            how = (kind, type(size_bytes), size_bytes, g, self.s.hierarchical and not flat, max_share, nccl,
+                   owners, owners_per_local, coalesced)
+            cost = self._costs.get(how) if hasattr(self, "_costs") else None
+            if cost is None:
+                cost = self.__dict__.setdefault("_costs", {})[how] = collective_time_s(
+                    kind, size_bytes, g, self.s.network, hierarchical=self.s.hierarchical and not flat,
+                    max_share_bytes=max_share, nccl=nccl, owners=owners, owners_per_local=owners_per_local,
+                    coalesced=coalesced)
             present = self.present.get((group, inst), n)
             c = self.c.new_collective("/".join(str(k) for k in key), kind, present, cost * repeat,
                                       bytes_per_rank=bytes_per_rank(kind, size_bytes, n) * repeat,
