@@ -432,13 +432,9 @@ def lpt_for_cap(model: WorkModel, max_size: int, counts=None, initial=None) -> L
         load[best] -= neg_t
         used[best] += need
         loads[best].setdefault(s, []).append(b)
-        if full:
-            heapq.heappop(heap)
-            for item in full:
-                heapq.heappush(heap, item)
-            heapq.heappush(heap, (load[best], best))
-        else:  # pop and push in one (the ranks order the entries totally: the same minima follow)
-            heapq.heapreplace(heap, (load[best], best))
+        heapq.heapreplace(heap, (load[best], best))  # pop + push; (load, rank) orders the same set alike
+        for item in full:
+            heapq.heappush(heap, item)
     return loads
 
 
