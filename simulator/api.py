@@ -377,6 +377,7 @@ def run(cfg: SimConfig, all_ranks: bool = True, _execute: bool = True, _memory: 
     thread_cost = thread_cost_for(profile, cfg) if cfg.cost is None else None
     spec, info = make_spec(cfg, workload, profile, cost, per_node, thread_cost)
     spec.sm_share = profile.sm_share  # SMs an NCCL collective holds (simulator.engine.engine)
+    spec.sm_share_net = profile.sm_share_net  # ... over one GPU per node (Profile.nccl_channels_net)
     if cfg.jitter > 0:  # stragglers: every rank draws its own times, so every rank is simulated
         spec.steps, all_ranks = 1 + cfg.jitter_steps, True
     with paused_gc():  # one pause for building, running and reading the ops (simulator.engine.engine.paused_gc)

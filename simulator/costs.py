@@ -51,14 +51,17 @@ def plan_for(matrices, world_size: int, cost, *, balancer: str, method: str, dty
     key = (tuple(matrices), world_size, id(cost), balancer, method, dtype, batching, max_batch, bucket_numel,
            time_limit_s, max_split, link_key, owner_momentum) + ((ep,) if ep > 1 else ()) + (
                (orientation,) if orientation else ())
-    if key not in _PLANS and ep > 1:  # expert parallelism: experts owned in their replica group
+    got = _PLANS.get(key)  # one look-up: the key hashes every matrix (~70,000 with expert parallelism)
+    if got is not None:
+        return got[-1]
+    if ep > 1:  # expert parallelism: experts owned in their replica group
         from dmuon.plan.ep import build_ep_plan
 
         plan = build_ep_plan(matrices, world_size, cost, ep=ep, balancer=balancer, method=method, dtype=dtype,
                              batching=batching, max_batch=max_batch, bucket_numel=bucket_numel,
                              time_limit_s=time_limit_s)
         _PLANS[key] = (cost, None, plan)
-    if key not in _PLANS:
+    else:
         from dmuon.plan.build import build_plan
 
         plan = build_plan(matrices, world_size, cost, balancer=balancer, method=method, dtype=dtype,
@@ -68,7 +71,7 @@ def plan_for(matrices, world_size: int, cost, *, balancer: str, method: str, dty
                           orientation=orientation)
         # holding the cost (and the links' network) keeps their ids from being reused while cached
         _PLANS[key] = (cost, links, plan)
-    return _PLANS[key][-1]
+    return plan
 
 
 def tp_plan_for(matrices, world_size: int, cost, *, tp: int, shard_dims, method: str, dtype: str, links,

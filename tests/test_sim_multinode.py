@@ -208,3 +208,17 @@ def test_every_public_step_row_states_its_settings_and_cluster():
         assert r["checked"] in ("yes", "no") and r["grad_accum"] == "1"
         assert int(r["global_batch"]) == int(r["micro_batch"]) * int(r["gpus"])
         assert read_cluster(_ROOT / r["cluster"])["gpus_per_node"] == 8
+
+
+def test_one_gpu_per_node_collectives_hold_the_nic_sized_channel_count():
+    """HSDP's replicate all-reduce (one GPU per node) holds nccl_channels_net SMs (a800: 2 of 108); the
+    in-node reduce-scatter / all-gather keep nccl_channels (24); a profile without the key keeps one count."""
+    prof = load_profile("a800")
+    assert prof.sm_share_net == pytest.approx(2 / 108) and "NVIDIA/nccl#1291" in prof.provenance["nccl_channels_net"]
+    assert dataclasses.replace(prof, nccl_channels_net=0).sm_share_net == prof.sm_share
+    assert dataclasses.replace(prof, sm_count=0).sm_share_net == 0.0
+    built = run(SimConfig(workload="qwen2.5-1.5b", gpus=16, strategy="adamw", layout="hsdp-free"),
+                all_ranks=False)[1]
+    shares = {(c.group.rstrip("0123456789"), c.kind): c.sm_share for c in built.cluster.collectives}
+    assert shares[("inter", "all_reduce")] == pytest.approx(2 / 108)
+    assert shares[("intra", "reduce_scatter")] == shares[("intra", "all_gather")] == pytest.approx(24 / 108)

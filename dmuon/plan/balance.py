@@ -428,13 +428,13 @@ def lpt_for_cap(model: WorkModel, max_size: int, counts=None, initial=None) -> L
             full.append(heapq.heappop(heap))
         if not heap:
             return None
-        _, best = heapq.heappop(heap)
-        for item in full:
-            heapq.heappush(heap, item)
+        best = heap[0][1]
         load[best] -= neg_t
         used[best] += need
         loads[best].setdefault(s, []).append(b)
-        heapq.heappush(heap, (load[best], best))
+        heapq.heapreplace(heap, (load[best], best))  # pop + push; (load, rank) orders the same set alike
+        for item in full:
+            heapq.heappush(heap, item)
     return loads
 
 

@@ -57,6 +57,12 @@ static void loop_free(Loop *L)
     PyMem_Free(L->c_rate);
     PyMem_Free(L->c_since);
     PyMem_Free(L->c_ver);
+    if (L->c_start_obj)
+        for (Py_ssize_t c = 0; c < L->n_coll; c++) Py_XDECREF(L->c_start_obj[c]);
+    if (L->c_end_obj)
+        for (Py_ssize_t c = 0; c < L->n_coll; c++) Py_XDECREF(L->c_end_obj[c]);
+    PyMem_Free(L->c_start_obj);
+    PyMem_Free(L->c_end_obj);
     PyMem_Free(L->c_started);
     PyMem_Free(L->c_ended);
     PyMem_Free(L->busy);
@@ -86,12 +92,12 @@ static PyObject *write_back(Loop *L) /* the collectives' times and participants;
         if (!v || PyObject_SetAttrString(co, "arrived", v) < 0) { Py_XDECREF(v); return NULL; }
         Py_DECREF(v);
         if (L->c_started[c]) {
-            v = PyFloat_FromDouble(L->c_start[c]);
+            v = shared_float(&L->c_start_obj[c], L->c_start[c]);
             if (!v || PyObject_SetAttrString(co, "start", v) < 0) { Py_XDECREF(v); return NULL; }
             Py_DECREF(v);
         }
         if (L->c_ended[c]) {
-            v = PyFloat_FromDouble(L->c_endt[c]);
+            v = shared_float(&L->c_end_obj[c], L->c_endt[c]);
             if (!v || PyObject_SetAttrString(co, "end", v) < 0) { Py_XDECREF(v); return NULL; }
             Py_DECREF(v);
         }
@@ -168,6 +174,7 @@ static PyObject *run(PyObject *self, PyObject *args)
     ALLOC(L->c_head, nc); ALLOC(L->c_tail, nc); ALLOC(L->c_cost, nc); ALLOC(L->c_sm, nc);
     ALLOC(L->c_start, nc); ALLOC(L->c_endt, nc); ALLOC(L->c_rem, nc); ALLOC(L->c_rate, nc);
     ALLOC(L->c_since, nc); ALLOC(L->c_ver, nc); ALLOC(L->c_started, nc); ALLOC(L->c_ended, nc);
+    ALLOC(L->c_start_obj, nc); ALLOC(L->c_end_obj, nc);
     for (Py_ssize_t c = 0; c < nc; c++) {
         PyObject *co = PyList_GET_ITEM(colls, c);
         if (!PyObject_TypeCheck(co, L->coll_type)) {

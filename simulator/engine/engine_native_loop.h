@@ -143,9 +143,9 @@ static int start_coll(Loop *L, Py_ssize_t c)
 
 static int coll_times(Loop *L, PyObject *op, Py_ssize_t c) /* op.start, op.end = c.start, c.end */
 {
-    PyObject *a = PyFloat_FromDouble(L->c_start[c]);
+    PyObject *a = shared_float(&L->c_start_obj[c], L->c_start[c]);
     if (!a) return -1;
-    PyObject *b = PyFloat_FromDouble(L->c_endt[c]);
+    PyObject *b = shared_float(&L->c_end_obj[c], L->c_endt[c]);
     if (!b) { Py_DECREF(a); return -1; }
     set_slot(op, L->o_start, a);
     set_slot(op, L->o_end, b);

@@ -40,7 +40,9 @@ Layout of a profile file:
                tree_inter_alpha_us, tree_bw_factor (NCCL's tree all-reduce; defaults: NCCL tuner constants
                4 us, 14 us, 0.92), nccl_channels (thread blocks, one SM each, an NCCL collective holds
                while it runs; with [compute] sm_count the SM share it takes from concurrent compute,
-               simulator.engine.engine; absent: no SM contention)
+               simulator.engine.engine; absent: no SM contention), nccl_channels_net (the same for a
+               communicator with one GPU per node, e.g. HSDP's replicate group: NCCL sizes its channels
+               by the NIC there; absent: nccl_channels)
                [network.protocols.<name>] (LL, LL128; optional): ring_base_us, ring_intra_us, ring_inter_us,
                tree_base_us, tree_intra_us, tree_inter_us, bw_factor, source: NCCL's other protocols,
                tried beside Simple across nodes (simulator.fabric.collectives)
@@ -78,7 +80,8 @@ _NETWORK_KEYS = ("nvlink_GBps", "base_latency_us", "intra_alpha_us", "inter_alph
 _TOP_KEYS = ("name", "description", "gpu", "cost_profile", "dtype", "symmetric_kernels", "gpus_per_node",
              "cpu_cores", "compute", "network", "threads", "uncertainty")
 THREAD_KINDS = ("compute", "ns", "elementwise")
-_NETWORK_OPTIONAL = ("tree_intra_alpha_us", "tree_inter_alpha_us", "tree_bw_factor", "nccl_channels")
+_NETWORK_OPTIONAL = ("tree_intra_alpha_us", "tree_inter_alpha_us", "tree_bw_factor", "nccl_channels",
+                     "nccl_channels_net")
 _NETWORK_TABLE_KEYS = (*_NETWORK_KEYS, *_NETWORK_OPTIONAL, "points", "curve_from", "curve_scale", "protocols")
 _PROTOCOL_KEYS = ("ring_base_us", "ring_intra_us", "ring_inter_us", "tree_base_us", "tree_intra_us",
                   "tree_inter_us", "bw_factor")
@@ -125,6 +128,7 @@ class Profile:
     sm_count: int = 0  # streaming multiprocessors per GPU (0: not modelled)
     memory_gib: float = 0.0  # memory per device (CPU: the host's RAM); 0 = not stated (simulator.models.memory)
     nccl_channels: int = 0  # SMs an NCCL collective holds while it runs (0: not modelled)
+    nccl_channels_net: int = 0  # the same over one GPU per node (HSDP's replicate group); 0: nccl_channels
     attention_causal_fraction: float = 0.5  # share of the s x s scores the attention kernel computes
     activation_rw_passes: float = 0.0  # memory-bound activation passes (0: not modelled), simulator.models.compute
     thread_speedup: dict[str, float] = field(default_factory=dict)  # kind -> speedup at cpu_cores threads
@@ -147,6 +151,14 @@ class Profile:
         if self.sm_count <= 0 or self.nccl_channels <= 0:
             return 0.0
         return min(1.0, self.nccl_channels / self.sm_count)
+
+    @property
+    def sm_share_net(self) -> float:
+        """The same for a collective whose communicator has one GPU per node (network-only rings: NCCL
+        sizes their channels by the NIC, not by NVLink; `nccl_channels_net`, else `nccl_channels`)."""
+        if self.sm_count <= 0 or self.nccl_channels <= 0:
+            return 0.0
+        return min(1.0, (self.nccl_channels_net or self.nccl_channels) / self.sm_count)
 
     def with_overlap_slowdown(self, slowdown: float) -> Profile:
         if not slowdown >= 0:
@@ -469,6 +481,7 @@ def _load_profile(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Prof
         activation_rw_passes=megatron["activation_rw_passes"],
         uncertainty=uncertainty,
         nccl_channels=int(opt.get("nccl_channels", 0)),
+        nccl_channels_net=int(opt.get("nccl_channels_net", 0)),
         thread_speedup=speedups,
         corun_slowdown=coruns,
         provenance=prov,

@@ -99,6 +99,7 @@ class StepSpec:
     ns_stretch: float = 1.0  # CPU contention applied to plan batch times
     steps: int = 2
     sm_share: float = 0.0  # share of a GPU's SMs each running collective takes (simulator.engine.engine)
+    sm_share_net: float | None = None  # the same over one GPU per node (HSDP's replicate group); None: sm_share
     ep_spec: object = None  # simulator.programs.step_ep.EPSpec with ep > 1 (expert parallelism), else None
     published: frozenset = frozenset()  # system 'published': its mechanisms on (simulator.programs.step_published)
     published_adamw_tensors: int = 0  # published adamw_unfused: the public AdamW loop's tensors (published_host)

@@ -15,7 +15,8 @@ Pricing (`simulator.fabric.collectives.collective_time_s`, every collective NCCL
       one after another on one communicator: latency once per owner); two-level (intra, then inter per
       local index) where `StepSpec.hierarchical` (the runtime's node_size), else flat over the group;
       EP's replica group always flat (`ExpertMuon`'s process groups have no node_size).
-  Each collective holds `StepSpec.sm_share` of its participants' SMs while it runs (simulator.engine.engine).
+  Each collective holds `StepSpec.sm_share` of its participants' SMs while it runs (simulator.engine.engine);
+  one over a group of one GPU per node (HSDP's replicate group) `StepSpec.sm_share_net` (`_sm_share`).
 
 Which ranks are simulated: one per class of ranks whose programs are the same and whose collectives meet
 the same classes (`select`, `rank_signature`, `group_kinds`; simulator.engine.symmetry and docs/simulator.md,
@@ -97,13 +98,19 @@ class CommPrograms:
             c = self.c.new_collective("/".join(str(k) for k in key), kind, present, cost * repeat,
                                       bytes_per_rank=bytes_per_rank(kind, size_bytes, n) * repeat,
                                       muon_fraction=muon_fraction, group=f"{group}{inst}", step=step,
-                                      sm_share=self.s.sm_share, size=n)
+                                      sm_share=self._sm_share(g), size=n)
             c.copies = self.copies.get((group, inst), 1)  # the real instances it stands for (symmetry)
             self.colls[full] = c
             kid = self._col_ids.setdefault((key, group), len(self._col_ids))  # simulator.programs.step_template
             self._col_of[id(c)] = (group, kid)
             self._col_by_inst.setdefault((group, inst), {})[kid] = c
         return c
+
+    def _sm_share(self, g: Group) -> float:
+        """SMs a collective over `g` holds: a network-only ring (one GPU per node, e.g. HSDP's replicate
+        all-reduce) has NCCL's NIC-sized channel count (`StepSpec.sm_share_net`), else `sm_share`."""
+        net = self.s.sm_share_net
+        return net if net is not None and g.per_node == 1 and g.nodes > 1 else self.s.sm_share
 
     # ---- dmuon's owner exchange ------------------------------------------------------------------
     def owner_coll(self, r: int, key: tuple, b: int, kind: str, elem_bytes: int, group: str, step: int,

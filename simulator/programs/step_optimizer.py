@@ -20,33 +20,34 @@ class OptimizerPrograms(SplitPrograms):
             return
         plan = s.plan
         mats = plan.matrices
-        self.bucket_of = [0] * len(mats)
+        size = [m.numel for m in mats]  # each matrix's elements, read once (EP: ~70,000 matrices)
+        self.bucket_of = bucket_of = [0] * len(mats)
         self.bucket_layers: list[list[int]] = []
         for b in plan.buckets:
             for i in b.members:
-                self.bucket_of[i] = b.index
+                bucket_of[i] = b.index
             self.bucket_layers.append(sorted({mats[i].layer for i in b.members}))
         self.n_buckets = len(plan.buckets)
         self.layer_buckets: dict[int, list[int]] = {}
         for b, layers in enumerate(self.bucket_layers):
             for layer in layers:
                 self.layer_buckets.setdefault(layer, []).append(b)
-        self.bucket_numel = [sum(mats[i].numel for i in b.members) for b in plan.buckets]
+        self.bucket_numel = [sum([size[i] for i in b.members]) for b in plan.buckets]
         # bucket -> {plan rank: numel}; split batches (simulator.programs.step_split): with exchange "blocks" a member
         # owns its column block (1/k of each matrix): its gradient block is reduced to it, it keeps that
         # block's momentum and publishes it; with "lead" the lead owns the whole matrix, as unsplit
         blocks = s.split_exchange == "blocks"
         self.owned = [dict() for _ in plan.buckets]
-        for i, (m, g) in enumerate(zip(mats, plan.groups if blocks else [(o,) for o in plan.owners],
+        for i, (m, g) in enumerate(zip(size, plan.groups if blocks else [(o,) for o in plan.owners],
                                        strict=True)):
-            d = self.owned[self.bucket_of[i]]
+            d = self.owned[bucket_of[i]]
             for o in g:
-                d[o] = d.get(o, 0) + (m.numel if len(g) == 1 else m.numel / len(g))
+                d[o] = d.get(o, 0) + (m if len(g) == 1 else m / len(g))
         self.max_owned = [max(d.values()) for d in self.owned]  # largest single owner's share
         self.batches_of: dict[int, list] = {}
         for k, bt in enumerate(plan.batches):  # the plan's order (build_plan: readiness order per owner)
-            bks = sorted({self.bucket_of[i] for i in bt.members})
-            numel = sum(mats[i].numel for i in bt.members)
+            bks = sorted({bucket_of[i] for i in bt.members})
+            numel = sum([size[i] for i in bt.members])
             for o in bt.ranks:  # every member of a split batch runs its share (simulator.programs.step_split)
                 share = numel / len(bt.ranks) if bt.group and blocks else (numel if o == bt.owner else 0)
                 self.batches_of.setdefault(o, []).append((k, bt, bks, share))
@@ -160,15 +161,20 @@ class OptimizerPrograms(SplitPrograms):
         op = None
         st = step if op_step is None else op_step
         deps = tuple(deps)
+        for col in self._publish_cols(r, b, step, tag, st, which):
+            op = self._cop(col, r, phase, st, deps, stream)
+        return op
+
+    def _publish_cols(self, r: int, b: int, step: int, tag: str, st: int, which: str | None) -> list:
+        """The collectives of bucket b's publication for the rank `program` is issuing (`_cols`)."""
         key = (tag, step, b, self._ok, which)
-        cols = self._col_lists.get(key)  # simulator.programs.step._cols, without a closure per call (EP:
-        if cols is None:  # ~200,000 calls at Kimi-K2-like, 4096 GPUs)
+        cols = self._col_lists.get(key)  # simulator.programs.step._cols, without a closure per call
+        if cols is None:
+            s = self.s
             cols = self._cols(key, lambda: [
                 self.owner_coll(r, (tag, step, b, *ptag), b, "broadcast", s.param_bytes, group, st, part)
                 for group, ptag, part in self._owner_parts(r, b, which)])  # simulator.programs.step_ep
-        for col in cols:
-            op = self._cop(col, r, phase, st, deps, stream)
-        return op
+        return cols
 
     def _sharded_optimizer(self, r: int, step: int, adam_numel: float, red: dict, prev: dict) -> Op:
         """The sharded layout's optimizer; EP: the dense matrices only (buckets' dense parts,
@@ -232,16 +238,50 @@ class OptimizerPrograms(SplitPrograms):
         share (numel / pass_numel) of the momentum pass `momentum_s`; then per bucket, in forward order,
         the broadcast of its experts over the replica group, after the bucket's batches (`prev["pubs"]`
         under ("ep", bucket): the next forward's layers wait for their buckets'). Returns the last batch."""
-        s, cm = self.s, self.c.compute
+        s, cm = self.s, self._cmp  # simulator.programs.step: Cluster.compute's op, without its look-ups
         ex_by_bucket: dict[int, list[Op]] = {}
         for k, bt, bks, numel in ex_mine:
-            last = cm(r, f"batch{k}", bt.ns_s * s.ns_stretch + momentum_s * numel / pass_numel, phase="opt",
-                      step=step, deps=(last, red["last"]))
+            last = cm(r, f"batch{k}", bt.ns_s * s.ns_stretch + momentum_s * numel / pass_numel, "opt", step,
+                      (last, red["last"]))
             for b in bks:
                 ex_by_bucket.setdefault(b, []).append(last)
-        for b in range(self.n_buckets):
-            op = self._publish(r, b, step + 1, ex_by_bucket.get(b, ()), phase="opt", op_step=step,
-                               which="experts")
-            if op is not None:
-                prev["pubs"][("ep", b)] = op
+        # per bucket the experts' publication (`_publish`, which "experts"), made as a template replay
+        # (simulator.programs.step_template: the compiled loop where it loads): ~180,000 ops at
+        # Kimi-K2-like, 4096 GPUs, the same on every rank of a replica group but for their dependencies
+        key = ("ep_pubs", step, self._ok)
+        tpl = self._col_lists.get(key)
+        if tpl is None:  # the first rank of its replica group: the collectives, in bucket order
+            tpl = self._col_lists[key] = self._pub_template(step, [
+                (b, cols) for b in range(self.n_buckets)
+                if (cols := self._publish_cols(r, b, step + 1, "pub", step, "experts"))])
+        buckets, seq, cols, lasts, crefs, by_inst = tpl
+        if not seq:
+            return last
+        ex = {-1 - k: tuple(ex_by_bucket.get(b, ())) for k, b in enumerate(buckets)}
+        native = self._native_replay()
+        if native is not None:
+            flat = native.replay(Op, seq, r, ["comm"], crefs, by_inst, ex, len(seq), [len(seq)])[0]
+        else:
+            flat = self._replay_ops(r, seq, ["comm"], [[*cols, None]], ex, [len(seq)])[0]
+        self._qs["comm"].extend(flat)
+        pubs = prev["pubs"]
+        for b, i in zip(buckets, lasts, strict=True):
+            pubs[("ep", b)] = flat[i]
         return last
+
+    @staticmethod
+    def _pub_template(step: int, pub_cols: list) -> tuple:
+        """The experts' publications of one step as a template (`_expert_step`): the buckets, per op
+        (index, stream 0, position, its collective's name, phase 'opt', step, 0 s, collective index, the
+        placeholder of its bucket's batches: -1 - k for the k-th bucket), the collectives, per bucket the
+        index of its last op (what the next forward waits for), and the replay's collective references."""
+        buckets, seq, cols, lasts = [], [], [], []
+        for k, (b, bcols) in enumerate(pub_cols):
+            refs = (-1 - k,)
+            for col in bcols:
+                i = len(seq)
+                seq.append((i, 0, i, col.name, "opt", step, 0.0, i, refs))
+                cols.append(col)
+            buckets.append(b)
+            lasts.append(len(seq) - 1)
+        return buckets, seq, cols, lasts, [[(0, j) for j in range(len(cols))]], [dict(enumerate(cols))]

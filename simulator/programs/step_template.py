@@ -107,7 +107,8 @@ class TemplatePrograms:
                     crefs.append((groups.index(g), kid))
                 cis.append(ci)
             out_streams.append((st, len(ops), crefs))
-        seq = [(fi, *loc[fi], o.name, o.phase, o.step, o.dur, cis[fi], deps[fi])
+        same: dict = {}  # equal references as one tuple: the compiled replay gives their ops one deps tuple
+        seq = [(fi, *loc[fi], o.name, o.phase, o.step, o.dur, cis[fi], same.setdefault(deps[fi], deps[fi]))
                for fi, o in sorted(enumerate(flat), key=lambda x: id(x[1]))]
         used = sorted({i for refs in deps for i in refs if i < 0})  # placeholders the record waits on
 
@@ -123,13 +124,15 @@ class TemplatePrograms:
         `Cluster.compute` drops it)."""
         nb = getattr(self, "n_buckets", 0)
         pubs = list(prev["pubs"].values())
+        pub_deps = prev["pub_deps"]
         ex = {}
         for i in refs:
             if i == _OPT:
                 d = prev["adam"] if (self.dm and not self.sharded) else prev["opt_last"]
                 ex[i] = () if d is None else (d,)
             elif i >= -1 - nb:
-                ex[i] = tuple([d for d in prev["pub_deps"].get(-2 - i, ()) if d is not None])
+                d = pub_deps.get(-2 - i, ())  # a tuple (`_optimizer`), kept as it is unless it holds None
+                ex[i] = d if type(d) is tuple and None not in d else tuple([x for x in d if x is not None])
             else:
                 d = pubs[-2 - nb - i]
                 ex[i] = () if d is None else (d,)
@@ -159,12 +162,9 @@ class TemplatePrograms:
         for st, new in zip(names, lists, strict=True):
             self._qs[st].extend(new)
 
-        def op(i):
-            return None if i is None else flat[i]
-
-        red = {k: op(i) for k, i in last.items()}
-        red["bucket"] = {b: op(i) for b, i in bucket.items()}
-        red["layer"] = {l: op(i) for l, i in layer.items()}
+        red = {k: None if i is None else flat[i] for k, i in last.items()}
+        red["bucket"] = {b: None if i is None else flat[i] for b, i in bucket.items()}
+        red["layer"] = {l: None if i is None else flat[i] for l, i in layer.items()}
         return [flat[i] for i in fwd], red
 
     @staticmethod
