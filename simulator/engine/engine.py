@@ -154,28 +154,22 @@ class Cluster:
             raise InputError(f"op {name!r}: negative duration {dur}")
         if self._noise is not None and dur > 0:
             dur *= self._noise()
-        stream = stream or self.compute_stream
-        q = self.queues.get((rank, stream))  # the queue, then deps without Nones (~10^6 calls per MoE run)
-        if q is None:
-            self._unknown(rank, stream)
-        if type(deps) is not tuple:
-            deps = tuple(deps)
-        if None in deps:
-            deps = tuple([d for d in deps if d is not None])
-        op = Op(rank, stream, name, phase, step, dur, None, deps)
-        q.append(op)
-        return op
+        return self._enqueue(rank, stream or self.compute_stream, name, phase, step, dur, None, deps)
 
     def collective(self, coll: Collective, rank: int, *, phase: str, step: int, deps=(),
                    stream: str = "comm") -> Op:
-        q = self.queues.get((rank, stream))  # as in compute
+        return self._enqueue(rank, stream, coll.name, phase, step, 0.0, coll, deps)
+
+    def _enqueue(self, rank, stream, name, phase, step, dur, coll, deps) -> Op:
+        """Append one op to its (rank, stream) queue, deps as a tuple without Nones (~10^6 calls per MoE run)."""
+        q = self.queues.get((rank, stream))
         if q is None:
             self._unknown(rank, stream)
         if type(deps) is not tuple:
             deps = tuple(deps)
         if None in deps:
             deps = tuple([d for d in deps if d is not None])
-        op = Op(rank, stream, coll.name, phase, step, 0.0, coll, deps)
+        op = Op(rank, stream, name, phase, step, dur, coll, deps)
         q.append(op)
         return op
 

@@ -244,14 +244,7 @@ def run_fast(cl) -> float:
             obj[5] = None
             running[s.rank] = None
             op.slowed_s = now - op.start - op.dur
-            if s.comm_slow:
-                set_computing(s.rank, False)
-            op.end = now
-            if op.done:
-                ready.extend(op.done)
-                op.done = None
-            s.i += 1
-            ready.append(s)
+            finish_op(s, op)
         elif kind == _END:
             finish_op(obj, ver)
         elif kind == _COLL_END:
