@@ -121,3 +121,40 @@ def test_native_metric_scans_read_what_the_python_ones_read(native, moe, monkeyp
     assert got == {s: repr(sorted(metrics.measure(built, s).items())) for s in (0, 1)}
     cl.queues[(0, "compute")][0].end = 1  # an int time: the C scans hand over to the Python ones
     assert native.phase_ends(Op, [(cl.queues[(0, "compute")], True)], 1) is None
+
+
+def _collectives(built) -> list:
+    return [(c.name, c.kind, c.n, repr(c.cost_s), repr(c.bytes_per_rank), c.muon_fraction, c.group, c.step,
+             c.sm_share, c.size, c.copies) for c in built.cluster.collectives]
+
+
+GROUPED = [*CONFIGS[:2],  # layouts with group kinds besides the world, whose instances replays create
+           ("moe/naive/ep4/hsdp-keep/32", dict(moe=True, gpus=32, ep=4, layout="hsdp-keep", strategy="naive")),
+           ("moe/dmuon/ep8/sharded/32", dict(moe=True, gpus=32, ep=8, layout="sharded"))]
+
+
+@pytest.mark.parametrize("label,kw", GROUPED, ids=[c[0] for c in GROUPED])
+def test_replays_build_what_the_step_logic_builds(moe, monkeypatch, label, kw):
+    """Templates (replays that also create their rank's instances of the record's collectives) against the
+    step logic for every rank and step (REPLAY "off"): the same ops, dependencies and collectives, created in
+    the same order with the same fields, on the classes' ranks and on every rank."""
+    kw = dict(kw)
+    if kw.pop("moe", False):
+        kw.update(model=moe, seq_len=128, micro_batch=1)
+    cfg = SimConfig(**kw)
+    made = []
+    real = step_template.TemplatePrograms._create_missing
+
+    def counting(self, protos, groups, insts, missing):
+        n = len(self.c.collectives)
+        real(self, protos, groups, insts, missing)
+        made.append(len(self.c.collectives) - n)
+    with monkeypatch.context() as m:
+        m.setattr(step_template.TemplatePrograms, "_create_missing", counting)
+        replayed = [run(cfg, all_ranks=a, _execute=False)[1] for a in (False, True)]
+    assert sum(made) > 0, "no replay created a collective: the comparison would not cover it"
+    monkeypatch.setitem(step_template.REPLAY, "mode", "off")
+    for a, built in zip((False, True), replayed, strict=True):
+        _, logic = run(cfg, all_ranks=a, _execute=False)
+        assert _programs(built) == _programs(logic)
+        assert _collectives(built) == _collectives(logic)

@@ -225,10 +225,13 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms, P
     def _cols(self, key: tuple, make) -> list:
         """The collectives of one call site for the rank `program` is issuing: `make()` (a list, in issue
         order) for the first rank with these group instances (the last item of `key`), then that list (the
-        same objects `coll` would look up for every later rank)."""
+        same objects `coll` would look up for every later rank). While a template is recorded, `make()` runs
+        anyway, so the record logs every collective it looks up (simulator.programs.step_template)."""
         cols = self._col_lists.get(key)
         if cols is None:
             cols = self._col_lists[key] = make()
+        elif self._log is not None:
+            make()
         return cols
 
     def _gather_parts(self, l: int) -> list[tuple]:

@@ -45,6 +45,7 @@ class CommPrograms:
     present: dict = {}  # (group, instance) -> simulated participants (set by `select`)
     copies: dict = {}  # (group, quotient instance) -> the real instances it stands for (set by `select`)
     _quot = None  # group kind -> {real instance: quotient instance} with rank symmetry (set by `select`)
+    _log = None  # while a template is recorded: every (collective, key, group) looked up, in call order
 
     # ---- groups ----------------------------------------------------------------------------------
     def _real_instance(self, group: str, rank: int) -> tuple[Group, int]:
@@ -94,16 +95,24 @@ class CommPrograms:
                     kind, size_bytes, g, self.s.network, hierarchical=self.s.hierarchical and not flat,
                     max_share_bytes=max_share, nccl=nccl, owners=owners, owners_per_local=owners_per_local,
                     coalesced=coalesced)
-            present = self.present.get((group, inst), n)
-            c = self.c.new_collective("/".join(str(k) for k in key), kind, present, cost * repeat,
-                                      bytes_per_rank=bytes_per_rank(kind, size_bytes, n) * repeat,
-                                      muon_fraction=muon_fraction, group=f"{group}{inst}", step=step,
-                                      sm_share=self._sm_share(g), size=n)
-            c.copies = self.copies.get((group, inst), 1)  # the real instances it stands for (symmetry)
-            self.colls[full] = c
-            kid = self._col_ids.setdefault((key, group), len(self._col_ids))  # simulator.programs.step_template
-            self._col_of[id(c)] = (group, kid)
-            self._col_by_inst.setdefault((group, inst), {})[kid] = c
+            c = self._new_coll(key, group, inst, n, kind, cost * repeat,
+                               bytes_per_rank(kind, size_bytes, n) * repeat, muon_fraction, step, self._sm_share(g))
+        if self._log is not None:  # a template's record (simulator.programs.step_template)
+            self._log.append((c, key, group))
+        return c
+
+    def _new_coll(self, key: tuple, group: str, inst: int, n: int, kind: str, cost_s: float, per_rank: float,
+                  muon_fraction: float, step: int, sm_share: float):
+        """Create the collective `key` of a group instance (`coll`, or a replay making its rank's instance
+        from the record's: simulator.programs.step_template), registered for the look-ups and replays."""
+        c = self.c.new_collective("/".join(str(k) for k in key), kind, self.present.get((group, inst), n), cost_s,
+                                  bytes_per_rank=per_rank, muon_fraction=muon_fraction, group=f"{group}{inst}",
+                                  step=step, sm_share=sm_share, size=n)
+        c.copies = self.copies.get((group, inst), 1)  # the real instances it stands for (symmetry)
+        self.colls[(key, group, inst)] = c
+        kid = self._col_ids.setdefault((key, group), len(self._col_ids))  # simulator.programs.step_template
+        self._col_of[id(c)] = (group, kid)
+        self._col_by_inst.setdefault((group, inst), {})[kid] = c
         return c
 
     def _sm_share(self, g: Group) -> float:
@@ -121,6 +130,8 @@ class CommPrograms:
         g, inst = self._instance(group, r)
         c = self.colls.get((key, group, inst))  # created by an earlier rank of this instance (as in coll)
         if c is not None:
+            if self._log is not None:  # a template's record (simulator.programs.step_template)
+                self._log.append((c, key, group))
             return c
         ck = (b, kind, group) if part is None else (b, kind, group, inst)
         # the experts' replica group (EP) is flat: ExpertMuon's process group has no node_size

@@ -195,7 +195,7 @@ class EPPrograms:
         combine; backward: the combine's gradient, the dispatch's), each created once per group instance."""
         key = (step, phase, l, r // self.ep)
         cols = self._a2a_colls.get(key)
-        if cols is None:
+        if cols is None or self._log is not None:  # a record logs its look-ups (step_template)
             whats = ("dispatch", "combine") if phase == "fwd" else ("combine_grad", "dispatch_grad")
             cols = self._a2a_colls[key] = tuple(
                 self.coll(r, ("a2a", step, what, l), "ep", "all_to_all", self.s.ep_spec.layer_a2a_bytes[l],

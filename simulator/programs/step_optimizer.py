@@ -169,7 +169,7 @@ class OptimizerPrograms(SplitPrograms):
         """The collectives of bucket b's publication for the rank `program` is issuing (`_cols`)."""
         key = (tag, step, b, self._ok, which)
         cols = self._col_lists.get(key)  # simulator.programs.step._cols, without a closure per call
-        if cols is None:
+        if cols is None or self._log is not None:  # (a record logs its look-ups: step_template)
             s = self.s
             cols = self._cols(key, lambda: [
                 self.owner_coll(r, (tag, step, b, *ptag), b, "broadcast", s.param_bytes, group, st, part)

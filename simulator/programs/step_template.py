@@ -27,7 +27,8 @@ from __future__ import annotations
 from simulator.engine import engine_native
 from simulator.engine.engine import Op
 
-REPLAY = {"mode": "auto"}  # "python": replays by the Python loop even where the compiled one loads (tests)
+REPLAY = {"mode": "auto"}  # "python": replays by the Python loop even where the compiled one loads; "off":
+# every step built by the step logic, nothing recorded (tests)
 _OPT = -1  # placeholder references: the op the gathers wait for; -2 - b: bucket b's publication deps;
 # -2 - n_buckets - k: the k-th publication of overlap=False
 
@@ -37,10 +38,10 @@ class TemplatePrograms:
 
     def _fwd_bwd(self, r: int, step: int, prev: dict) -> tuple[list[Op], dict]:
         """(forward's layer ops, backward's reductions) of rank r's step, as `_forward` / `_backward`."""
-        if self.c._noise is not None or self.pub:  # published: per-rank programs (no templates)
+        if self.c._noise is not None or self.pub or REPLAY["mode"] == "off":  # published: per-rank programs
             fwd = self._forward(r, step, prev)
             return fwd, self._backward(r, step, fwd)
-        key = (step, self._ok, tuple(prev["pubs"]))
+        key = (step, self._exchange_key(r), tuple(prev["pubs"]))
         t = self._templates.get(key)
         if t is not None:
             got = self._replay(r, t, prev)
@@ -49,6 +50,12 @@ class TemplatePrograms:
             fwd = self._forward(r, step, prev)
             return fwd, self._backward(r, step, fwd)
         return self._record(key, step, prev)
+
+    def _exchange_key(self, r: int):
+        """What of rank r's owner exchange its forward and backward read (b): with EP, DMuon's replica group's
+        parts as `owner_coll` prices them (`_ep_signature`: the replica groups with equal parts share one
+        template), else nothing (0)."""
+        return self._ep_signature(r) if getattr(self, "ep", 1) > 1 and self.dm else 0
 
     def _placeholders(self, step: int, prev: dict) -> tuple[dict, dict]:
         nb = getattr(self, "n_buckets", 0)
@@ -64,8 +71,12 @@ class TemplatePrograms:
         ph, fake = self._placeholders(step, prev)
         qs = self._qs
         before = {st: len(q) for st, q in qs.items()}
-        fwd = self._forward(r, step, fake)
-        red = self._backward(r, step, fwd)
+        self._log = log = []  # every collective looked up, in call order (CommPrograms.coll)
+        try:
+            fwd = self._forward(r, step, fake)
+            red = self._backward(r, step, fwd)
+        finally:
+            self._log = None
         where = {id(o): k for k, o in ph.items()}
         streams, flat = [], []
         for st, q in qs.items():
@@ -84,15 +95,19 @@ class TemplatePrograms:
         if (all(o.coll is None or id(o.coll) in self._col_of for o in flat)
                 and all(None not in refs for refs in deps)
                 and all(o is None or where.get(id(o), -1) >= 0 for o in outs)):
-            self._templates[key] = self._template(streams, deps, where, fwd, red, flat)
+            self._templates[key] = self._template(streams, deps, where, fwd, red, flat, log)
         return fwd, red
 
-    def _template(self, streams: list, deps: list, where: dict, fwd: list, red: dict, flat: list) -> tuple:
+    def _template(self, streams: list, deps: list, where: dict, fwd: list, red: dict, flat: list,
+                  log: list) -> tuple:
         """What `_replay` reads: per stream its name, op count and collectives ((index in `groups`, key's
         id) each); the ops in the order the record's lie in memory (~ the order they were created: replayed
         in it, each rank's ops of all its streams stay close together, as the event loop reads them), each
         as (index in the record, stream index, position, name, phase, step, duration, index of its
-        collective or -1, dependency references); the placeholders used; the outputs' references."""
+        collective or -1, dependency references); the placeholders used; the outputs' references; the
+        collectives the step logic looks up, in its order, as (group index, key, the record's collective),
+        None where some op's collective is not among them; and the (group index, instance) pairs known to
+        hold all of them (`_replay`)."""
         out_streams, groups, loc, cis = [], [], [], []
         for si, (st, ops) in enumerate(streams):
             crefs = []
@@ -107,6 +122,13 @@ class TemplatePrograms:
                     crefs.append((groups.index(g), kid))
                 cis.append(ci)
             out_streams.append((st, len(ops), crefs))
+        first: dict = {}  # the collectives looked up, each at its first look-up
+        for c, k, g in log:
+            if id(c) not in first:
+                if g not in groups:
+                    groups.append(g)
+                first[id(c)] = (groups.index(g), k, c)
+        protos = list(first.values()) if all(o.coll is None or id(o.coll) in first for o in flat) else None
         same: dict = {}  # equal references as one tuple: the compiled replay gives their ops one deps tuple
         seq = [(fi, *loc[fi], o.name, o.phase, o.step, o.dur, cis[fi], same.setdefault(deps[fi], deps[fi]))
                for fi, o in sorted(enumerate(flat), key=lambda x: id(x[1]))]
@@ -117,7 +139,7 @@ class TemplatePrograms:
 
         out = ([ref(o) for o in fwd], {k: ref(red[k]) for k in ("last", "adamw_last")},
                {b: ref(o) for b, o in red["bucket"].items()}, {l: ref(o) for l, o in red["layer"].items()})
-        return out_streams, groups, seq, used, out
+        return out_streams, groups, seq, used, out, protos, set()
 
     def _expansions(self, prev: dict, refs) -> dict:
         """Placeholder reference -> the ops of this rank's `prev` it stands for (None dropped, as
@@ -139,8 +161,14 @@ class TemplatePrograms:
         return ex
 
     def _replay(self, r: int, t: tuple, prev: dict):
-        streams, groups, seq, used, (fwd, last, bucket, layer) = t
-        by_inst = [self._col_by_inst.get((g, self._instance(g, r)[1]), {}) for g in groups]
+        streams, groups, seq, used, (fwd, last, bucket, layer), protos, complete = t
+        insts = [self._instance(g, r)[1] for g in groups]
+        if protos is not None:
+            missing = {gi for gi, i in enumerate(insts) if (gi, i) not in complete}
+            if missing:
+                self._create_missing(protos, groups, insts, missing)
+                complete.update((gi, insts[gi]) for gi in missing)
+        by_inst = [self._col_by_inst.get((g, i), {}) for g, i in zip(groups, insts, strict=True)]
         names = [st for st, _, _ in streams]
         ex = self._expansions(prev, used)
         native = self._native_replay()
@@ -166,6 +194,19 @@ class TemplatePrograms:
         red["bucket"] = {b: None if i is None else flat[i] for b, i in bucket.items()}
         red["layer"] = {l: None if i is None else flat[i] for l, i in layer.items()}
         return [flat[i] for i in fwd], red
+
+    def _create_missing(self, protos: list, groups: list, insts: list, missing: set) -> None:
+        """The record's collectives of rank r's instances (`insts`) of the groups `missing` that do not exist
+        yet, created in the order the step logic would create them (its first look-ups, `protos`), each
+        with the record's fields but its own instance's participants, copies and name (`CommPrograms._new_coll`).
+        Exact: their arguments are the same for every rank of the template's key (module docstring)."""
+        colls = self.colls
+        for gi, key, c in protos:
+            if gi in missing:
+                g, inst = groups[gi], insts[gi]
+                if (key, g, inst) not in colls:
+                    self._new_coll(key, g, inst, c.size, c.kind, c.cost_s, c.bytes_per_rank, c.muon_fraction,
+                                   c.step, c.sm_share)
 
     @staticmethod
     def _replay_ops(r: int, seq: list, names: list, mine: list, ex: dict, sizes: list) -> tuple[list, list]:
