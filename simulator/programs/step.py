@@ -132,6 +132,7 @@ class _Programs(OptimizerPrograms, CommPrograms, EPPrograms, TemplatePrograms, P
         self._col_lists: dict = {}  # (call site's key, instances) -> its collectives (_cols)
         self._templates: dict = {}  # a step's forward and backward per key (simulator.programs.step_template)
         self._col_ids: dict = {}  # (key, group) of every collective -> an integer id (coll)
+        self._col_keys: list = []  # per id its key
         self._col_of: dict = {}  # id(collective) -> (group, its key's id)
         self._col_by_inst: dict = {}  # (group, instance) -> {key's id: collective}
         lay = spec.layout

@@ -111,6 +111,8 @@ class CommPrograms:
         c.copies = self.copies.get((group, inst), 1)  # the real instances it stands for (symmetry)
         self.colls[(key, group, inst)] = c
         kid = self._col_ids.setdefault((key, group), len(self._col_ids))  # simulator.programs.step_template
+        if kid == len(self._col_keys):
+            self._col_keys.append(key)  # key's id -> key
         self._col_of[id(c)] = (group, kid)
         self._col_by_inst.setdefault((group, inst), {})[kid] = c
         return c

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from simulator.engine.engine import Op
 from .step_split import SplitPrograms
+from .step_template import REPLAY
 
 
 class OptimizerPrograms(SplitPrograms):
@@ -251,9 +252,7 @@ class OptimizerPrograms(SplitPrograms):
         key = ("ep_pubs", step, self._ok)
         tpl = self._col_lists.get(key)
         if tpl is None:  # the first rank of its replica group: the collectives, in bucket order
-            tpl = self._col_lists[key] = self._pub_template(step, [
-                (b, cols) for b in range(self.n_buckets)
-                if (cols := self._publish_cols(r, b, step + 1, "pub", step, "experts"))])
+            tpl = self._col_lists[key] = self._rep_pub_template(r, step)
         buckets, seq, cols, lasts, crefs, by_inst = tpl
         if not seq:
             return last
@@ -268,6 +267,25 @@ class OptimizerPrograms(SplitPrograms):
         for b, i in zip(buckets, lasts, strict=True):
             pubs[("ep", b)] = flat[i]
         return last
+
+    def _rep_pub_template(self, r: int, step: int) -> tuple:
+        """`_pub_template` of rank r's replica group: built by `_publish_cols` for the first group with its
+        owner-exchange signature (`_ep_signature`); for a later one with the same signature, the same
+        template with that group's own collectives, made from the first's (`_create_missing`: their
+        arguments are the signature's, so the same fields; created in the same bucket order)."""
+        skey = ("ep_pubs_sig", step, self._ep_signature(r))
+        base = self._col_lists.get(skey)
+        if base is None or REPLAY["mode"] == "off":
+            tpl = self._pub_template(step, [(b, cols) for b in range(self.n_buckets)
+                                            if (cols := self._publish_cols(r, b, step + 1, "pub", step, "experts"))])
+            self._col_lists.setdefault(skey, tpl)
+            return tpl
+        buckets, seq, cols, lasts, crefs, _ = base
+        inst = self._instance("rep", r)[1]
+        keys = [self._col_keys[self._col_of[id(c)][1]] for c in cols]
+        self._create_missing([(0, k, c) for k, c in zip(keys, cols, strict=True)], ["rep"], [inst], {0})
+        mine = [self.colls[(k, "rep", inst)] for k in keys]
+        return buckets, seq, mine, lasts, crefs, [dict(enumerate(mine))]
 
     @staticmethod
     def _pub_template(step: int, pub_cols: list) -> tuple:
