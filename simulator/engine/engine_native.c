@@ -7,10 +7,12 @@
  * results back.
  *
  * What differs is only where the loop's state lives. The ops and collectives stay the Python objects the
- * step programs built (their __slots__ are read and written in place through the member descriptors'
- * offsets); the streams, the ready queue, the timer heap, the collectives' running state and the lists of
- * waiting streams are C arrays. A waiting list of an op is a chain of nodes whose last index is kept in the
- * op's `done` slot (a Python int while anything waits on it, None otherwise, as engine_fast leaves it).
+ * step programs built; before the loop, one pass in memory order copies what it reads of every op (duration,
+ * collective, dependencies as op numbers) into C arrays (`number_ops`), the loop runs on those (its misses
+ * on ~10^6 scattered objects in event order were most of its time), and one pass writes the times back into
+ * the ops' __slots__ (`op_times`, through the member descriptors' offsets), with the same values. The
+ * streams, the ready queue, the timer heap, the collectives' running state and the lists of waiting streams
+ * are C arrays too. A waiting list of an op is a chain of nodes whose last index is kept per op (`o_wait`).
  * The running state of a slowed compute op is one record per rank (a rank runs one compute op at a time):
  * its version only grows, so a timer of an earlier op of the rank never matches a later op's version.
  */
@@ -36,7 +38,20 @@ static Py_ssize_t slot_offset(PyObject *type, const char *name)
 
 static void loop_free(Loop *L)
 {
-    Py_XDECREF(L->now_obj);
+    PyMem_Free(L->o_obj);
+    PyMem_Free(L->a_dur);
+    PyMem_Free(L->o_t0);
+    PyMem_Free(L->o_t1);
+    PyMem_Free(L->o_slow);
+    PyMem_Free(L->o_cix);
+    PyMem_Free(L->dep);
+    PyMem_Free(L->dep_off);
+    PyMem_Free(L->o_wait);
+    PyMem_Free(L->o_set);
+    if (L->fc_obj)
+        for (Py_ssize_t k = 0; k < FC_SIZE; k++) Py_XDECREF(L->fc_obj[k]);
+    PyMem_Free(L->fc_obj);
+    PyMem_Free(L->fc_bits);
     PyMem_Free(L->st);
     PyMem_Free(L->rq);
     PyMem_Free(L->heap);
@@ -83,6 +98,142 @@ static void loop_free(Loop *L)
         (p) = PyMem_Calloc((size_t)(n) ? (size_t)(n) : 1, sizeof(*(p))); \
         if (!(p)) { PyErr_NoMemory(); goto fail; } \
     } while (0)
+
+/* ---- the ops as arrays ------------------------------------------------------------------------------
+ * Each op's number is kept in its `done` slot while `number_ops` resolves the dependencies, as a tagged
+ * integer (2 g + 1: never an object's address); `done` is None before a run (checked) and again after
+ * (`untag`). The garbage collector is off meanwhile (`run`): it would read the slot as an object, and no
+ * Python code runs in between. */
+#define TAG(g) ((PyObject *)(((uintptr_t)(g) << 1) | 1))
+#define IS_TAG(o) (((uintptr_t)(o)) & 1)
+#define UNTAG(o) ((Py_ssize_t)(((uintptr_t)(o)) >> 1))
+
+static void untag(Loop *L)
+{
+    for (Py_ssize_t g = 0; g < L->n_tagged; g++) SLOT(L->o_obj[g], L->o_done) = Py_None; /* never DECREF'd */
+    L->n_tagged = 0;
+}
+
+static int number_ops(Loop *L)
+{
+    Py_ssize_t n = 0;
+    for (Py_ssize_t k = 0; k < L->n_streams; k++) {
+        L->st[k].base = n;
+        n += L->st[k].n;
+    }
+    if (n >= INT_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "more ops than the compiled loop numbers (2^31)");
+        return -1;
+    }
+    L->n_ops = n;
+#define OALLOC(p, m) \
+    do { \
+        (p) = PyMem_Calloc((size_t)(m) ? (size_t)(m) : 1, sizeof(*(p))); \
+        if (!(p)) { PyErr_NoMemory(); return -1; } \
+    } while (0)
+    OALLOC(L->o_obj, n); OALLOC(L->a_dur, n); OALLOC(L->o_t0, n); OALLOC(L->o_t1, n); OALLOC(L->o_slow, n);
+    OALLOC(L->o_cix, n); OALLOC(L->o_wait, n); OALLOC(L->o_set, n); OALLOC(L->dep_off, n + 1);
+    OALLOC(L->fc_obj, FC_SIZE); OALLOC(L->fc_bits, FC_SIZE);
+    for (Py_ssize_t k = 0; k < L->n_streams; k++) {
+        Stream *s = &L->st[k];
+        for (Py_ssize_t i = 0; i < s->n; i++) {
+            PyObject *op = PyList_GET_ITEM(s->ops, i);
+            if (!PyObject_TypeCheck(op, L->op_type)) {
+                PyErr_SetString(PyExc_TypeError, "a stream holds something that is not a simulator.engine.engine.Op");
+                return -1;
+            }
+            if (SLOT(op, L->o_done) != Py_None) {
+                PyErr_SetString(PyExc_ValueError, "an op is in two streams, or ran before (Cluster.clear_times)");
+                return -1;
+            }
+            Py_ssize_t g = s->base + i;
+            L->o_obj[g] = op;
+            SLOT(op, L->o_done) = TAG(g); /* None's reference is kept for `untag` */
+            L->n_tagged = g + 1;
+            L->o_wait[g] = -1;
+        }
+    }
+    Py_ssize_t cap = 0, nd = 0;
+    for (Py_ssize_t g = 0; g < n; g++) {
+        PyObject *op = L->o_obj[g];
+        PyObject *deps = SLOT(op, L->o_deps);
+        if (!PyTuple_Check(deps) && !PyList_Check(deps)) {
+            PyErr_SetString(PyExc_TypeError, "an op's deps must be a tuple or list of ops");
+            return -1;
+        }
+        Py_ssize_t m = PySequence_Fast_GET_SIZE(deps);
+        PyObject **items = PySequence_Fast_ITEMS(deps);
+        for (Py_ssize_t k = 0; k < m; k++) {
+            PyObject *d = items[k];
+            if (!PyObject_TypeCheck(d, L->op_type)) {
+                PyErr_SetString(PyExc_TypeError, "an op depends on something that is not a simulator.engine.engine.Op");
+                return -1;
+            }
+            PyObject *t = SLOT(d, L->o_done);
+            if (!IS_TAG(t)) {
+                PyErr_SetString(PyExc_ValueError, "an op depends on an op in none of the cluster's streams");
+                return -1;
+            }
+            if (grow((void **)&L->dep, &cap, nd, sizeof(int), 1 << 16) < 0) return -1;
+            L->dep[nd++] = (int)UNTAG(t);
+        }
+        L->dep_off[g + 1] = nd;
+        PyObject *co = SLOT(op, L->o_coll);
+        if (co == Py_None) {
+            L->o_cix[g] = -1;
+            if (as_double(SLOT(op, L->o_dur), &L->a_dur[g]) < 0) return -1;
+        } else {
+            Py_ssize_t c = coll_index(L, co);
+            if (c < 0) return -1;
+            L->o_cix[g] = (int)c;
+        }
+    }
+    return 0;
+}
+
+/* new reference to a float equal to v: the last one made for v's slot in a small table (ops that start or end
+ * at the same time share one object, as the loop's clock float was shared) */
+static PyObject *time_float(Loop *L, double v)
+{
+    uint64_t b;
+    memcpy(&b, &v, sizeof b);
+    size_t h = (size_t)((b * 0x9E3779B97F4A7C15ULL) >> 52) & (FC_SIZE - 1);
+    PyObject *f = L->fc_obj[h];
+    if (f == NULL || L->fc_bits[h] != b) {
+        f = PyFloat_FromDouble(v);
+        if (!f) return NULL;
+        Py_XSETREF(L->fc_obj[h], f);
+        L->fc_bits[h] = b;
+    }
+    Py_INCREF(f);
+    return f;
+}
+
+static int op_times(Loop *L) /* every op's start, end and slowdown, from the arrays */
+{
+    for (Py_ssize_t g = 0; g < L->n_ops; g++) {
+        char set = L->o_set[g];
+        if (!set) continue;
+        PyObject *op = L->o_obj[g], *a, *b;
+        int c = L->o_cix[g];
+        if (c >= 0) {
+            a = shared_float(&L->c_start_obj[c], L->c_start[c]);
+            b = a ? shared_float(&L->c_end_obj[c], L->c_endt[c]) : NULL;
+        } else {
+            a = (set & O_START) ? time_float(L, L->o_t0[g]) : Py_NewRef(Py_None);
+            b = !a ? NULL : (set & O_END) ? time_float(L, L->o_t1[g]) : Py_NewRef(Py_None);
+        }
+        if (!a || !b) { Py_XDECREF(a); return -1; }
+        set_slot(op, L->o_start, a);
+        set_slot(op, L->o_end, b);
+        if (set & O_SLOWED) {
+            PyObject *sl = PyFloat_FromDouble(L->o_slow[g]);
+            if (!sl) return -1;
+            set_slot(op, L->o_slowed, sl);
+        }
+    }
+    return 0;
+}
 
 static PyObject *write_back(Loop *L) /* the collectives' times and participants; (now, late, busy, sm_used) */
 {
@@ -234,8 +385,13 @@ static PyObject *run(PyObject *self, PyObject *args)
         if (ready_push(L, k) < 0) goto fail;
     }
     /* the stream lists must not change size while the loop holds their items */
-    if (main_loop(L) < 0) goto fail;
-    result = write_back(L);
+    int gc_was = PyGC_Disable(); /* while ops are tagged (number_ops) */
+    if (number_ops(L) == 0 && main_loop(L) == 0) {
+        untag(L);
+        if (op_times(L) == 0) result = write_back(L);
+    }
+    untag(L);
+    if (gc_was) PyGC_Enable();
 fail:
     loop_free(L);
     return result;

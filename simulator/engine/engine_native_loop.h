@@ -141,25 +141,16 @@ static int start_coll(Loop *L, Py_ssize_t c)
     return 0;
 }
 
-static int coll_times(Loop *L, PyObject *op, Py_ssize_t c) /* op.start, op.end = c.start, c.end */
-{
-    PyObject *a = shared_float(&L->c_start_obj[c], L->c_start[c]);
-    if (!a) return -1;
-    PyObject *b = shared_float(&L->c_end_obj[c], L->c_endt[c]);
-    if (!b) { Py_DECREF(a); return -1; }
-    set_slot(op, L->o_start, a);
-    set_slot(op, L->o_end, b);
-    return 0;
-}
+/* op g's start and end are its collective's (written to the op by `op_times`): op.start, op.end = c.start, c.end */
+#define COLL_TIMES(L, g) ((L)->o_set[g] |= O_START | O_END)
 
-static int finish_op(Loop *L, Py_ssize_t si, PyObject *op)
+static int finish_op(Loop *L, Py_ssize_t si, Py_ssize_t g)
 {
     Stream *s = &L->st[si];
     if (s->comm_slow && set_computing(L, s->rank, 0) < 0) return -1;
-    PyObject *f = now_float(L);
-    if (!f) return -1;
-    set_slot(op, L->o_end, f);
-    if (op_release(L, op) < 0) return -1;
+    L->o_t1[g] = L->now;
+    L->o_set[g] |= O_END;
+    if (op_release(L, g) < 0) return -1;
     s->i++;
     return ready_push(L, si);
 }
@@ -168,61 +159,36 @@ static int finish_op(Loop *L, Py_ssize_t si, PyObject *op)
 static int advance(Loop *L, Py_ssize_t si)
 {
     Stream *s = &L->st[si];
-    PyObject *ops = s->ops;
-    Py_ssize_t i = s->i, n = s->n;
+    Py_ssize_t i = s->i, n = s->n, base = s->base;
     if (s->arrived) { /* woken by the end of the collective it joined */
         s->arrived = 0;
-        PyObject *op = PyList_GET_ITEM(ops, i);
-        Py_ssize_t c = coll_index(L, SLOT(op, L->o_coll));
-        if (c < 0 || coll_times(L, op, c) < 0) return -1;
+        COLL_TIMES(L, base + i);
         i++;
     }
     while (i < n) {
-        PyObject *op = PyList_GET_ITEM(ops, i);
-        if (!PyObject_TypeCheck(op, L->op_type)) {
-            PyErr_SetString(PyExc_TypeError, "a stream holds something that is not a simulator.engine.engine.Op");
-            return -1;
-        }
-        PyObject *deps = SLOT(op, L->o_deps);
-        Py_ssize_t nd;
-        PyObject **items;
-        if (!PyTuple_Check(deps) && !PyList_Check(deps)) {
-            PyErr_SetString(PyExc_TypeError, "an op's deps must be a tuple or list of ops");
-            return -1;
-        }
-        nd = PySequence_Fast_GET_SIZE(deps);
-        items = PySequence_Fast_ITEMS(deps);
+        Py_ssize_t g = base + i;
         int blocked = 0;
-        for (Py_ssize_t k = 0; k < nd; k++) {
-            PyObject *d = items[k];
-            if (!PyObject_TypeCheck(d, L->op_type)) {
-                PyErr_SetString(PyExc_TypeError,
-                                "an op depends on something that is not a simulator.engine.engine.Op");
-                return -1;
-            }
-            PyObject *dc = SLOT(d, L->o_coll);
-            if (dc != Py_None) {
-                Py_ssize_t c = coll_index(L, dc);
-                if (c < 0) return -1;
+        for (Py_ssize_t k = L->dep_off[g]; k < L->dep_off[g + 1]; k++) {
+            Py_ssize_t d = L->dep[k];
+            int c = L->o_cix[d];
+            if (c >= 0) {
                 if (!L->c_ended[c]) {
                     if (coll_wait(L, c, si) < 0) return -1;
                     blocked = 1;
                     break;
                 }
-            } else if (SLOT(d, L->o_end) == Py_None) {
+            } else if (!(L->o_set[d] & O_END)) {
                 if (op_wait(L, d, si) < 0) return -1;
                 blocked = 1;
                 break;
             }
         }
         if (blocked) break;
-        PyObject *co = SLOT(op, L->o_coll);
-        if (co == Py_None) {
-            PyObject *f = now_float(L);
-            if (!f) return -1;
-            set_slot(op, L->o_start, f);
-            double dur;
-            if (as_double(SLOT(op, L->o_dur), &dur) < 0) return -1;
+        Py_ssize_t c = L->o_cix[g];
+        if (c < 0) {
+            L->o_t0[g] = L->now;
+            L->o_set[g] |= O_START;
+            double dur = L->a_dur[g];
             if (dur > 0) {
                 if (s->comm_slow && set_computing(L, s->rank, 1) < 0) return -1;
                 L->seq++;
@@ -246,22 +212,19 @@ static int advance(Loop *L, Py_ssize_t si)
                 }
                 break;
             }
-            f = now_float(L);
-            if (!f) return -1;
-            set_slot(op, L->o_end, f);
-            if (op_release(L, op) < 0) return -1;
+            L->o_t1[g] = L->now;
+            L->o_set[g] |= O_END;
+            if (op_release(L, g) < 0) return -1;
             i++;
             continue;
         }
-        Py_ssize_t c = coll_index(L, co);
-        if (c < 0) return -1;
         L->c_arrived[c]++;
         if (L->track && L->c_arrived[c] <= L->c_n[c]) L->c_ranks[L->c_off[c] + L->c_arrived[c] - 1] = s->rank;
         if (L->c_arrived[c] == L->c_n[c]) {
             int over = start_coll(L, c);
             if (over < 0) return -1;
             if (over) {
-                if (coll_times(L, op, c) < 0) return -1;
+                COLL_TIMES(L, g);
                 i++;
                 continue;
             }
@@ -296,17 +259,13 @@ static int main_loop(Loop *L)
             }
             Py_ssize_t si = st->stream;
             st->active = 0;
-            PyObject *op = PyList_GET_ITEM(L->st[si].ops, L->st[si].i);
-            double start, dur;
-            if (as_double(SLOT(op, L->o_start), &start) < 0 || as_double(SLOT(op, L->o_dur), &dur) < 0)
-                return -1;
-            PyObject *sl = PyFloat_FromDouble(L->now - start - dur);
-            if (!sl) return -1;
-            set_slot(op, L->o_slowed, sl);
-            if (finish_op(L, si, op) < 0) return -1;
+            Py_ssize_t g = L->st[si].base + L->st[si].i;
+            L->o_slow[g] = L->now - L->o_t0[g] - L->a_dur[g];
+            L->o_set[g] |= O_SLOWED;
+            if (finish_op(L, si, g) < 0) return -1;
         } else if (e.kind == K_END) {
             Stream *s = &L->st[e.obj];
-            if (finish_op(L, e.obj, PyList_GET_ITEM(s->ops, s->i)) < 0) return -1;
+            if (finish_op(L, e.obj, s->base + s->i) < 0) return -1;
         } else if (e.kind == K_COLL_END) {
             if (end_coll(L, e.obj) < 0) return -1;
         } else if (L->c_ver[e.obj] == e.ver) { /* K_COLL_SLOW, not stale */

@@ -7,6 +7,9 @@
 #include <Python.h>
 #include <structmember.h>
 
+#include <stdint.h>
+#include <limits.h>
+#define FC_SIZE 4096 /* time floats remembered (engine_native.c: time_float) */
 #define K_END 0
 #define K_SLOW_END 1
 #define K_COLL_END 2
@@ -16,7 +19,7 @@ typedef struct { double t; long long seq; long long ver; Py_ssize_t obj; int kin
 
 typedef struct {
     PyObject *ops; /* list of Op, borrowed from the argument */
-    Py_ssize_t i, n;
+    Py_ssize_t i, n, base; /* base: the number of its first op in the loop's op arrays */
     int rank;
     char arrived, slow, comm_slow;
 } Stream;
@@ -43,8 +46,18 @@ typedef struct {
     /* clock */
     double now, late;
     long long seq;
-    PyObject *now_obj;
-    double now_obj_val;
+    /* the ops, numbered stream after stream (engine_native.c: `number_ops`, `op_times`): each op's object,
+     * duration, collective index (-1: compute), dependencies (numbers, dep_off[k]..dep_off[k + 1] in dep),
+     * times, what of them is set (O_*), and the last of the streams waiting on it (a chain of nodes) */
+    Py_ssize_t n_ops;
+    PyObject **o_obj;
+    double *a_dur, *o_t0, *o_t1, *o_slow;
+    int *o_cix, *dep;
+    Py_ssize_t *dep_off, *o_wait;
+    char *o_set;
+    Py_ssize_t n_tagged; /* ops whose `done` slot holds their number (engine_native.c: untag) */
+    PyObject **fc_obj; /* recent time floats (time_float) */
+    uint64_t *fc_bits;
     /* streams and the ready queue (a ring of stream indices) */
     Stream *st;
     Py_ssize_t n_streams;
@@ -131,18 +144,9 @@ static PyObject *shared_float(PyObject **cell, double v)
     return f;
 }
 
-static PyObject *now_float(Loop *L) /* new reference to a float equal to the clock (shared while it stands) */
-{
-    if (L->now_obj == NULL || L->now_obj_val != L->now) {
-        PyObject *f = PyFloat_FromDouble(L->now);
-        if (!f) return NULL;
-        Py_XDECREF(L->now_obj);
-        L->now_obj = f;
-        L->now_obj_val = L->now;
-    }
-    Py_INCREF(L->now_obj);
-    return L->now_obj;
-}
+#define O_START 1 /* o_t0 holds the op's start */
+#define O_END 2 /* o_t1 its end (a collective's op: both are its collective's) */
+#define O_SLOWED 4 /* o_slow its slowdown */
 
 /* ---- ready queue ------------------------------------------------------------------------------ */
 static int ready_push(Loop *L, Py_ssize_t s)
@@ -225,28 +229,19 @@ static Py_ssize_t new_node(Loop *L, Py_ssize_t stream, Py_ssize_t next)
     return k;
 }
 
-static int op_wait(Loop *L, PyObject *op, Py_ssize_t s) /* op.done.append(s) */
+static int op_wait(Loop *L, Py_ssize_t g, Py_ssize_t s) /* op.done.append(s) */
 {
-    PyObject *d = SLOT(op, L->o_done);
-    Py_ssize_t last = -1;
-    if (d != NULL && d != Py_None) {
-        last = PyLong_AsSsize_t(d);
-        if (last == -1 && PyErr_Occurred()) return -1;
-    }
-    Py_ssize_t k = new_node(L, s, last); /* chained backwards: next = the previous waiter */
+    Py_ssize_t k = new_node(L, s, L->o_wait[g]); /* chained backwards: next = the previous waiter */
     if (k < 0) return -1;
-    PyObject *v = PyLong_FromSsize_t(k);
-    if (!v) return -1;
-    set_slot(op, L->o_done, v);
+    L->o_wait[g] = k;
     return 0;
 }
 
-static int op_release(Loop *L, PyObject *op) /* ready.extend(op.done); op.done = None */
+static int op_release(Loop *L, Py_ssize_t g) /* ready.extend(op.done); op.done = None */
 {
-    PyObject *d = SLOT(op, L->o_done);
-    if (d == NULL || d == Py_None) return 0;
-    Py_ssize_t k = PyLong_AsSsize_t(d);
-    if (k == -1 && PyErr_Occurred()) return -1;
+    Py_ssize_t k = L->o_wait[g];
+    if (k < 0) return 0;
+    L->o_wait[g] = -1;
     L->scratch.n = 0;
     while (k >= 0) {
         if (ivec_push(&L->scratch, k) < 0) return -1;
@@ -258,8 +253,6 @@ static int op_release(Loop *L, PyObject *op) /* ready.extend(op.done); op.done =
         L->nodes[nd].next = L->free_node;
         L->free_node = nd;
     }
-    Py_INCREF(Py_None);
-    set_slot(op, L->o_done, Py_None);
     return 0;
 }
 
