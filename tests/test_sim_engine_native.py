@@ -132,3 +132,24 @@ def test_native_rejects_a_collective_outside_the_cluster(monkeypatch):
         cl.collective(stray, r, phase="fwd", step=0)
     with pytest.raises(ValueError, match="not in its cluster's collectives"):
         cl.run()
+
+
+def test_native_rejects_a_dependency_outside_the_streams_and_leaves_the_ops_as_they_were(monkeypatch):
+    """The compiled loop numbers the ops in their `done` slots while it reads them: a program it rejects
+    leaves every slot None again and the garbage collector as it was; an op run before is refused."""
+    import gc
+
+    monkeypatch.setenv("DMUON_SIM_ENGINE", "native")
+    _native()
+    cl = engine.Cluster(2)
+    stray = engine.Op(0, "compute", "stray", "fwd", 0, 1.0)  # in no stream
+    first = cl.compute(0, "a", 1.0, phase="fwd", step=0)
+    cl.compute(1, "b", 1.0, phase="fwd", step=0, deps=(first, stray))
+    assert gc.isenabled()
+    with pytest.raises(ValueError, match="an op depends on an op in none of the cluster's streams"):
+        engine_native.run_native(cl, engine_native.load(), engine.Op, engine.Collective)
+    assert gc.isenabled() and all(o.done is None for ops in cl.queues.values() for o in ops)
+    first.done = "waiting"
+    with pytest.raises(ValueError, match="an op is in two streams, or ran before"):
+        engine_native.run_native(cl, engine_native.load(), engine.Op, engine.Collective)
+    assert first.done == "waiting" and all(o.done is None for o in cl.queues[(1, "compute")])
