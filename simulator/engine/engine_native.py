@@ -8,7 +8,9 @@ scans a finished run's ops for the metrics (`phase_ends`, `compute_gaps`, engine
 `simulator.engine.metrics`), each beside the Python loop it mirrors (tests/test_sim_symmetry_replay.py).
 
 Why: at 4096 ranks a MoE step program has ~7 M ops; the Python loop spends ~3.5 us per op there (memory
-latency on ~10^7 scattered objects plus the interpreter), the C loop reads the same objects' slots directly.
+latency on ~10^7 scattered objects plus the interpreter). The C loop copies what it reads of the ops into
+arrays in one pass in memory order, runs on those and writes the times back into the ops' slots in another
+(engine_native.c: `number_ops`, `op_times`).
 
 Environment:
   DMUON_SIM_ENGINE   auto (default: native where it builds, else python) | native (fail if it cannot

@@ -10,7 +10,8 @@
  *           crefs[si] (-1: a compute op), dependency references: >= 0 an op of the record, < 0 a placeholder)
  *   crefs   per stream its collectives as (group index, key id)
  *   by_inst per group index the rank's instance's collectives {key id: collective}; None is returned
- *           where one is missing (the rank would create it: `_replay` builds it by the step logic then)
+ *           where one is missing (`_replay` creates them first; where it cannot, it builds the rank's step
+ *           by the step logic)
  *   ex      placeholder reference -> tuple of this rank's ops it stands for
  *   sizes   per stream its op count; returns flat (nflat ops by record index) and per stream its ops.
  * An op whose dependency is created after it (it lay before it in memory) gets its dependencies once all

@@ -9,15 +9,20 @@ instances of its collectives, (b) which parts its owner exchange has (EP: the re
 `_owner_parts`, by r % ep) and (c) the ops of its previous optimizer step they wait for (`prev`: the op the
 gathers wait for, per bucket the owner's batches its publication waits for, the publications of overlap=False
 or, with EP, the experts' publications of the step: `_expert_step`). Layer times, parts, buckets and the
-plan's bucket layers are the same on every rank. So the first rank of each (step, r % ep) builds them through
-the step logic with a placeholder op for each of (c) and records the result: per stream the ops (name, phase,
-step, duration, the collective's key and group) and per op its dependencies (earlier ops of the record or a
-placeholder). A replay creates the same ops on the same streams in the same order, the collectives looked up
-for its own group instances, and each placeholder replaced by that rank's ops (None dropped, as
-`Cluster.compute` does). A rank whose instance of some collective does not exist yet (it would create it: the
-first rank of a group) is built through the step logic, so collectives are created in the same order as
-without templates. With stragglers (`jitter`) every compute op draws its time in program order: nothing is
-replayed then. A replay's ops are created in C where the compiled event loop loads
+plan's bucket layers are the same on every rank. So the first rank of each (step, (b), (c)'s keys) builds them
+through the step logic with a placeholder op for each of (c) and records the result: per stream the ops (name,
+phase, step, duration, the collective's key and group) and per op its dependencies (earlier ops of the record
+or a placeholder). (b) is the replica group's owner-exchange signature (`_exchange_key`, `_ep_signature`:
+payload, largest share, owners per local index per bucket, what `owner_coll` prices), so the replica groups
+with equal parts share a template (Kimi-K2-like at 4096 GPUs: 2 signatures for 64 replica groups). A replay
+creates the same ops on the same streams in the same order, the collectives looked up for its own group
+instances, and each placeholder replaced by that rank's ops (None dropped, as `Cluster.compute` does). Where
+its instance of some collective does not exist yet (it would create it: the first rank of a group), the replay
+creates it first (`_create_missing`): the record logs every collective the step logic looks up, in call order
+(`CommPrograms._log`; its caches are bypassed while it records), and the missing ones are made in that order
+with the record's fields and the rank's own instance (participants, copies, group name), as the step logic
+would make them (tests/test_sim_symmetry_replay.py compares both, collectives included). With stragglers
+(`jitter`) every compute op draws its time in program order: nothing is replayed then. A replay's ops are created in C where the compiled event loop loads
 (simulator/engine/engine_native_replay.h, the loop of `_replay_ops`; tests/test_sim_symmetry_replay.py
 compares both): ~0.25 us per op instead of ~1 us.
 """
