@@ -16,7 +16,8 @@ import argparse
 import csv
 from pathlib import Path
 
-from simulator.api import SimConfig, simulate
+from simulator.api import SimConfig
+from simulator.published_compare import compare_systems
 from simulator.programs.step_published import MECHANISMS
 
 LAYOUTS = ("fsdp-keep", "fsdp-free", "hsdp-keep", "hsdp-free")  # FSDP-Z2, FSDP-Z3, HSDP-Z2, HSDP-Z3
@@ -25,17 +26,9 @@ ROWS = Path(__file__).resolve().parents[1] / "experiments" / "reference" / "publ
 
 
 def overheads(workload: str, gpus: int, layout: str, **kw) -> dict:
-    """{"ours": %, "published": %, mechanism: % it costs} of DMuon over AdamW for one layout."""
-    base = dict(workload=workload, gpus=gpus, layout=layout, **kw)
-    adamw = simulate(SimConfig(strategy="adamw", **base)).step_s
-
-    def pct(**extra) -> float:
-        return (simulate(SimConfig(strategy="dmuon", **base, **extra)).step_s / adamw - 1) * 100
-
-    out = {"ours": pct(), "published": pct(system="published")}
-    for m in MECHANISMS:
-        out[m] = out["published"] - pct(system="published", published_off=(m,))
-    return out
+    """{"ours": %, "published": %, mechanism: points it costs} of DMuon over AdamW for one layout."""
+    c = compare_systems(SimConfig(workload=workload, gpus=gpus, layout=layout, **kw))
+    return {"ours": c.overhead_pct("ours"), "published": c.overhead_pct("published"), **c.points()}
 
 
 PHASES = ("forward_s", "backward_s", "optimizer_s")
@@ -47,15 +40,11 @@ def breakdown(workload: str, gpus: int, layout: str) -> list[dict]:
     our schedule's overhead by phase (DMuon's forward / backward / optimizer less AdamW's), then what
     each published mechanism adds on top (published less published with it off), and the interaction
     left over (published less the sum of the parts); plus the model's traits that set them."""
-    base = dict(workload=workload, gpus=gpus, layout=layout)
-    a = simulate(SimConfig(strategy="adamw", **base))
-    o = simulate(SimConfig(strategy="dmuon", **base))
-    pub = simulate(SimConfig(strategy="dmuon", system="published", **base))
+    c = compare_systems(SimConfig(workload=workload, gpus=gpus, layout=layout))
+    a, o = c.adamw, c.ours
     pts = {f"ours {ph[:-2]}": (getattr(o, ph) - getattr(a, ph)) / a.step_s * 100 for ph in PHASES}
-    for m in MECHANISMS:
-        off = simulate(SimConfig(strategy="dmuon", system="published", published_off=(m,), **base))
-        pts[m] = (pub.step_s - off.step_s) / a.step_s * 100
-    total = (pub.step_s / a.step_s - 1) * 100
+    pts.update(c.points())
+    total = c.overhead_pct("published")
     pts["interaction"] = total - sum(pts.values())
     traits = _traits(workload)
     return [dict(workload=workload, gpus=gpus, layout=layout, part=k, points=v, published_pct=total,
