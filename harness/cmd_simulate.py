@@ -80,7 +80,9 @@ def run_simulations(configs, trace: str | None):
     return results
 
 
-def print_table(results) -> None:
+def print_table(results, labels=None, comparison=None) -> None:
+    """One column per result (`labels`: their headers, default the strategies); `comparison`: a
+    simulator.published_compare.SystemComparison whose mechanisms are printed after the table."""
     from rich.console import Console
     from rich.table import Table
 
@@ -90,8 +92,8 @@ def print_table(results) -> None:
              f"micro-batch {first.settings['micro_batch']} — SIMULATED")
     table = Table(title=title)
     table.add_column("")
-    for r in results:
-        table.add_column(r.strategy, justify="right")
+    for label in labels or [r.strategy for r in results]:
+        table.add_column(label, justify="right")
     for label, attr, scale, unit in _ROWS:
         cells = []
         for r in results:
@@ -111,7 +113,9 @@ def print_table(results) -> None:
         n, d = by["naive"], by["dmuon"]
         console.print(f"dmuon vs naive: optimizer {n.optimizer_s / d.optimizer_s:.2f}x, "
                       f"step {n.step_s / d.step_s:.2f}x faster")
-    if "adamw" in by and "dmuon" in by:
+    if comparison is not None:
+        print_comparison(console, comparison)
+    elif "adamw" in by and "dmuon" in by:
         console.print(f"dmuon vs adamw: step {by['dmuon'].step_s / by['adamw'].step_s - 1:+.1%}")
     console.print("[bold]inputs[/bold]")
     seen = set()
@@ -122,6 +126,26 @@ def print_table(results) -> None:
                 console.print(f"  {k}: {v}", highlight=False, soft_wrap=True)
     for note in dict.fromkeys(n for r in results for n in r.notes):
         console.print(f"  note: {note}", highlight=False, soft_wrap=True)
+
+
+def print_comparison(console, c) -> None:
+    """DMuon over AdamW under both schedules, then what each published mechanism costs at this layout."""
+    from rich.table import Table
+
+    console.print(f"dmuon vs adamw: ours {c.overhead_pct('ours'):+.2f}%, published {c.overhead_pct('published'):+.2f}% "
+                  f"(published - ours: {c.overhead_pct('published') - c.overhead_pct('ours'):+.2f} points)")
+    table = Table(title="what each published mechanism costs: the published step less it with that one off "
+                        "(positive: the public code pays it, our schedule saves it; what each models: "
+                        "simulator.programs.step_published, docs/simulator.md)")
+    for col in ("mechanism", "ms", "points of the AdamW step"):
+        table.add_column(col, justify="left" if col == "mechanism" else "right")
+    points = c.points()
+    for m, sec in c.mechanism_s.items():
+        table.add_row(m, f"{sec * 1e3:+,.1f}", f"{points[m]:+.2f}")
+    console.print(table)
+    console.print(f"sum of the parts {sum(points.values()):+.2f} points; interaction (published - ours - sum) "
+                  f"{c.overhead_pct('published') - c.overhead_pct('ours') - sum(points.values()):+.2f}",
+                  highlight=False)
 
 
 def register(app, bench) -> None:
@@ -146,7 +170,7 @@ def register(app, bench) -> None:
         gpu: str = typer.Option(None, help=gpu_help()[:-1] + " (default a800, or the --cluster file's)."),
         strategy: str = typer.Option(ALL, help="adamw | naive | dmuon | all (side by side)."),
         layout: str = typer.Option("fsdp-keep", help="fsdp-keep | fsdp-free | hsdp-keep | hsdp-free | ddp | "
-                                                     "sharded."),
+                                                     "sharded; several comma separated: one table each."),
         seq_len: int = typer.Option(2048, help="Tokens per sequence."),
         micro_batch: int = typer.Option(2, help="Sequences per GPU per step."),
         gram: bool = typer.Option(True, "--gram/--no-gram", help="dmuon: Gram Newton-Schulz."),
@@ -192,7 +216,9 @@ def register(app, bench) -> None:
                                                "(e.g. 0.03); the step is then the median of 8 sampled steps "
                                                "(p90 printed too)."),
         system: str = typer.Option("ours", help="dmuon's schedule: ours | published (the public "
-                                                "implementation's, simulator.programs.step_published)."),
+                                                "implementation's, simulator.programs.step_published) | "
+                                                "ours,published (both side by side, with what each "
+                                                "published mechanism costs)."),
         published_off: str = typer.Option("", help="--system published: its mechanisms to turn off, comma "
                                                    "separated (simulator.programs.step_published.MECHANISMS)."),
         published_on: str = typer.Option("", help="--system published: opt-in public modes, comma separated "
@@ -213,38 +239,97 @@ def register(app, bench) -> None:
             raise InputError("give --workload or --model, not both")
         workload = workload or SimConfig.workload
         hardware = gpu_of(gpu, cluster)
-        configs = [
-            SimConfig(workload=workload, model=model, per_head=per_head, cluster=cluster, gpus=gpus,
-                      gpus_per_node=gpus_per_node, gpu=hardware, strategy=s,
-                      layout=layout, seq_len=seq_len, micro_batch=micro_batch, gram=gram,
-                      symmetric_kernels=symmetric_kernels, batching=batching, balancer=balancer,
-                      overlap=overlap, hierarchical=hierarchical, nic_gbps=nic_gbps,
-                      overlap_slowdown=overlap_slowdown, naive_batching=naive_batching,
-                      cpu_threads=cpu_threads, bucket_numel=bucket_numel, max_split=max_split,
-                      split_exchange=split_exchange, ep=ep, tp=tp, pp=pp, vpp=vpp, sp=sp,
-                      microbatches=microbatches, recompute=recompute, param_dtype=param_dtype,
-                      jitter=jitter, system=system,
-                      published_off=tuple(x for x in published_off.split(",") if x),
-                      published_on=tuple(x for x in published_on.split(",") if x))
-            for s in strategies_of(strategy)
-        ]
-        results = run_simulations(configs, trace)
-        band = {}
-        if bands:
-            from simulator.calibration.bands import bands as band_of
-
-            band = {c.strategy: band_of(c) for c in configs}
+        layouts, systems = split_list(layout, "layout"), split_list(system, "system")
+        compare = len(systems) > 1
+        if compare and sorted(systems) != ["ours", "published"]:
+            raise InputError(f"--system: {system!r}; accepted: ours, published, or ours,published (both side by "
+                             "side)")
+        if trace and (compare or len(layouts) > 1):
+            raise InputError("--trace writes one layout of one system; accepted: one --layout and one --system")
+        strategies = strategies_of(strategy)
+        if compare and "dmuon" not in strategies:
+            raise InputError("--system ours,published compares dmuon's two schedules; accepted: --strategy "
+                             "dmuon or all")
+        off = tuple(x for x in published_off.split(",") if x)
+        on = tuple(x for x in published_on.split(",") if x)
+        outputs = []
+        for lay in layouts:
+            configs = [
+                SimConfig(workload=workload, model=model, per_head=per_head, cluster=cluster, gpus=gpus,
+                          gpus_per_node=gpus_per_node, gpu=hardware, strategy=s,
+                          layout=lay, seq_len=seq_len, micro_batch=micro_batch, gram=gram,
+                          symmetric_kernels=symmetric_kernels, batching=batching, balancer=balancer,
+                          overlap=overlap, hierarchical=hierarchical, nic_gbps=nic_gbps,
+                          overlap_slowdown=overlap_slowdown, naive_batching=naive_batching,
+                          cpu_threads=cpu_threads, bucket_numel=bucket_numel, max_split=max_split,
+                          split_exchange=split_exchange, ep=ep, tp=tp, pp=pp, vpp=vpp, sp=sp,
+                          microbatches=microbatches, recompute=recompute, param_dtype=param_dtype,
+                          jitter=jitter, system=sys_, published_off=off if sys_ == "published" else (),
+                          published_on=on if sys_ == "published" else ())
+                for s in strategies
+                for sys_ in ["published" if compare and s == "dmuon" else "ours" if compare else systems[0]]
+            ]
+            outputs.append(_simulate_layout(configs, trace, compare, bands))
         if json_out:
-            out = [{**r.to_dict(), **({"step_band_s": [band[r.strategy]["low"], band[r.strategy]["high"]]}
-                                      if band else {})} for r in results]
+            out = [o["json"] for o in outputs]
+            if not compare:
+                out = [r for o in out for r in o]
             print(json.dumps(out[0] if len(out) == 1 else out, indent=1, default=str))
-        else:
-            print_table(results)
-            for r in results:
+            return
+        for o in outputs:
+            print_table(o["results"], o["labels"], o["comparison"])
+            for label, r in zip(o["labels"], o["results"]):
                 if jitter > 0:
-                    print(f"{r.strategy}: step p50 {r.step_s * 1e3:.1f} ms, p90 {r.step_p90_s * 1e3:.1f} ms "
+                    print(f"{label}: step p50 {r.step_s * 1e3:.1f} ms, p90 {r.step_p90_s * 1e3:.1f} ms "
                           f"(jitter {jitter:g})")
-                if band:
-                    b = band[r.strategy]
-                    print(f"{r.strategy}: step {b['base'] * 1e3:.1f} ms, band {b['low'] * 1e3:.1f} .. "
+                if o["band"]:
+                    b = o["band"][label]
+                    print(f"{label}: step {b['base'] * 1e3:.1f} ms, band {b['low'] * 1e3:.1f} .. "
                           f"{b['high'] * 1e3:.1f} ms over {', '.join(b['inputs'])} (simulator.calibration.bands)")
+
+
+def split_list(value: str, what: str) -> list[str]:
+    """A comma-separated option's items, in order; an empty item or a repeat is an error."""
+    from dmuon.errors import InputError
+
+    items = [x.strip() for x in value.split(",")]
+    if any(not x for x in items) or len(set(items)) != len(items):
+        raise InputError(f"--{what}: {value!r} is not a comma-separated list of distinct names")
+    return items
+
+
+def _simulate_layout(configs, trace, compare: bool, bands: bool) -> dict:
+    """One layout's results: every strategy under the first system or, with `compare`, dmuon under both
+    schedules (simulator.published_compare) beside the others. Returns the results, their column
+    labels, the comparison, the error bands by label and the JSON to print."""
+    from dataclasses import replace
+
+    comparison, band = None, {}
+    if not compare:
+        results = run_simulations(configs, trace)
+        labels = [r.strategy for r in results]
+        band_cfgs = configs
+    else:
+        from simulator.published_compare import compare_systems
+
+        others = [c for c in configs if c.strategy != "dmuon"]
+        results = run_simulations(others, None)
+        adamw = next((r for r in results if r.strategy == "adamw"), None)
+        dmuon = next(c for c in configs if c.strategy == "dmuon")
+        comparison = compare_systems(dmuon, adamw)
+        results += [comparison.ours, comparison.published]
+        labels = [r.strategy for r in results[:-2]] + ["dmuon ours", "dmuon published"]
+        band_cfgs = others + [replace(dmuon, system="ours", published_off=(), published_on=()), dmuon]
+    if bands:
+        from simulator.calibration.bands import bands as band_of
+
+        band = {label: band_of(c) for label, c in zip(labels, band_cfgs)}
+    rows = [{**r.to_dict(), **({"label": label} if compare else {}),
+             **({"step_band_s": [band[label]["low"], band[label]["high"]]} if band else {})}
+            for label, r in zip(labels, results)]
+    out = rows
+    if compare:
+        out = {"layout": configs[0].layout, "results": rows,
+               "overhead_pct": {s: comparison.overhead_pct(s) for s in ("ours", "published")},
+               "mechanism_s": comparison.mechanism_s, "mechanism_points": comparison.points()}
+    return {"results": results, "labels": labels, "comparison": comparison, "band": band, "json": out}

@@ -7,6 +7,7 @@ the public code pays it, i.e. our schedule's change saves it). Then the public R
     python -m scripts.published_vs_ours                      # pi0, wall-oss x 4 layouts, 128 A800s
     python -m scripts.published_vs_ours --workload qwen2.5-7b --gpus 64 --layouts fsdp-keep,hsdp-free
     python -m scripts.published_vs_ours --rows-only          # the public rows only
+    python -m scripts.published_vs_ours --paper-8gpu         # the paper's 8 x A800 DMuon rows (reported.csv)
     python -m scripts.published_vs_ours --breakdown results/published/breakdown.csv   # figure 12's data
 """
 
@@ -16,7 +17,8 @@ import argparse
 import csv
 from pathlib import Path
 
-from simulator.api import SimConfig, simulate
+from simulator.api import SimConfig
+from simulator.published_compare import compare_systems
 from simulator.programs.step_published import MECHANISMS
 
 LAYOUTS = ("fsdp-keep", "fsdp-free", "hsdp-keep", "hsdp-free")  # FSDP-Z2, FSDP-Z3, HSDP-Z2, HSDP-Z3
@@ -25,17 +27,9 @@ ROWS = Path(__file__).resolve().parents[1] / "experiments" / "reference" / "publ
 
 
 def overheads(workload: str, gpus: int, layout: str, **kw) -> dict:
-    """{"ours": %, "published": %, mechanism: % it costs} of DMuon over AdamW for one layout."""
-    base = dict(workload=workload, gpus=gpus, layout=layout, **kw)
-    adamw = simulate(SimConfig(strategy="adamw", **base)).step_s
-
-    def pct(**extra) -> float:
-        return (simulate(SimConfig(strategy="dmuon", **base, **extra)).step_s / adamw - 1) * 100
-
-    out = {"ours": pct(), "published": pct(system="published")}
-    for m in MECHANISMS:
-        out[m] = out["published"] - pct(system="published", published_off=(m,))
-    return out
+    """{"ours": %, "published": %, mechanism: points it costs} of DMuon over AdamW for one layout."""
+    c = compare_systems(SimConfig(workload=workload, gpus=gpus, layout=layout, **kw))
+    return {"ours": c.overhead_pct("ours"), "published": c.overhead_pct("published"), **c.points()}
 
 
 PHASES = ("forward_s", "backward_s", "optimizer_s")
@@ -47,15 +41,11 @@ def breakdown(workload: str, gpus: int, layout: str) -> list[dict]:
     our schedule's overhead by phase (DMuon's forward / backward / optimizer less AdamW's), then what
     each published mechanism adds on top (published less published with it off), and the interaction
     left over (published less the sum of the parts); plus the model's traits that set them."""
-    base = dict(workload=workload, gpus=gpus, layout=layout)
-    a = simulate(SimConfig(strategy="adamw", **base))
-    o = simulate(SimConfig(strategy="dmuon", **base))
-    pub = simulate(SimConfig(strategy="dmuon", system="published", **base))
+    c = compare_systems(SimConfig(workload=workload, gpus=gpus, layout=layout))
+    a, o = c.adamw, c.ours
     pts = {f"ours {ph[:-2]}": (getattr(o, ph) - getattr(a, ph)) / a.step_s * 100 for ph in PHASES}
-    for m in MECHANISMS:
-        off = simulate(SimConfig(strategy="dmuon", system="published", published_off=(m,), **base))
-        pts[m] = (pub.step_s - off.step_s) / a.step_s * 100
-    total = (pub.step_s / a.step_s - 1) * 100
+    pts.update(c.points())
+    total = c.overhead_pct("published")
     pts["interaction"] = total - sum(pts.values())
     traits = _traits(workload)
     return [dict(workload=workload, gpus=gpus, layout=layout, part=k, points=v, published_pct=total,
@@ -82,15 +72,40 @@ def public_rows() -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def paper_8gpu() -> None:
+    """The paper's own 8 x A800 table (reported.csv a800_8gpu_llm: DMuon and FSDP2+AdamW steps, seq 2048 x
+    micro-batch 2, FSDP2 ZeRO-2-like = fsdp-keep) against DMuon over AdamW under both schedules, with the
+    published mechanisms that cost more than half a point there."""
+    from simulator.validation.reference import LLM_GPUS, LLM_MICRO_BATCH, LLM_SEQ_LEN, llm_rows
+
+    steps = {(r.workload, r.method): r.step_s for r in llm_rows()}
+    errs = {"ours": [], "published": []}
+    print(f"paper's {LLM_GPUS} x A800 rows (reported.csv): DMuon over FSDP2+AdamW, %")
+    for w in sorted({w for w, m in steps if m == "DMuon"}):
+        paper = (steps[(w, "DMuon")] / steps[(w, "FSDP2+AdamW")] - 1) * 100
+        o = overheads(w, LLM_GPUS, "fsdp-keep", seq_len=LLM_SEQ_LEN, micro_batch=LLM_MICRO_BATCH)
+        for k in errs:
+            errs[k].append(o[k] - paper)
+        big = ", ".join(f"{m} {o[m]:+.2f}" for m in MECHANISMS if abs(o[m]) > 0.5)
+        print(f"{w:12} paper {paper:+6.2f}  ours {o['ours']:+6.2f} ({o['ours'] - paper:+5.2f})  published "
+              f"{o['published']:+6.2f} ({o['published'] - paper:+5.2f})  [{big}]", flush=True)
+    for k, v in errs.items():
+        print(f"mean |error| {k}: {sum(abs(x) for x in v) / len(v):.2f} points, max {max(abs(x) for x in v):.2f}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="pi0,wall-oss")
     ap.add_argument("--gpus", type=int, default=128)
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--rows-only", action="store_true")
+    ap.add_argument("--paper-8gpu", action="store_true", help="the paper's 8 x A800 DMuon rows instead")
     ap.add_argument("--breakdown", metavar="CSV", help="write the per-model breakdown (figure 12, "
                     "`harness figures published`) of BREAKDOWN_WORKLOADS x fsdp-keep / hsdp-free to CSV")
     a = ap.parse_args(argv)
+    if a.paper_8gpu:
+        paper_8gpu()
+        return
     if a.breakdown:
         rows = [r for w in BREAKDOWN_WORKLOADS for lay in ("fsdp-keep", "hsdp-free")
                 for r in breakdown(w, a.gpus, lay)]

@@ -40,6 +40,13 @@ def test_default_prints_all_strategies_side_by_side(capsys):
     (["--workload", "nope"], "unknown workload 'nope'; accepted:"),
     (["--nic-gbps", "-1"], "--nic-gbps must be a positive number"),
     (["--strategy", "lion"], "unknown strategy 'lion'; accepted: adamw, naive, dmuon, all"),
+    (["--system", "ours,theirs"], "accepted: ours, published, or ours,published"),
+    (["--system", "theirs"], "unknown system 'theirs'; accepted: ours, published"),
+    (["--system", "ours,published", "--strategy", "adamw"], "compares dmuon's two schedules; accepted: "
+                                                           "--strategy dmuon or all"),
+    (["--system", "ours,published", "--trace", "t.json"], "--trace writes one layout of one system"),
+    (["--layout", "fsdp-keep,zero4"], "unknown layout 'zero4'; accepted:"),
+    (["--layout", "fsdp-keep,,ddp"], "--layout: 'fsdp-keep,,ddp' is not a comma-separated list of distinct"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(capsys, args, match):
     assert main(["simulate", *args]) == 2

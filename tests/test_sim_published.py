@@ -99,3 +99,32 @@ def test_pack_small_and_param_collectives_count_group_py_collectives(ours):
     assert per_param.backward_s > flat.backward_s
     assert per_param.forward_s == pytest.approx(flat.forward_s, rel=1e-9)
     assert packed.comm_bytes_per_rank == flat.comm_bytes_per_rank == per_param.comm_bytes_per_rank
+
+
+def test_cli_compares_both_systems_per_layout_with_each_mechanism_s_cost(capsys):
+    """`harness simulate --system ours,published`: per layout, dmuon under both schedules (the same steps as
+    simulating each alone) and each mechanism's cost as the published step less it with that one off."""
+    import json
+
+    from harness.cli import main
+
+    args = ["simulate", "--workload", "qwen2.5-1.5b", "--gpus", "16", "--seq-len", "512", "--micro-batch", "1",
+            "--strategy", "dmuon", "--system", "ours,published", "--layout", "fsdp-keep,hsdp-free",
+            "--published-off", "drain", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [o["layout"] for o in out] == ["fsdp-keep", "hsdp-free"]
+    for o in out:
+        base = {**BASE, "layout": o["layout"]}
+        adamw = simulate(SimConfig(**{**base, "strategy": "adamw"})).step_s
+        ours = simulate(SimConfig(**base)).step_s
+        pub = simulate(SimConfig(**base, system="published", published_off=("drain",))).step_s
+        assert [(r["label"], r["step_s"]) for r in o["results"]] == [("dmuon ours", ours), ("dmuon published", pub)]
+        assert o["overhead_pct"] == {"ours": (ours / adamw - 1) * 100, "published": (pub / adamw - 1) * 100}
+        assert list(o["mechanism_s"]) == [m for m in MECHANISMS if m != "drain"]
+        off = simulate(SimConfig(**base, system="published", published_off=("drain", "master_fp32"))).step_s
+        assert o["mechanism_s"]["master_fp32"] == pub - off
+        assert o["mechanism_points"]["master_fp32"] == (pub - off) / adamw * 100
+    fsdp, hsdp = (o["mechanism_s"] for o in out)
+    assert fsdp["hsdp_stages"] == fsdp["master_fp32"] == 0.0  # HSDP-only mechanisms cost nothing on FSDP
+    assert hsdp["master_fp32"] > 0  # fp32 replicate broadcasts: twice the bytes across nodes
