@@ -12,7 +12,7 @@
  * on ~10^6 scattered objects in event order were most of its time), and one pass writes the times back into
  * the ops' __slots__ (`op_times`, through the member descriptors' offsets), with the same values. The
  * streams, the ready queue, the timer heap, the collectives' running state and the lists of waiting streams
- * are C arrays too. A waiting list of an op is a chain of nodes whose last index is kept per op (`o_wait`).
+ * are C arrays too. A waiting list of an op is a chain of nodes whose last index is kept per op (`OpRec.wait`).
  * The running state of a slowed compute op is one record per rank (a rank runs one compute op at a time):
  * its version only grows, so a timer of an earlier op of the rank never matches a later op's version.
  */
@@ -39,15 +39,9 @@ static Py_ssize_t slot_offset(PyObject *type, const char *name)
 static void loop_free(Loop *L)
 {
     PyMem_Free(L->o_obj);
-    PyMem_Free(L->a_dur);
-    PyMem_Free(L->o_t0);
-    PyMem_Free(L->o_t1);
+    PyMem_Free(L->rec);
     PyMem_Free(L->o_slow);
-    PyMem_Free(L->o_cix);
     PyMem_Free(L->dep);
-    PyMem_Free(L->dep_off);
-    PyMem_Free(L->o_wait);
-    PyMem_Free(L->o_set);
     if (L->fc_obj)
         for (Py_ssize_t k = 0; k < FC_SIZE; k++) Py_XDECREF(L->fc_obj[k]);
     PyMem_Free(L->fc_obj);
@@ -131,8 +125,7 @@ static int number_ops(Loop *L)
         (p) = PyMem_Calloc((size_t)(m) ? (size_t)(m) : 1, sizeof(*(p))); \
         if (!(p)) { PyErr_NoMemory(); return -1; } \
     } while (0)
-    OALLOC(L->o_obj, n); OALLOC(L->a_dur, n); OALLOC(L->o_t0, n); OALLOC(L->o_t1, n); OALLOC(L->o_slow, n);
-    OALLOC(L->o_cix, n); OALLOC(L->o_wait, n); OALLOC(L->o_set, n); OALLOC(L->dep_off, n + 1);
+    OALLOC(L->o_obj, n); OALLOC(L->rec, n); OALLOC(L->o_slow, n);
     OALLOC(L->fc_obj, FC_SIZE); OALLOC(L->fc_bits, FC_SIZE);
     for (Py_ssize_t k = 0; k < L->n_streams; k++) {
         Stream *s = &L->st[k];
@@ -150,7 +143,7 @@ static int number_ops(Loop *L)
             L->o_obj[g] = op;
             SLOT(op, L->o_done) = TAG(g); /* None's reference is kept for `untag` */
             L->n_tagged = g + 1;
-            L->o_wait[g] = -1;
+            L->rec[g].wait = -1;
         }
     }
     Py_ssize_t cap = 0, nd = 0;
@@ -163,6 +156,19 @@ static int number_ops(Loop *L)
         }
         Py_ssize_t m = PySequence_Fast_GET_SIZE(deps);
         PyObject **items = PySequence_Fast_ITEMS(deps);
+        if (m >= INT_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "an op with more dependencies than the compiled loop counts");
+            return -1;
+        }
+        int *to = L->rec[g].in;
+        if (m > R_INLINE) {
+            while (nd + m >= cap)
+                if (grow((void **)&L->dep, &cap, nd + m, sizeof(int), 1 << 16) < 0) return -1;
+            L->rec[g].dep0 = nd;
+            to = L->dep + nd;
+            nd += m;
+        }
+        L->rec[g].ndep = (int)m;
         for (Py_ssize_t k = 0; k < m; k++) {
             PyObject *d = items[k];
             if (!PyObject_TypeCheck(d, L->op_type)) {
@@ -174,18 +180,16 @@ static int number_ops(Loop *L)
                 PyErr_SetString(PyExc_ValueError, "an op depends on an op in none of the cluster's streams");
                 return -1;
             }
-            if (grow((void **)&L->dep, &cap, nd, sizeof(int), 1 << 16) < 0) return -1;
-            L->dep[nd++] = (int)UNTAG(t);
+            to[k] = (int)UNTAG(t);
         }
-        L->dep_off[g + 1] = nd;
         PyObject *co = SLOT(op, L->o_coll);
         if (co == Py_None) {
-            L->o_cix[g] = -1;
-            if (as_double(SLOT(op, L->o_dur), &L->a_dur[g]) < 0) return -1;
+            L->rec[g].cix = -1;
+            if (as_double(SLOT(op, L->o_dur), &L->rec[g].dur) < 0) return -1;
         } else {
             Py_ssize_t c = coll_index(L, co);
             if (c < 0) return -1;
-            L->o_cix[g] = (int)c;
+            L->rec[g].cix = (int)c;
         }
     }
     return 0;
@@ -212,16 +216,16 @@ static PyObject *time_float(Loop *L, double v)
 static int op_times(Loop *L) /* every op's start, end and slowdown, from the arrays */
 {
     for (Py_ssize_t g = 0; g < L->n_ops; g++) {
-        char set = L->o_set[g];
+        char set = L->rec[g].set;
         if (!set) continue;
         PyObject *op = L->o_obj[g], *a, *b;
-        int c = L->o_cix[g];
+        int c = L->rec[g].cix;
         if (c >= 0) {
             a = shared_float(&L->c_start_obj[c], L->c_start[c]);
             b = a ? shared_float(&L->c_end_obj[c], L->c_endt[c]) : NULL;
         } else {
-            a = (set & O_START) ? time_float(L, L->o_t0[g]) : Py_NewRef(Py_None);
-            b = !a ? NULL : (set & O_END) ? time_float(L, L->o_t1[g]) : Py_NewRef(Py_None);
+            a = (set & O_START) ? time_float(L, L->rec[g].t0) : Py_NewRef(Py_None);
+            b = !a ? NULL : (set & O_END) ? time_float(L, L->rec[g].t1) : Py_NewRef(Py_None);
         }
         if (!a || !b) { Py_XDECREF(a); return -1; }
         set_slot(op, L->o_start, a);

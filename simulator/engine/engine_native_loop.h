@@ -142,14 +142,14 @@ static int start_coll(Loop *L, Py_ssize_t c)
 }
 
 /* op g's start and end are its collective's (written to the op by `op_times`): op.start, op.end = c.start, c.end */
-#define COLL_TIMES(L, g) ((L)->o_set[g] |= O_START | O_END)
+#define COLL_TIMES(L, g) ((L)->rec[g].set |= O_START | O_END)
 
 static int finish_op(Loop *L, Py_ssize_t si, Py_ssize_t g)
 {
     Stream *s = &L->st[si];
     if (s->comm_slow && set_computing(L, s->rank, 0) < 0) return -1;
-    L->o_t1[g] = L->now;
-    L->o_set[g] |= O_END;
+    L->rec[g].t1 = L->now;
+    L->rec[g].set |= O_END;
     if (op_release(L, g) < 0) return -1;
     s->i++;
     return ready_push(L, si);
@@ -168,27 +168,29 @@ static int advance(Loop *L, Py_ssize_t si)
     while (i < n) {
         Py_ssize_t g = base + i;
         int blocked = 0;
-        for (Py_ssize_t k = L->dep_off[g]; k < L->dep_off[g + 1]; k++) {
-            Py_ssize_t d = L->dep[k];
-            int c = L->o_cix[d];
+        const OpRec *o = &L->rec[g];
+        const int *ds = o->ndep <= R_INLINE ? o->in : L->dep + o->dep0;
+        for (int k = 0; k < o->ndep; k++) {
+            Py_ssize_t d = ds[k];
+            int c = L->rec[d].cix;
             if (c >= 0) {
                 if (!L->c_ended[c]) {
                     if (coll_wait(L, c, si) < 0) return -1;
                     blocked = 1;
                     break;
                 }
-            } else if (!(L->o_set[d] & O_END)) {
+            } else if (!(L->rec[d].set & O_END)) {
                 if (op_wait(L, d, si) < 0) return -1;
                 blocked = 1;
                 break;
             }
         }
         if (blocked) break;
-        Py_ssize_t c = L->o_cix[g];
+        Py_ssize_t c = L->rec[g].cix;
         if (c < 0) {
-            L->o_t0[g] = L->now;
-            L->o_set[g] |= O_START;
-            double dur = L->a_dur[g];
+            L->rec[g].t0 = L->now;
+            L->rec[g].set |= O_START;
+            double dur = L->rec[g].dur;
             if (dur > 0) {
                 if (s->comm_slow && set_computing(L, s->rank, 1) < 0) return -1;
                 L->seq++;
@@ -212,8 +214,8 @@ static int advance(Loop *L, Py_ssize_t si)
                 }
                 break;
             }
-            L->o_t1[g] = L->now;
-            L->o_set[g] |= O_END;
+            L->rec[g].t1 = L->now;
+            L->rec[g].set |= O_END;
             if (op_release(L, g) < 0) return -1;
             i++;
             continue;
@@ -260,8 +262,8 @@ static int main_loop(Loop *L)
             Py_ssize_t si = st->stream;
             st->active = 0;
             Py_ssize_t g = L->st[si].base + L->st[si].i;
-            L->o_slow[g] = L->now - L->o_t0[g] - L->a_dur[g];
-            L->o_set[g] |= O_SLOWED;
+            L->o_slow[g] = L->now - L->rec[g].t0 - L->rec[g].dur;
+            L->rec[g].set |= O_SLOWED;
             if (finish_op(L, si, g) < 0) return -1;
         } else if (e.kind == K_END) {
             Stream *s = &L->st[e.obj];

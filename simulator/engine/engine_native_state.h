@@ -35,6 +35,18 @@ typedef struct {
 
 typedef struct { Py_ssize_t stream, next; } Node;
 
+/* one op in the loop (64 bytes): duration, start, end, the last of the streams waiting on it (a chain of
+ * nodes, -1: none), its dependencies (ndep op numbers: in `in` where they fit, most ops wait on one or two,
+ * else dep[dep0 ..]), its collective's index (-1: compute), what of its times is set (O_*) */
+#define R_INLINE 2
+typedef struct {
+    double dur, t0, t1;
+    Py_ssize_t wait, dep0;
+    int ndep, cix;
+    int in[R_INLINE];
+    char set;
+} OpRec;
+
 typedef struct { Py_ssize_t *a; Py_ssize_t n, cap; } IVec;
 
 typedef struct {
@@ -47,14 +59,13 @@ typedef struct {
     double now, late;
     long long seq;
     /* the ops, numbered stream after stream (engine_native.c: `number_ops`, `op_times`): each op's object,
-     * duration, collective index (-1: compute), dependencies (numbers, dep_off[k]..dep_off[k + 1] in dep),
-     * times, what of them is set (O_*), and the last of the streams waiting on it (a chain of nodes) */
+     * what the loop reads and writes of it (one record: the fields of an op share its cache lines), its
+     * slowdown, and the dependencies of all, as op numbers */
     Py_ssize_t n_ops;
     PyObject **o_obj;
-    double *a_dur, *o_t0, *o_t1, *o_slow;
-    int *o_cix, *dep;
-    Py_ssize_t *dep_off, *o_wait;
-    char *o_set;
+    OpRec *rec;
+    double *o_slow;
+    int *dep;
     Py_ssize_t n_tagged; /* ops whose `done` slot holds their number (engine_native.c: untag) */
     PyObject **fc_obj; /* recent time floats (time_float) */
     uint64_t *fc_bits;
@@ -144,8 +155,8 @@ static PyObject *shared_float(PyObject **cell, double v)
     return f;
 }
 
-#define O_START 1 /* o_t0 holds the op's start */
-#define O_END 2 /* o_t1 its end (a collective's op: both are its collective's) */
+#define O_START 1 /* t0 holds the op's start */
+#define O_END 2 /* t1 its end (a collective's op: both are its collective's) */
 #define O_SLOWED 4 /* o_slow its slowdown */
 
 /* ---- ready queue ------------------------------------------------------------------------------ */
@@ -231,17 +242,17 @@ static Py_ssize_t new_node(Loop *L, Py_ssize_t stream, Py_ssize_t next)
 
 static int op_wait(Loop *L, Py_ssize_t g, Py_ssize_t s) /* op.done.append(s) */
 {
-    Py_ssize_t k = new_node(L, s, L->o_wait[g]); /* chained backwards: next = the previous waiter */
+    Py_ssize_t k = new_node(L, s, L->rec[g].wait); /* chained backwards: next = the previous waiter */
     if (k < 0) return -1;
-    L->o_wait[g] = k;
+    L->rec[g].wait = k;
     return 0;
 }
 
 static int op_release(Loop *L, Py_ssize_t g) /* ready.extend(op.done); op.done = None */
 {
-    Py_ssize_t k = L->o_wait[g];
+    Py_ssize_t k = L->rec[g].wait;
     if (k < 0) return 0;
-    L->o_wait[g] = -1;
+    L->rec[g].wait = -1;
     L->scratch.n = 0;
     while (k >= 0) {
         if (ivec_push(&L->scratch, k) < 0) return -1;
