@@ -129,7 +129,8 @@ def _collectives(built) -> list:
 
 
 GROUPED = [*CONFIGS[:2],  # layouts with group kinds besides the world, whose instances replays create
-           ("moe/naive/ep4/hsdp-keep/32", dict(moe=True, gpus=32, ep=4, layout="hsdp-keep", strategy="naive")),
+           ("moe/naive/ep4/hsdp-keep/32",
+            dict(moe=True, gpus=32, ep=4, layout="hsdp-keep", strategy="naive")),
            ("moe/dmuon/ep8/sharded/32", dict(moe=True, gpus=32, ep=8, layout="sharded"))]
 
 

@@ -95,18 +95,20 @@ class CommPrograms:
                     kind, size_bytes, g, self.s.network, hierarchical=self.s.hierarchical and not flat,
                     max_share_bytes=max_share, nccl=nccl, owners=owners, owners_per_local=owners_per_local,
                     coalesced=coalesced)
-            c = self._new_coll(key, group, inst, n, kind, cost * repeat,
-                               bytes_per_rank(kind, size_bytes, n) * repeat, muon_fraction, step, self._sm_share(g))
+            c = self._new_coll(key, group, inst, n, kind, cost * repeat, bytes_per_rank(kind, size_bytes, n) * repeat,
+                               muon_fraction, step, self._sm_share(g))
         if self._log is not None:  # a template's record (simulator.programs.step_template)
             self._log.append((c, key, group))
         return c
 
     def _new_coll(self, key: tuple, group: str, inst: int, n: int, kind: str, cost_s: float, per_rank: float,
-                  muon_fraction: float, step: int, sm_share: float):
+                  muon_fraction: float, step: int, sm_share: float, name: str | None = None):
         """Create the collective `key` of a group instance (`coll`, or a replay making its rank's instance
-        from the record's: simulator.programs.step_template), registered for the look-ups and replays."""
-        c = self.c.new_collective("/".join(str(k) for k in key), kind, self.present.get((group, inst), n), cost_s,
-                                  bytes_per_rank=per_rank, muon_fraction=muon_fraction, group=f"{group}{inst}",
+        from the record's: simulator.programs.step_template), registered for the look-ups and replays; name:
+        `key` joined by "/" (an instance's collective has the same name as the record's)."""
+        c = self.c.new_collective(name or "/".join(str(k) for k in key), kind,
+                                  self.present.get((group, inst), n), cost_s, bytes_per_rank=per_rank,
+                                  muon_fraction=muon_fraction, group=f"{group}{inst}",
                                   step=step, sm_share=sm_share, size=n)
         c.copies = self.copies.get((group, inst), 1)  # the real instances it stands for (symmetry)
         self.colls[(key, group, inst)] = c

@@ -276,8 +276,9 @@ class OptimizerPrograms(SplitPrograms):
         skey = ("ep_pubs_sig", step, self._ep_signature(r))
         base = self._col_lists.get(skey)
         if base is None or REPLAY["mode"] == "off":
-            tpl = self._pub_template(step, [(b, cols) for b in range(self.n_buckets)
-                                            if (cols := self._publish_cols(r, b, step + 1, "pub", step, "experts"))])
+            tpl = self._pub_template(step, [
+                (b, cols) for b in range(self.n_buckets)
+                if (cols := self._publish_cols(r, b, step + 1, "pub", step, "experts"))])
             self._col_lists.setdefault(skey, tpl)
             return tpl
         buckets, seq, cols, lasts, crefs, _ = base

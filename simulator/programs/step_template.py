@@ -22,9 +22,9 @@ creates it first (`_create_missing`): the record logs every collective the step 
 (`CommPrograms._log`; its caches are bypassed while it records), and the missing ones are made in that order
 with the record's fields and the rank's own instance (participants, copies, group name), as the step logic
 would make them (tests/test_sim_symmetry_replay.py compares both, collectives included). With stragglers
-(`jitter`) every compute op draws its time in program order: nothing is replayed then. A replay's ops are created in C where the compiled event loop loads
-(simulator/engine/engine_native_replay.h, the loop of `_replay_ops`; tests/test_sim_symmetry_replay.py
-compares both): ~0.25 us per op instead of ~1 us.
+(`jitter`) every compute op draws its time in program order: nothing is replayed then. A replay's ops are
+created in C where the compiled event loop loads (simulator/engine/engine_native_replay.h, the loop of
+`_replay_ops`; tests/test_sim_symmetry_replay.py compares both): ~0.25 us per op instead of ~1 us.
 """
 
 from __future__ import annotations
@@ -203,7 +203,8 @@ class TemplatePrograms:
     def _create_missing(self, protos: list, groups: list, insts: list, missing: set) -> None:
         """The record's collectives of rank r's instances (`insts`) of the groups `missing` that do not exist
         yet, created in the order the step logic would create them (its first look-ups, `protos`), each
-        with the record's fields but its own instance's participants, copies and name (`CommPrograms._new_coll`).
+        with the record's fields but its own instance's participants, copies and name
+        (`CommPrograms._new_coll`).
         Exact: their arguments are the same for every rank of the template's key (module docstring)."""
         colls = self.colls
         for gi, key, c in protos:
@@ -211,7 +212,7 @@ class TemplatePrograms:
                 g, inst = groups[gi], insts[gi]
                 if (key, g, inst) not in colls:
                     self._new_coll(key, g, inst, c.size, c.kind, c.cost_s, c.bytes_per_rank, c.muon_fraction,
-                                   c.step, c.sm_share)
+                                   c.step, c.sm_share, c.name)
 
     @staticmethod
     def _replay_ops(r: int, seq: list, names: list, mine: list, ex: dict, sizes: list) -> tuple[list, list]:
