@@ -249,20 +249,22 @@ class EPPrograms:
                 d[owners[i]] = d.get(owners[i], 0) + mats[i].numel
             self.ep_parts.append({k: (sum(d.values()), max(d.values()), d) for k, d in parts.items()})
         self._ep_sigs: dict = {}  # EP rank -> its `_ep_signature`
+        self._ep_sig_ids: dict = {}  # signature -> its number
 
-    def _ep_signature(self, rank: int) -> tuple:
-        """What rank's program reads of its replica group's owner exchange (simulator.engine.symmetry): per bucket
-        the part of its EP rank's experts as `owner_coll` prices it (payload, largest share, owners per
-        local index), None where it has none."""
+    def _ep_signature(self, rank: int):
+        """What rank's program reads of its replica group's owner exchange (simulator.engine.symmetry): per
+        bucket the part of its EP rank's experts as `owner_coll` prices it (payload, largest share, owners
+        per local index), None where it has none; as a number, equal for equal signatures (a ~60-bucket
+        tuple hashed once per replica group instead of once per rank and template look-up)."""
         if self.ep == 1 or not self.dm:
             return ()
         sig = self._ep_sigs.get(rank % self.ep)
         if sig is None:
             p = self.s.per_node
-            sig = self._ep_sigs[rank % self.ep] = tuple(
-                None if (part := parts.get(rank % self.ep)) is None
-                else (part[0], part[1], tuple(sorted(Counter(o % p for o in part[2]).values())))
-                for parts in self.ep_parts)
+            full = tuple(None if (part := parts.get(rank % self.ep)) is None
+                         else (part[0], part[1], tuple(sorted(Counter(o % p for o in part[2]).values())))
+                         for parts in self.ep_parts)
+            sig = self._ep_sigs[rank % self.ep] = self._ep_sig_ids.setdefault(full, len(self._ep_sig_ids))
         return sig
 
     def _owner_parts(self, r: int, b: int, which: str | None = None) -> list[tuple]:
