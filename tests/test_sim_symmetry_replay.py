@@ -107,13 +107,15 @@ def test_native_replay_rejects_a_template_that_does_not_fit(native):
 
 @pytest.mark.parametrize("label,kw", CONFIGS[:2], ids=[c[0] for c in CONFIGS[:2]])
 def test_native_metric_scans_read_what_the_python_ones_read(native, moe, monkeypatch, label, kw):
-    """simulator.engine.metrics.measure with its scans in C (engine_native_measure.h) and in Python: the
-    same dict, floats bit for bit, on a finished run (all ranks, so idle ranks and every stream count)."""
+    """simulator.engine.metrics.measure with its phase ends from the compiled loop (engine_native.c: op_times)
+    and its scans in C (engine_native_measure.h), and with the Python scans: the same dict, floats bit for
+    bit, on a finished run (all ranks, so idle ranks and every stream count)."""
     kw = dict(kw)
     if kw.pop("moe", False):
         kw.update(model=moe, seq_len=128, micro_batch=1)
     _, built = run(SimConfig(**kw), all_ranks=True)
     cl = built.cluster
+    assert cl.phase_ends is not None  # the compiled loop's phase ends, which `measure` reads first
     assert native.phase_ends(Op, [(ops, st == "compute") for (_, st), ops in cl.queues.items()], 1) is not None
     assert native.compute_gaps(Op, cl.queues[(0, "compute")], 0.0, 1e9, 1) is not None
     got = {s: repr(sorted(metrics.measure(built, s).items())) for s in (0, 1)}

@@ -146,6 +146,7 @@ class Cluster:
         self._changed: list = []  # per rank: event fired when its number of running collectives changes
         self._ran = False
         self.engine = ""  # the event loop that ran it: native (C), python (engine_fast) or simpy (reference)
+        self.phase_ends = None  # per step the ends `metrics.measure` reads, where the compiled loop gave them
 
     # ---- building ------------------------------------------------------------------------------
     def compute(self, rank: int, name: str, dur: float, *, phase: str, step: int, deps=(),
@@ -191,6 +192,7 @@ class Cluster:
                 o.slowed_s = 0.0
         for c in self.collectives:
             c.arrived, c.start, c.end, c.ranks, c.done = 0, None, None, [], None
+        self.phase_ends = None
 
     # ---- running -------------------------------------------------------------------------------
     def run(self, reference: bool = False) -> RunStats:

@@ -40,6 +40,7 @@ static void loop_free(Loop *L)
 {
     PyMem_Free(L->o_obj);
     PyMem_Free(L->rec);
+    PyMem_Free(L->pe);
     PyMem_Free(L->o_slow);
     PyMem_Free(L->dep);
     if (L->fc_obj)
@@ -108,6 +109,42 @@ static void untag(Loop *L)
     L->n_tagged = 0;
 }
 
+/* which of the metrics' phase ends op counts for (simulator.engine.metrics._phase_ends: 0 forward compute,
+ * 1 backward compute, 2 optimizer, 3 backward on another stream, -1 none) and its step; the phase strings
+ * are compared once per distinct object */
+static void phase_kind(Loop *L, PyObject *op, OpRec *o, int compute)
+{
+    PyObject *so = SLOT(op, L->o_step), *ph = SLOT(op, L->o_phase);
+    long s = -1;
+    if (so && PyLong_CheckExact(so)) {
+        int over;
+        s = PyLong_AsLongAndOverflow(so, &over);
+        if (over || (s == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            s = -1;
+        }
+    }
+    if (s < 0 || s >= INT_MAX) { /* the metrics' own scans then (engine_native_measure.h) */
+        L->steps_ok = 0;
+        s = 0;
+    }
+    o->step = (int)s;
+    if (s > L->max_step) L->max_step = (int)s;
+    int j = 0;
+    while (j < 8 && L->ph_obj[j] != NULL && L->ph_obj[j] != ph) j++;
+    char k;
+    if (j < 8 && L->ph_obj[j] == ph) {
+        k = L->ph_kind[j];
+    } else {
+        k = !ph ? -1 : phase_is(ph, "opt") ? 2 : phase_is(ph, "fwd") ? 0 : phase_is(ph, "bwd") ? 1 : -1;
+        if (j < 8) { /* borrowed: its ops hold it until the run ends */
+            L->ph_obj[j] = ph;
+            L->ph_kind[j] = k;
+        }
+    }
+    o->pk = k == 2 ? 2 : k < 0 ? -1 : compute ? k : k == 1 ? 3 : -1;
+}
+
 static int number_ops(Loop *L)
 {
     Py_ssize_t n = 0;
@@ -147,7 +184,8 @@ static int number_ops(Loop *L)
         }
     }
     Py_ssize_t cap = 0, nd = 0;
-    for (Py_ssize_t g = 0; g < n; g++) {
+    for (Py_ssize_t g = 0, sk = 0; g < n; g++) {
+        while (g >= L->st[sk].base + L->st[sk].n) sk++; /* the stream of op g */
         PyObject *op = L->o_obj[g];
         PyObject *deps = SLOT(op, L->o_deps);
         if (!PyTuple_Check(deps) && !PyList_Check(deps)) {
@@ -182,6 +220,7 @@ static int number_ops(Loop *L)
             }
             to[k] = (int)UNTAG(t);
         }
+        phase_kind(L, op, &L->rec[g], L->st[sk].compute);
         PyObject *co = SLOT(op, L->o_coll);
         if (co == Py_None) {
             L->rec[g].cix = -1;
@@ -213,8 +252,16 @@ static PyObject *time_float(Loop *L, double v)
     return f;
 }
 
-static int op_times(Loop *L) /* every op's start, end and slowdown, from the arrays */
+/* every op's start, end and slowdown, from the arrays; and the metrics' phase ends per step (`pe`: forward,
+ * backward, optimizer, backward communication; simulator.engine.metrics._phase_ends' maxima of the same ends),
+ * where every op's step is an int >= 0 */
+static int op_times(Loop *L)
 {
+    Py_ssize_t ns = L->max_step + 1;
+    if (L->steps_ok && ns > 0) {
+        L->pe = PyMem_Calloc(4 * ns, sizeof(double));
+        if (!L->pe) { PyErr_NoMemory(); return -1; }
+    }
     for (Py_ssize_t g = 0; g < L->n_ops; g++) {
         char set = L->rec[g].set;
         if (!set) continue;
@@ -230,6 +277,10 @@ static int op_times(Loop *L) /* every op's start, end and slowdown, from the arr
         if (!a || !b) { Py_XDECREF(a); return -1; }
         set_slot(op, L->o_start, a);
         set_slot(op, L->o_end, b);
+        if (L->pe && (set & O_END) && L->rec[g].pk >= 0) {
+            double ev = c >= 0 ? L->c_endt[c] : L->rec[g].t1, *best = &L->pe[L->rec[g].pk * ns + L->rec[g].step];
+            if (ev > *best) *best = ev;
+        }
         if (set & O_SLOWED) {
             PyObject *sl = PyFloat_FromDouble(L->o_slow[g]);
             if (!sl) return -1;
@@ -279,7 +330,23 @@ static PyObject *write_back(Loop *L) /* the collectives' times and participants;
         PyList_SET_ITEM(busy, r, b);
         PyList_SET_ITEM(sm, r, u);
     }
-    return Py_BuildValue("(ddNN)", L->now, L->late, busy, sm);
+    PyObject *pe = Py_NewRef(Py_None);
+    if (L->pe) { /* ([forward], [backward], [optimizer], [backward communication]) per step 0..max_step */
+        Py_ssize_t ns = L->max_step + 1;
+        Py_SETREF(pe, PyTuple_New(4));
+        for (int k = 0; pe && k < 4; k++) {
+            PyObject *l = PyList_New(ns);
+            if (!l) { Py_CLEAR(pe); break; }
+            PyTuple_SET_ITEM(pe, k, l);
+            for (Py_ssize_t s = 0; s < ns; s++) {
+                PyObject *f = PyFloat_FromDouble(L->pe[k * ns + s]);
+                if (!f) { Py_CLEAR(pe); break; }
+                PyList_SET_ITEM(l, s, f);
+            }
+        }
+        if (!pe) { Py_DECREF(busy); Py_DECREF(sm); return NULL; }
+    }
+    return Py_BuildValue("(ddNNN)", L->now, L->late, busy, sm, pe);
 }
 
 /* run(streams, collectives, n_ranks, slow, comm_slow, ovl, comm_rate, max_sm_share, Op, Collective)
@@ -305,6 +372,8 @@ static PyObject *run(PyObject *self, PyObject *args)
     memset(&LL, 0, sizeof LL);
     Loop *L = &LL;
     L->free_node = -1;
+    L->max_step = -1;
+    L->steps_ok = 1;
     L->op_type = (PyTypeObject *)op_type;
     L->coll_type = (PyTypeObject *)coll_type;
     L->n_ranks = n_ranks;
@@ -319,6 +388,7 @@ static PyObject *run(PyObject *self, PyObject *args)
         (L->o_done = slot_offset(op_type, "done")) < 0 || (L->o_dur = slot_offset(op_type, "dur")) < 0 ||
         (L->o_coll = slot_offset(op_type, "coll")) < 0 || (L->o_deps = slot_offset(op_type, "deps")) < 0 ||
         (L->o_slowed = slot_offset(op_type, "slowed_s")) < 0 ||
+        (L->o_step = slot_offset(op_type, "step")) < 0 || (L->o_phase = slot_offset(op_type, "phase")) < 0 ||
         (L->c_done = slot_offset(coll_type, "done")) < 0)
         return NULL;
 
@@ -386,6 +456,7 @@ static PyObject *run(PyObject *self, PyObject *args)
         s->rank = rank;
         s->slow = (char)(compute && slow);
         s->comm_slow = (char)(compute && comm_slow);
+        s->compute = (char)compute;
         if (ready_push(L, k) < 0) goto fail;
     }
     /* the stream lists must not change size while the loop holds their items */

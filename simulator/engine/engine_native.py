@@ -126,8 +126,9 @@ def run_native(cl, mod, op_type, coll_type) -> float:
     comm_slow = cl.comm_overlap_slowdown > 0
     order = sorted(cl.queues.items(), key=lambda kv: kv[0][1] == cl.compute_stream)
     streams = [(ops, rank, stream == cl.compute_stream) for (rank, stream), ops in order if ops]
-    now, late, busy, sm_used = mod.run(streams, cl.collectives, cl.n_ranks, slow, comm_slow,
-                                       1.0 + cl.overlap_slowdown, 1.0 / (1.0 + cl.comm_overlap_slowdown),
-                                       MAX_SM_SHARE, op_type, coll_type)
+    now, late, busy, sm_used, ends = mod.run(streams, cl.collectives, cl.n_ranks, slow, comm_slow,
+                                             1.0 + cl.overlap_slowdown, 1.0 / (1.0 + cl.comm_overlap_slowdown),
+                                             MAX_SM_SHARE, op_type, coll_type)
     cl._busy, cl._sm_used = busy, sm_used
+    cl.phase_ends = ends  # simulator.engine.metrics: the phase ends per step, read while writing the times
     return max(now, late)

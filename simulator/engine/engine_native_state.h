@@ -21,7 +21,7 @@ typedef struct {
     PyObject *ops; /* list of Op, borrowed from the argument */
     Py_ssize_t i, n, base; /* base: the number of its first op in the loop's op arrays */
     int rank;
-    char arrived, slow, comm_slow;
+    char arrived, slow, comm_slow, compute;
 } Stream;
 
 /* the running slowed compute op of a rank: engine_fast's st = [rem, rate, since, version, stream, op, end,
@@ -37,14 +37,16 @@ typedef struct { Py_ssize_t stream, next; } Node;
 
 /* one op in the loop (64 bytes): duration, start, end, the last of the streams waiting on it (a chain of
  * nodes, -1: none), its dependencies (ndep op numbers: in `in` where they fit, most ops wait on one or two,
- * else dep[dep0 ..]), its collective's index (-1: compute), what of its times is set (O_*) */
+ * else dep[dep0 ..]), its collective's index (-1: compute), what of its times is set (O_*), which of the
+ * metrics' phase ends it counts for (engine_native.c: `phase_ends_of`; -1: none) and its step */
 #define R_INLINE 2
 typedef struct {
     double dur, t0, t1;
     Py_ssize_t wait, dep0;
     int ndep, cix;
     int in[R_INLINE];
-    char set;
+    char set, pk;
+    int step;
 } OpRec;
 
 typedef struct { Py_ssize_t *a; Py_ssize_t n, cap; } IVec;
@@ -67,6 +69,11 @@ typedef struct {
     double *o_slow;
     int *dep;
     Py_ssize_t n_tagged; /* ops whose `done` slot holds their number (engine_native.c: untag) */
+    Py_ssize_t o_step, o_phase; /* slot offsets, and the phase strings seen with their kinds (phase_kind) */
+    PyObject *ph_obj[8];
+    char ph_kind[8];
+    int max_step, steps_ok; /* the largest step; 0 where some op's step is not an int in 0..2^31 */
+    double *pe; /* the metrics' phase ends (engine_native.c: op_times) */
     PyObject **fc_obj; /* recent time floats (time_float) */
     uint64_t *fc_bits;
     /* streams and the ready queue (a ring of stream indices) */
