@@ -1,7 +1,8 @@
 /* The two scans of simulator/engine/metrics.py (`measure`) over a finished run's ops in C, with the same
  * comparisons and the same float arithmetic in the same order (tests/test_sim_symmetry_replay.py compares
  * both on every op). Why: they read every op of every simulated rank (~2.6 M at Kimi-K2-like, 4096 GPUs:
- * 0.8 s of interpreter time). Times must be Python floats (or None where an op did not run) and the queues
+ * 0.8 s of interpreter time). After a run of the compiled loop `measure` takes the phase ends it gave
+ * (`Cluster.phase_ends`, engine_native.c: op_times) and `phase_ends` here serves the other runs. Times must be Python floats (or None where an op did not run) and the queues
  * hold `Op`s; on anything else both functions return None and `measure` runs its Python loops.
  *
  * phase_ends(op_type, queues, step) -> (fwd_end, bwd_end, opt_end, grad_end) or None
