@@ -21,7 +21,7 @@ its instance of some collective does not exist yet (it would create it: the firs
 creates it first (`_create_missing`): the record logs every collective the step logic looks up, in call order
 (`CommPrograms._log`; its caches are bypassed while it records), and the missing ones are made in that order
 with the record's fields and the rank's own instance (participants, copies, group name), as the step logic
-would make them (tests/test_sim_symmetry_replay.py compares both, collectives included). With stragglers
+would make them (tests/test_sim_template.py compares both, collectives included). With stragglers
 (`jitter`) every compute op draws its time in program order: nothing is replayed then. A replay's ops are
 created in C where the compiled event loop loads (simulator/engine/engine_native_replay.h, the loop of
 `_replay_ops`; tests/test_sim_symmetry_replay.py compares both): ~0.25 us per op instead of ~1 us.
