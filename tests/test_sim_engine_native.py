@@ -153,3 +153,18 @@ def test_native_rejects_a_dependency_outside_the_streams_and_leaves_the_ops_as_t
     with pytest.raises(ValueError, match="an op is in two streams, or ran before"):
         engine_native.run_native(cl, engine_native.load(), engine.Op, engine.Collective)
     assert first.done == "waiting" and all(o.done is None for o in cl.queues[(1, "compute")])
+
+
+def test_native_phase_ends_only_for_steps_it_can_hold(monkeypatch):
+    """The loop's phase ends per step (Cluster.phase_ends, read by metrics.measure) cover steps 0..65535;
+    an op of a larger or a non-int step leaves them to measure's own scans."""
+    monkeypatch.setenv("DMUON_SIM_ENGINE", "native")
+    _native()
+    for step, given in ((1, True), (70_000, False), ("1", False)):
+        cl = engine.Cluster(1)
+        cl.compute(0, "f", 1.0, phase="fwd", step=0)
+        cl.compute(0, "o", 2.0, phase="opt", step=step)
+        cl.run()
+        assert (cl.phase_ends is not None) == given
+        if given:
+            assert cl.phase_ends == ([1.0, 0.0], [0.0, 0.0], [0.0, 3.0], [0.0, 0.0])

@@ -254,11 +254,12 @@ static PyObject *time_float(Loop *L, double v)
 
 /* every op's start, end and slowdown, from the arrays; and the metrics' phase ends per step (`pe`: forward,
  * backward, optimizer, backward communication; simulator.engine.metrics._phase_ends' maxima of the same ends),
- * where every op's step is an int >= 0 */
+ * where every op's step is an int in 0..PE_STEPS - 1 (else `measure` scans the ops itself) */
+#define PE_STEPS 65536
 static int op_times(Loop *L)
 {
     Py_ssize_t ns = L->max_step + 1;
-    if (L->steps_ok && ns > 0) {
+    if (L->steps_ok && ns > 0 && ns <= PE_STEPS) {
         L->pe = PyMem_Calloc(4 * ns, sizeof(double));
         if (!L->pe) { PyErr_NoMemory(); return -1; }
     }
