@@ -201,12 +201,12 @@ def _experts_first(matrices, local, dense, dmodel, layout, cost, balancer, kw, m
             notes += [f"experts (EP rank {k}, {len(mine)} matrices on {layout.replicas} replicas): {n}"
                       for n in sub.notes[:1]]
         sub, sub_work = cache[sig]
-        group = layout.replica_group(k)
-        for j, i in enumerate(mine):
-            owners[i] = group[sub.owners[j]]
-        for b in sub.batches:
-            batches.append(replace(b, owner=group[b.owner], members=tuple(mine[j] for j in b.members)))
-            expert_load[group[b.owner]] += b.time_s
+        more, who = _moved(sub.batches, sub.owners, mine, layout.replica_group(k))
+        for i, o in who.items():
+            owners[i] = o
+        for b in more:
+            expert_load[b.owner] += b.time_s
+        batches += more
         sub_bounds.append(sub.lower_bound_s)
         work += sub_work
     if dense:
