@@ -78,8 +78,27 @@ class EPLayout:
         return tuple(range(ep_rank, self.world_size, self.ep))
 
 
+_PLACED: dict[int, tuple] = {}  # id(matrices tuple) -> (that tuple, ep, placement): see expert_placement
+
+
 def expert_placement(matrices: Sequence[MatrixSpec], ep: int) -> list[int | None]:
-    """Per matrix: the EP rank holding it (expert matrices), None for dense ones."""
+    """Per matrix: the EP rank holding it (expert matrices), None for dense ones. Kept for the last few
+    tuples of matrices (held, so their ids stay theirs; tuples of frozen MatrixSpecs cannot change): one
+    simulation places the same tuple three times (the plan, simulator.programs.step_ep's spec and
+    programs), ~70,000 matrices for Kimi-K2-like."""
+    keep = isinstance(matrices, tuple) and type(ep) is int
+    got = _PLACED.get(id(matrices)) if keep else None
+    if got is not None and got[0] is matrices and got[1] == ep:
+        return list(got[2])
+    out = _placement(matrices, ep)
+    if keep:
+        if len(_PLACED) >= 8:
+            _PLACED.clear()
+        _PLACED[id(matrices)] = (matrices, ep, tuple(out))
+    return out
+
+
+def _placement(matrices: Sequence[MatrixSpec], ep: int) -> list[int | None]:
     experts: dict[int, set[int]] = {}
     index = [expert_index(m.name) for m in matrices]
     for m, e in zip(matrices, index, strict=True):
