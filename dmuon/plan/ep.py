@@ -145,10 +145,11 @@ def build_ep_plan(matrices: Sequence[MatrixSpec], world_size: int, cost, *, ep: 
     for i, w in enumerate(where):
         (dense if w is None else local[w]).append(i)
     dmodel = build_work_model(tuple(matrices[i] for i in dense), world_size, cost, **mkw) if dense else None
-    first = _experts_first(matrices, local, dense, dmodel, layout, cost, balancer, kw, mkw)
+    sigs = _shapes(matrices, local)
+    first = _experts_first(matrices, local, dense, dmodel, layout, cost, balancer, kw, mkw, sigs)
     candidates = [first]
     if dense and balancer != "round_robin":
-        candidates.append(_dense_first(matrices, local, dense, dmodel, layout, cost, mkw))
+        candidates.append(_dense_first(matrices, local, dense, dmodel, layout, cost, mkw, sigs))
     keyed = [(max(ld), sum(ld), n) for n, ld in enumerate(_loads(c[1], world_size) for c in candidates)]
     owners, batches, notes = candidates[min(keyed)[2]][:3]
     sub_bounds, work = first[3], first[4]
@@ -192,26 +193,34 @@ def _moved(batches, holder_of, index, at) -> tuple[list[Batch], dict[int, int]]:
     moved to global ranks (`at`: sub-model rank -> rank) and matrix indices (a new Batch with the same
     fields otherwise; EP sub-plans have no split groups)."""
     out = []
+    new = object.__new__
     for b in batches:
         if b.group:
             raise AssertionError("an EP sub-plan batch has a split group")
-        out.append(Batch(at[b.owner], b.rows, b.cols, tuple([index[j] for j in b.members]), b.time_s,
-                         b.method, (), b.comm_s, b.momentum_s))
+        # replace(b, owner=..., members=...) without the frozen dataclass's per-field __init__ (Batch checks
+        # nothing): its fields copied in order, two of them set
+        c = new(Batch)
+        c.__dict__.update(b.__dict__, owner=at[b.owner], members=tuple([index[j] for j in b.members]))
+        out.append(c)
     return out, {index[j]: at[h] for j, h in enumerate(holder_of)}
 
 
-def _experts_first(matrices, local, dense, dmodel, layout, cost, balancer, kw, mkw):
+def _shapes(matrices, local) -> list[tuple]:
+    """Per EP rank its experts' (rows, cols, layer) sequence: EP ranks with the same one share sub-plans."""
+    return [tuple([(matrices[i].rows, matrices[i].cols, matrices[i].layer) for i in mine]) for mine in local]
+
+
+def _experts_first(matrices, local, dense, dmodel, layout, cost, balancer, kw, mkw, sigs=None):
     """Each EP rank's experts by `balancer` over its replicas (one sub-plan per distinct shape sequence),
     then the dense matrices by LPT around their loads (round-robin: ignoring them). Returns owners,
-    batches, notes, the sub-plans' bounds and their work."""
+    batches, notes, the sub-plans' bounds and their work. sigs: `_shapes` (computed where not given)."""
     notes: list[str] = []
     owners = [-1] * len(matrices)
     batches: list[Batch] = []
     expert_load = [0.0] * layout.world_size
     sub_bounds, work = [], 0.0
     cache: dict[tuple, tuple[Plan, float]] = {}
-    for k, mine in enumerate(local):
-        sig = tuple((matrices[i].rows, matrices[i].cols, matrices[i].layer) for i in mine)
+    for k, (mine, sig) in enumerate(zip(local, sigs or _shapes(matrices, local), strict=True)):
         if sig not in cache:  # every EP rank holds the same shapes: plan them once
             sub = build_plan([replace(matrices[i], name=str(j)) for j, i in enumerate(mine)], layout.replicas,
                              cost, balancer=balancer, **kw)
@@ -243,7 +252,7 @@ def _experts_first(matrices, local, dense, dmodel, layout, cost, balancer, kw, m
     return owners, batches, notes, sub_bounds, work
 
 
-def _dense_first(matrices, local, dense, dmodel, layout, cost, mkw):
+def _dense_first(matrices, local, dense, dmodel, layout, cost, mkw, sigs=None):
     """The dense matrices by LPT over every rank, then each EP rank's experts by LPT over its replicas
     around the dense loads (longest jobs first: the dense matrices are the large ones)."""
     owners = [-1] * len(matrices)
@@ -257,8 +266,7 @@ def _dense_first(matrices, local, dense, dmodel, layout, cost, mkw):
     # are functions of the model and the initial loads, and replica groups often start from equal loads
     # (Kimi-K2-like, ep 64: 7 distinct of 64 at 256 to 65,536 GPUs), so equal inputs are solved once
     solved: dict[tuple, tuple] = {}
-    for k, mine in enumerate(local):
-        sig = tuple((matrices[i].rows, matrices[i].cols, matrices[i].layer) for i in mine)
+    for k, (mine, sig) in enumerate(zip(local, sigs or _shapes(matrices, local), strict=True)):
         if sig not in models:
             models[sig] = build_work_model([replace(matrices[i], name=str(j)) for j, i in enumerate(mine)],
                                            layout.replicas, cost, **mkw)
