@@ -48,7 +48,17 @@ EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 
 @lru_cache(maxsize=1 << 18)  # a MoE workload's names are read several times per plan and simulation
 def expert_index(name: str) -> int | None:
-    """The expert number in a matrix name (`...experts.<e>....`), None for a dense matrix."""
+    """The expert number in a matrix name (`...experts.<e>....`), None for a dense matrix. The usual name
+    is read with string methods: its first `experts.`, after a dot or at the start, then decimal digits
+    (`\\d`: Unicode Nd, as `str.isdecimal`) up to the next dot is EXPERT_RE's leftmost match; any other
+    name goes to EXPERT_RE."""
+    k = name.find("experts.")
+    if k < 0:
+        return None
+    if k == 0 or name[k - 1] == ".":
+        end = name.find(".", k + 8)
+        if end > k + 8 and name[k + 8:end].isdecimal():
+            return int(name[k + 8:end])
     m = EXPERT_RE.search(name)
     return int(m.group(1)) if m else None
 
