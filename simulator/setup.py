@@ -142,8 +142,8 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
             ns_answers[key] = min((priced.ns_time(m.rows, m.cols, b, meth, ns_dtype)
                                    for meth in naive_methods), key=lambda a: a.time_s)
     per_member = {k: (same_shape[k] if cfg.naive_batching else 1) for k in ns_answers}
-    ns_naive = [ns_answers[(m.rows, m.cols)].time_s / per_member[(m.rows, m.cols)] * m.count * ns_stretch
-                for m in muon]
+    share = {k: ns_answers[k].time_s / per_member[k] for k in ns_answers}  # a member's share of its call
+    ns_naive = [share[(m.rows, m.cols)] * m.count * ns_stretch for m in muon]
 
     ew_answers: dict = {}
     elementwise_s = elementwise_pricer(priced, profile, profile.elementwise_scale * ew_stretch, ew_answers)
@@ -206,7 +206,8 @@ def make_spec(cfg, workload, profile, cost, per_node: int, thread_cost=None):
     spec = StepSpec(
         strategy=cfg.strategy, layout=cfg.layout, n_ranks=cfg.gpus, per_node=per_node,
         layer_fwd_s=[t[0] for t in times], layer_bwd_s=[t[1] for t in times], layer_muon=layer_muon,
-        muon_numel=[m.numel for m in muon], muon_shape=[m.shape for m in muon], layer_adamw_numel=layer_adamw,
+        muon_numel=[m.rows * m.cols * m.count for m in muon], muon_shape=[(m.rows, m.cols) for m in muon],
+        layer_adamw_numel=layer_adamw,
         layer_adamw_tensors=layer_adamw_tensors,
         ns_naive_s=ns_naive, elementwise_s=elementwise_s,
         # bookkeeping measured on one thread (Python, dispatch): more threads per rank do not shorten it

@@ -38,6 +38,15 @@ def test_expert_names():
     assert expert_index("model.layers.0.mlp.shared_experts.gate_proj") is None
     assert expert_index("model.layers.0.mlp.shared_expert.up_proj") is None
     assert expert_index("lm.0.q_proj") is None
+    # the string-method reading agrees with EXPERT_RE's leftmost match, odd names included
+    from dmuon.plan.ep import EXPERT_RE
+
+    odd = ["experts.1.", "xexperts.3.experts.4.", "a.experts.1x.experts.2.", "experts.5", "a.experts..b",
+           "a.experts.\u0663\u0664.w", "experts.-1.", "experts. 1.", "experts.1\n.", "sexperts.7.w",
+           "a.experts.12.experts.3.w", "experts.x.experts.9."]
+    for name in odd:
+        m = EXPERT_RE.search(name)
+        assert expert_index(name) == (int(m.group(1)) if m else None), name
 
 
 @pytest.mark.parametrize("ep", [2, 4, 8])

@@ -3,6 +3,7 @@ plain scans choose, and the biggest shipped MoE (Kimi-K2-like, ~70k matrices) pl
 
 from __future__ import annotations
 
+import math
 import random
 import time
 
@@ -144,3 +145,43 @@ def test_biggest_moe_plans_by_lpt_in_seconds():
     assert sorted(i for b in plan.batches for i in b.members) == list(range(len(mats)))
     assert plan.lower_bound_s <= plan.makespan_s <= plan.lower_bound_s * 1.05
     assert elapsed < 60, f"LPT on {len(mats)} matrices x 1024 ranks took {elapsed:.1f} s (goal 20 s)"
+
+
+def _reference_lpt(model: WorkModel, initial):
+    """balance.lpt's candidate loop over the full-rank lpt_for_cap / lpt_marginal (heaps over every rank)."""
+    from dmuon.plan.balance import rank_load_s, rebatch
+
+    base = [0.0] * model.world_size if initial is None else initial
+    top = max(max(c.sizes) for c in model.classes)
+    cands = [lpt_for_cap(model, cap, None, initial) for cap in range(1, top + 1)]
+    cands.append(lpt_marginal(model, None, initial))
+    keyed = []
+    for idx, loads in enumerate(cands):
+        loads = rebatch(model, loads)
+        per = [(rank_load_s(model, r) if r else 0) + b for r, b in zip(loads, base, strict=True)]
+        keyed.append(((max(per), sum(per), idx), loads))
+    return min(keyed, key=lambda t: t[0])[1]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_sparse_lpt_matches_the_full_rank_heaps(seed):
+    """balance.lpt without a memory cap (dmuon.plan.lpt_sparse: heaps over the ranks that got work and one
+    first rank per pool of equal initial loads) returns the loads of the heaps over every rank: many
+    ranks, few matrices, initial loads with repeats and exact ties (the EP planner's replica groups)."""
+    from dmuon.plan import lpt_sparse
+    from dmuon.plan.balance import lpt, rank_load_s, rebatch
+
+    rng = random.Random(300 + seed)
+    shapes = rng.sample([(256, 1024), (768, 2048), (2048, 2048), (1024, 4096), (512, 512)], 3)
+    mats = [MatrixSpec(f"l{layer}.m{j}", *rng.choice(shapes), layer)
+            for layer in range(rng.randint(1, 8)) for j in range(rng.randint(1, 10))]
+    n = rng.choice([3, 17, 64, 300])
+    model = build_work_model(mats, n, A800)
+    t1 = model.classes[0].times_s[1]
+    levels = [0.0, t1, 2 * t1, t1 / 3, rng.random() * 1e-3]
+    for initial in (None, [rng.choice(levels) for _ in range(n)], [0.0] * (n - 1) + [t1]):
+        want = _reference_lpt(model, initial)
+        assert lpt(model, initial=initial) == want
+        assert lpt_sparse.uncapped_lpt(model, None, initial, rebatch, rank_load_s) == want
+        assert [list(d.items()) for d in lpt(model, initial=initial)] == [list(d.items()) for d in want]
+    assert not lpt_sparse.usable(model, [0.0] * (n + 1)) and not lpt_sparse.usable(model, [math.nan] * n)

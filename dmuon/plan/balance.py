@@ -42,7 +42,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import InputError, choice_error
-from . import batchdp
+from . import batchdp, lpt_sparse
 from .flops import METHODS
 from .momentum import momentum_time
 from .orientation import BOTH, class_groups
@@ -385,10 +385,8 @@ def round_robin(model: WorkModel) -> tuple[Loads, tuple[int, ...]]:
             if cap is None or used[r] + need <= cap:
                 break
         else:
-            raise InputError(
-                f"memory cap {cap:.4g} B per rank: no rank has room for matrix "
-                f"{model.matrices[i].name!r} under round-robin; raise the cap"
-            )
+            raise InputError(f"memory cap {cap:.4g} B per rank: no rank has room for matrix "
+                             f"{model.matrices[i].name!r} under round-robin; raise the cap")
         owners[i] = r
         used[r] += need
         rank = (r + 1) % n_ranks
@@ -478,7 +476,10 @@ def lpt_marginal(model: WorkModel, counts=None, initial=None) -> Loads | None:
 def lpt(model: WorkModel, counts=None, initial=None) -> Loads:
     """Greedy LPT: over batches with every batch-size cap 1..max usable size, and over single matrices
     with marginal batching costs (`lpt_marginal`); the best makespan wins (ties: less total work, then
-    candidate order). Each rank then re-batches what it holds. counts / initial: as `lpt_for_cap`."""
+    candidate order). Each rank then re-batches what it holds. counts / initial: as `lpt_for_cap`.
+    Without a memory cap the same loads come from `lpt_sparse` (visiting only the ranks that get work)."""
+    if lpt_sparse.usable(model, initial):
+        return lpt_sparse.uncapped_lpt(model, counts, initial, rebatch, rank_load_s)
     top, best_key, best = max(max(c.sizes) for c in model.classes), None, None
     candidates = [lambda cap=cap: lpt_for_cap(model, cap, counts, initial) for cap in range(1, top + 1)]
     candidates.append(lambda: lpt_marginal(model, counts, initial))
@@ -493,8 +494,6 @@ def lpt(model: WorkModel, counts=None, initial=None) -> Loads:
         if best_key is None or key < best_key:
             best_key, best = key, loads
     if best is None:
-        raise InputError(
-            f"memory cap {model.memory_cap_bytes:.4g} B per rank: LPT found no placement of "
-            "every matrix; raise the cap or add ranks"
-        )
+        raise InputError(f"memory cap {model.memory_cap_bytes:.4g} B per rank: LPT found no placement of "
+                         "every matrix; raise the cap or add ranks")
     return best

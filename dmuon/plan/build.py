@@ -181,8 +181,12 @@ def build_plan(
 def map_slots(model: WorkModel, loads: Loads, *, anti_affinity: bool = False) -> tuple[int, ...]:
     """Concrete holder (a rank, or N + j for split job j) of every matrix from per-holder class slots
     (see the module docstring)."""
-    n_ranks = len(loads)
-    slots = [[sum(loads[r].get(s, ())) for r in range(n_ranks)] for s in range(len(model.classes))]
+    n_ranks, n_classes = len(loads), len(model.classes)
+    slots = [[0] * n_ranks for _ in range(n_classes)]  # per class and holder its slots (most hold none)
+    for r, load in enumerate(loads):
+        for s, sizes in load.items():
+            if s in range(n_classes):
+                slots[s][r] = sum(sizes)
     for s, cls in enumerate(model.classes):
         if sum(slots[s]) != cls.count:
             raise AssertionError(f"class {cls.label}: {sum(slots[s])} slots for {cls.count} matrices")
@@ -192,7 +196,7 @@ def map_slots(model: WorkModel, loads: Loads, *, anti_affinity: bool = False) ->
     owners = [-1] * len(model.matrices)
     order = sorted(cls_of, key=lambda i: (model.matrices[i].layer, i))
     if not anti_affinity:
-        return _map_slots_stride(model, slots, cls_of, order, owners)
+        return _map_slots_stride(model, loads, slots, cls_of, order, owners)
     in_layer: dict[int, dict[int, int]] = {}
     for i in order:
         s, layer = cls_of[i], model.matrices[i].layer
@@ -213,18 +217,16 @@ def map_slots(model: WorkModel, loads: Loads, *, anti_affinity: bool = False) ->
     return tuple(owners)
 
 
-def _map_slots_stride(model: WorkModel, slots, cls_of, order, owners) -> tuple[int, ...]:
+def _map_slots_stride(model: WorkModel, loads, slots, cls_of, order, owners) -> tuple[int, ...]:
     """`map_slots` without anti-affinity in O(log N + distinct slot counts) per matrix: the key
     (-behind, rank) with behind = slots * seen / count - assigned orders the ranks holding the same number
     of slots of a class by (assigned, rank), so one heap per (class, slot count) holds them and each matrix
     compares only the heaps' tops (the same choice as the scan over every rank)."""
-    heaps: list[dict[int, list[tuple[int, int]]]] = []
-    for row in slots:
-        by_slots: dict[int, list[tuple[int, int]]] = {}
-        for r, n in enumerate(row):
-            if n:
-                by_slots.setdefault(n, []).append((0, r))
-        heaps.append(by_slots)
+    heaps: list[dict[int, list[tuple[int, int]]]] = [{} for _ in slots]
+    for r, load in enumerate(loads):  # ascending ranks: each list is a heap as built
+        for s in load:
+            if s in range(len(slots)) and slots[s][r]:
+                heaps[s].setdefault(slots[s][r], []).append((0, r))
     seen = [0] * len(model.classes)
     for i in order:
         s = cls_of[i]
@@ -292,9 +294,9 @@ def make_batches(model: WorkModel, loads: Loads, owners: Sequence[int], jobs=())
 
 def make_buckets(matrices: Sequence[MatrixSpec], bucket_numel: int = 0) -> tuple[Bucket, ...]:
     """Communication buckets in forward layer order (see the module docstring)."""
-    by_layer: dict[int, list[int]] = {}
-    for i in sorted(range(len(matrices)), key=lambda i: (matrices[i].layer, i)):
-        by_layer.setdefault(matrices[i].layer, []).append(i)
+    by_layer: dict[int, list[int]] = {}  # each layer's matrices in index order
+    for i, m in enumerate(matrices):
+        by_layer.setdefault(m.layer, []).append(i)
     buckets: list[list[int]] = []
     current: list[int] = []
     numel = 0

@@ -48,7 +48,17 @@ EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 
 @lru_cache(maxsize=1 << 18)  # a MoE workload's names are read several times per plan and simulation
 def expert_index(name: str) -> int | None:
-    """The expert number in a matrix name (`...experts.<e>....`), None for a dense matrix."""
+    """The expert number in a matrix name (`...experts.<e>....`), None for a dense matrix. The usual name
+    is read with string methods: its first `experts.`, after a dot or at the start, then decimal digits
+    (`\\d`: Unicode Nd, as `str.isdecimal`) up to the next dot is EXPERT_RE's leftmost match; any other
+    name goes to EXPERT_RE."""
+    k = name.find("experts.")
+    if k < 0:
+        return None
+    if k == 0 or name[k - 1] == ".":
+        end = name.find(".", k + 8)
+        if end > k + 8 and name[k + 8:end].isdecimal():
+            return int(name[k + 8:end])
     m = EXPERT_RE.search(name)
     return int(m.group(1)) if m else None
 
@@ -78,8 +88,27 @@ class EPLayout:
         return tuple(range(ep_rank, self.world_size, self.ep))
 
 
+_PLACED: dict[int, tuple] = {}  # id(matrices tuple) -> (that tuple, ep, placement): see expert_placement
+
+
 def expert_placement(matrices: Sequence[MatrixSpec], ep: int) -> list[int | None]:
-    """Per matrix: the EP rank holding it (expert matrices), None for dense ones."""
+    """Per matrix: the EP rank holding it (expert matrices), None for dense ones. Kept for the last few
+    tuples of matrices (held, so their ids stay theirs; tuples of frozen MatrixSpecs cannot change): one
+    simulation places the same tuple three times (the plan, simulator.programs.step_ep's spec and
+    programs), ~70,000 matrices for Kimi-K2-like."""
+    keep = isinstance(matrices, tuple) and type(ep) is int
+    got = _PLACED.get(id(matrices)) if keep else None
+    if got is not None and got[0] is matrices and got[1] == ep:
+        return list(got[2])
+    out = _placement(matrices, ep)
+    if keep:
+        if len(_PLACED) >= 8:
+            _PLACED.clear()
+        _PLACED[id(matrices)] = (matrices, ep, tuple(out))
+    return out
+
+
+def _placement(matrices: Sequence[MatrixSpec], ep: int) -> list[int | None]:
     experts: dict[int, set[int]] = {}
     index = [expert_index(m.name) for m in matrices]
     for m, e in zip(matrices, index, strict=True):
@@ -126,10 +155,11 @@ def build_ep_plan(matrices: Sequence[MatrixSpec], world_size: int, cost, *, ep: 
     for i, w in enumerate(where):
         (dense if w is None else local[w]).append(i)
     dmodel = build_work_model(tuple(matrices[i] for i in dense), world_size, cost, **mkw) if dense else None
-    first = _experts_first(matrices, local, dense, dmodel, layout, cost, balancer, kw, mkw)
+    sigs = _shapes(matrices, local)
+    first = _experts_first(matrices, local, dense, dmodel, layout, cost, balancer, kw, mkw, sigs)
     candidates = [first]
     if dense and balancer != "round_robin":
-        candidates.append(_dense_first(matrices, local, dense, dmodel, layout, cost, mkw))
+        candidates.append(_dense_first(matrices, local, dense, dmodel, layout, cost, mkw, sigs))
     keyed = [(max(ld), sum(ld), n) for n, ld in enumerate(_loads(c[1], world_size) for c in candidates)]
     owners, batches, notes = candidates[min(keyed)[2]][:3]
     sub_bounds, work = first[3], first[4]
@@ -164,24 +194,43 @@ def _loads(batches, world_size: int) -> list[float]:
 def _place(model, loads, holder_of, index, group=None) -> tuple[list[Batch], dict[int, int]]:
     """Batches and owners of a sub-model's matrices (index: sub-model position -> matrix index; group:
     sub-model rank -> global rank, None = the same)."""
-    at = (lambda r: r) if group is None else (lambda r: group[r])
-    batches = [replace(b, owner=at(b.owner), members=tuple(index[j] for j in b.members))
-               for b in make_batches(model, loads, holder_of)]
-    return batches, {index[j]: at(h) for j, h in enumerate(holder_of)}
+    at = range(model.world_size) if group is None else group
+    return _moved(make_batches(model, loads, holder_of), holder_of, index, at)
 
 
-def _experts_first(matrices, local, dense, dmodel, layout, cost, balancer, kw, mkw):
+def _moved(batches, holder_of, index, at) -> tuple[list[Batch], dict[int, int]]:
+    """`_place`'s output from a sub-model's batches and holders: each batch with its owner and members
+    moved to global ranks (`at`: sub-model rank -> rank) and matrix indices (a new Batch with the same
+    fields otherwise; EP sub-plans have no split groups)."""
+    out = []
+    new = object.__new__
+    for b in batches:
+        if b.group:
+            raise AssertionError("an EP sub-plan batch has a split group")
+        # replace(b, owner=..., members=...) without the frozen dataclass's per-field __init__ (Batch checks
+        # nothing): its fields copied in order, two of them set
+        c = new(Batch)
+        c.__dict__.update(b.__dict__, owner=at[b.owner], members=tuple([index[j] for j in b.members]))
+        out.append(c)
+    return out, {index[j]: at[h] for j, h in enumerate(holder_of)}
+
+
+def _shapes(matrices, local) -> list[tuple]:
+    """Per EP rank its experts' (rows, cols, layer) sequence: EP ranks with the same one share sub-plans."""
+    return [tuple([(matrices[i].rows, matrices[i].cols, matrices[i].layer) for i in mine]) for mine in local]
+
+
+def _experts_first(matrices, local, dense, dmodel, layout, cost, balancer, kw, mkw, sigs=None):
     """Each EP rank's experts by `balancer` over its replicas (one sub-plan per distinct shape sequence),
     then the dense matrices by LPT around their loads (round-robin: ignoring them). Returns owners,
-    batches, notes, the sub-plans' bounds and their work."""
+    batches, notes, the sub-plans' bounds and their work. sigs: `_shapes` (computed where not given)."""
     notes: list[str] = []
     owners = [-1] * len(matrices)
     batches: list[Batch] = []
     expert_load = [0.0] * layout.world_size
     sub_bounds, work = [], 0.0
     cache: dict[tuple, tuple[Plan, float]] = {}
-    for k, mine in enumerate(local):
-        sig = tuple((matrices[i].rows, matrices[i].cols, matrices[i].layer) for i in mine)
+    for k, (mine, sig) in enumerate(zip(local, sigs or _shapes(matrices, local), strict=True)):
         if sig not in cache:  # every EP rank holds the same shapes: plan them once
             sub = build_plan([replace(matrices[i], name=str(j)) for j, i in enumerate(mine)], layout.replicas,
                              cost, balancer=balancer, **kw)
@@ -190,12 +239,12 @@ def _experts_first(matrices, local, dense, dmodel, layout, cost, balancer, kw, m
             notes += [f"experts (EP rank {k}, {len(mine)} matrices on {layout.replicas} replicas): {n}"
                       for n in sub.notes[:1]]
         sub, sub_work = cache[sig]
-        group = layout.replica_group(k)
-        for j, i in enumerate(mine):
-            owners[i] = group[sub.owners[j]]
-        for b in sub.batches:
-            batches.append(replace(b, owner=group[b.owner], members=tuple(mine[j] for j in b.members)))
-            expert_load[group[b.owner]] += b.time_s
+        more, who = _moved(sub.batches, sub.owners, mine, layout.replica_group(k))
+        for i, o in who.items():
+            owners[i] = o
+        for b in more:
+            expert_load[b.owner] += b.time_s
+        batches += more
         sub_bounds.append(sub.lower_bound_s)
         work += sub_work
     if dense:
@@ -213,7 +262,7 @@ def _experts_first(matrices, local, dense, dmodel, layout, cost, balancer, kw, m
     return owners, batches, notes, sub_bounds, work
 
 
-def _dense_first(matrices, local, dense, dmodel, layout, cost, mkw):
+def _dense_first(matrices, local, dense, dmodel, layout, cost, mkw, sigs=None):
     """The dense matrices by LPT over every rank, then each EP rank's experts by LPT over its replicas
     around the dense loads (longest jobs first: the dense matrices are the large ones)."""
     owners = [-1] * len(matrices)
@@ -223,14 +272,22 @@ def _dense_first(matrices, local, dense, dmodel, layout, cost, mkw):
         owners[i] = o
     dense_load = _loads(batches, layout.world_size)
     models: dict[tuple, object] = {}
-    for k, mine in enumerate(local):
-        sig = tuple((matrices[i].rows, matrices[i].cols, matrices[i].layer) for i in mine)
+    # (shapes, initial loads) -> the sub-model's holders and batches: LPT, the slot mapping and the batches
+    # are functions of the model and the initial loads, and replica groups often start from equal loads
+    # (Kimi-K2-like, ep 64: 7 distinct of 64 at 256 to 65,536 GPUs), so equal inputs are solved once
+    solved: dict[tuple, tuple] = {}
+    for k, (mine, sig) in enumerate(zip(local, sigs or _shapes(matrices, local), strict=True)):
         if sig not in models:
             models[sig] = build_work_model([replace(matrices[i], name=str(j)) for j, i in enumerate(mine)],
                                            layout.replicas, cost, **mkw)
         model, group = models[sig], layout.replica_group(k)
-        loads = lpt(model, initial=[dense_load[g] for g in group])
-        more, who = _place(model, loads, map_slots(model, loads), mine, group)
+        initial = tuple([dense_load[g] for g in group])
+        got = solved.get((sig, initial))
+        if got is None:
+            loads = lpt(model, initial=list(initial))
+            holder_of = map_slots(model, loads)
+            got = solved[(sig, initial)] = (holder_of, make_batches(model, loads, holder_of))
+        more, who = _moved(got[1], got[0], mine, group)
         batches += more
         for i, o in who.items():
             owners[i] = o

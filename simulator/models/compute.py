@@ -83,16 +83,22 @@ def layer_flops(workload: Workload, seq_len: int, micro_batch: int,
     has_head = any("head" in p.matrix.lower() for p in workload.params)
     out = []
     tied_head = 0.0
+    kinds: dict[str, tuple[bool, bool]] = {}  # matrix kind -> (a lookup, may be a query): one name test each
     for layer, params in enumerate(workload.layer_params()):
         mm = 0.0
         attn = 0.0
         for p in params:
-            if _is_lookup(p):
+            kind = kinds.get(p.matrix)
+            if kind is None:
+                m = p.matrix.lower()
+                kind = kinds[p.matrix] = ("embed" in m, bool(_Q_NAMES.match(m) or _QKV_NAMES.match(m)
+                                                              or m.endswith("qkvo")))
+            if kind[0]:
                 if not has_head and "tied" in p.note.lower():
                     tied_head += 2.0 * p.numel * tokens
                 continue
             mm += 2.0 * p.numel * tokens * p.matmuls_per_token
-            d_q = p.attn_width or _query_width(p)
+            d_q = p.attn_width or (kind[1] and _query_width(p))
             if d_q:
                 attn += 4.0 * micro_batch * seq_len * seq_len * d_q * causal_fraction
         out.append(LayerCompute(layer, mm, attn))

@@ -209,11 +209,12 @@ def breakdown(cfg, workload, profile, per_node: int, plan=None, *, recompute: st
     layer_numel: dict[int, float] = {}
     layer_muon: dict[int, float] = {}
     block_numel: dict[int, float] = {}
+    ep, with_muon, s_expert = cfg.ep, strategy != "adamw", max(1, shard // cfg.ep)  # per parameter below
     for p in workload.params:
-        expert = cfg.ep > 1 and ".experts." in p.name
-        n = p.numel / model_split / (cfg.ep if expert else 1)
-        s = max(1, shard // cfg.ep) if expert else shard
-        muon = p.optimizer == "muon" and strategy != "adamw"
+        expert = ep > 1 and ".experts." in p.name
+        n = p.rows * p.cols * p.count / model_split / (ep if expert else 1)  # p.numel
+        s = s_expert if expert else shard
+        muon = with_muon and p.optimizer == "muon"
         layer_numel[p.layer] = layer_numel.get(p.layer, 0.0) + n
         if p.block is None and not (muon and owner_layout):
             root += n  # FSDP2's root unit: embeddings, head, final norm (never resharded after forward)

@@ -105,33 +105,37 @@ def _elements(params: list[ParamSpec]) -> tuple[float, float, float]:
     rep = shard = dq = 0.0
     norms = 0
     in_groups: set[tuple[str, int]] = set()
+    kinds: dict[str, tuple] = {}  # matrix kind -> `_kind` (a MoE layer repeats a few kinds ~1,000 times)
     for p in params:
-        name = p.matrix.split(".")[-1].lower()
+        kind = kinds.get(p.matrix)
+        if kind is None:
+            kind = kinds[p.matrix] = _kind(p.matrix)
+        name, is_norm, is_embed, is_attn, qkv, attn_in, q, kv, o, gate_up, down = kind
         uses = p.matmuls_per_token * p.count if p.matmuls_per_token else 0.0
         expert = ".experts." in p.name or "experts" in p.matrix
         if p.rows == 1 or p.cols == 1:  # a norm weight or a bias: the norm saves its input
-            if "norm" in p.matrix.lower() and max(p.rows, p.cols) > 1:
+            if is_norm and max(p.rows, p.cols) > 1:
                 rep += max(p.rows, p.cols)
                 norms += 1
             continue
-        if "embed" in p.matrix.lower() or not uses:
+        if is_embed or not uses:
             continue
-        if _QKV.match(name):
+        if qkv:
             rep += p.cols if ("attn", p.layer) not in in_groups else 0.0
             in_groups.add(("attn", p.layer))
             shard += p.rows * uses  # Q, K, V
-        elif _ATTN_IN.match(name) or _Q.match(name) or _KV.match(name):
+        elif attn_in or q or kv:
             if ("attn", p.layer) not in in_groups:
                 rep += p.cols
                 in_groups.add(("attn", p.layer))
-            if _Q.match(name):
+            if q:
                 dq = max(dq, p.rows)
                 shard += p.rows * uses
-            elif _KV.match(name):  # expanded to the query heads first (GQA_REPEAT)
+            elif kv:  # expanded to the query heads first (GQA_REPEAT)
                 shard += max(p.rows, dq if GQA_REPEAT else 0) * uses
-        elif _O.match(name) or (name == "c_proj" and "attn" in p.matrix.lower()):
+        elif o or (name == "c_proj" and is_attn):
             shard += p.cols * uses  # attention output
-        elif _GATE.match(name) or _UP.match(name):
+        elif gate_up:
             fused = name == "gate_up_proj"
             # a fused gate_up holding separate pieces (experts: 2 per expert) has f = rows and two
             # matrices per routed use; one fused dense matrix has rows = 2f
@@ -152,13 +156,23 @@ def _elements(params: list[ParamSpec]) -> tuple[float, float, float]:
             if ("mlp-in", p.layer) not in in_groups:
                 in_groups.add(("mlp-in", p.layer))
                 rep += p.cols
-        elif _DOWN.match(name):
+        elif down:
             continue  # its input was counted with the MLP's nonlinearity
         else:
             rep += p.cols * uses
     if not norms:  # a catalog block lists no norm vectors: one pre-norm (its input, h) per sub-block
         rep += _width(params) * sum(1 for g in ("attn", "mlp") if (g, params[0].layer) in in_groups)
     return rep, shard, 0.0
+
+
+def _kind(matrix: str) -> tuple:
+    """What `_elements` reads from a matrix kind: its last name part lowered, whether the kind names a norm /
+    an embedding / attention, and which of the name patterns (qkv, attention input, q, kv, o, gate or up,
+    down) its last part matches."""
+    name, low = matrix.split(".")[-1].lower(), matrix.lower()
+    return (name, "norm" in low, "embed" in low, "attn" in low, bool(_QKV.match(name)), bool(_ATTN_IN.match(name)),
+            bool(_Q.match(name)), bool(_KV.match(name)), bool(_O.match(name)),
+            bool(_GATE.match(name) or _UP.match(name)), bool(_DOWN.match(name)))
 
 
 def block_bytes_per_token(params, act_bytes: int, *, tp: int = 1, sp: bool = False,
@@ -228,15 +242,19 @@ def activation_bytes(workload: Workload, seq_len: int, micro_batch: int, act_byt
     process (a layout search asks again for every strategy and data-parallel layout)."""
     key = (workload, seq_len, micro_batch, act_bytes, tp, sp, pp, micro_batches, virtual, recompute, attention,
            loss_fp32, dropout)
-    got = _ACTIVATIONS.get(key)
+    h = hash(key)  # once: it hashes every parameter of the workload (~70,000 for Kimi-K2-like, experts apart)
+    same = _ACTIVATIONS.get(h, ())
+    got = next((v for k, v in same if k == key), None)
     if got is None:
         if len(_ACTIVATIONS) >= 4096:
             _ACTIVATIONS.clear()
-        got = _ACTIVATIONS[key] = _activation_bytes(*key)
+        got = _activation_bytes(*key)
+        _ACTIVATIONS.setdefault(h, []).append((key, got))
     return dict(got)
 
 
-_ACTIVATIONS: dict[tuple, dict[str, float]] = {}  # activation_bytes by its inputs (the workload by value)
+# activation_bytes by its inputs (the workload by value): hash of the inputs -> [(inputs, result)]
+_ACTIVATIONS: dict[int, list[tuple[tuple, dict[str, float]]]] = {}
 
 
 def _activation_bytes(workload: Workload, seq_len: int, micro_batch: int, act_bytes: int, tp: int, sp: bool,

@@ -83,9 +83,26 @@ class Workload:
     @cached_property
     def muon_matrices(self) -> tuple[MatrixSpec, ...]:
         """The Muon-managed matrices as planner input (name, shape, layer); built once per workload (frozen,
-        as are its MatrixSpecs)."""
-        return tuple(MatrixSpec(p.name, p.rows, p.cols, p.layer, p.count) for p in self.params
-                     if p.optimizer == "muon")
+        as are its MatrixSpecs). MatrixSpec validates its shape, layer and count, not its name: the first
+        matrix of each (rows, cols, layer, count) of plain ints is built (and checked) by MatrixSpec, the
+        others copy its fields with their own name (MoE workloads repeat one shape per layer ~1,000 times)."""
+        out = []
+        done: dict[tuple, MatrixSpec] = {}
+        new = object.__new__
+        for p in self.params:
+            if p.optimizer != "muon":
+                continue
+            key = (p.rows, p.cols, p.layer, p.count)  # plain ints only: True or 1.0 equals 1 as a key
+            plain = type(p.rows) is int and type(p.cols) is int and type(p.layer) is int and type(p.count) is int
+            first = done.get(key) if plain else None
+            if first is None:
+                first = done[key] = MatrixSpec(p.name, p.rows, p.cols, p.layer, p.count)
+                out.append(first)
+                continue
+            m = new(MatrixSpec)
+            m.__dict__.update(first.__dict__, name=p.name)
+            out.append(m)
+        return tuple(out)
 
     def experts_apart(self) -> Workload:
         """This workload with every expert matrix its own ParamSpec (named `...experts.<e>....`), as expert
