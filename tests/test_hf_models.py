@@ -3,16 +3,22 @@ NaiveMuon: the one routing rule (`dmuon.params.decide`) gives the runtime and th
 reader the same matrices, and the distributed optimizers equal single-process `dmuon.Muon` on them.
 
 Families: llama (tied embeddings), qwen2, qwen3, qwen3_moe, mixtral, deepseek_v3 (MLA + shared experts),
-gemma, gpt2 (Conv1D, fused c_attn) and phi3 (fused qkv_proj / gate_up_proj)."""
+gemma, gpt2 (Conv1D, fused c_attn) and phi3 (fused qkv_proj / gate_up_proj).
+
+The distributed runs share one spawn per rank count (`_battery`: 1, 2 and 4 ranks): starting ranks that
+import transformers costs seconds, a family's run a fraction of that; each run's failure is its own test's."""
 
 from __future__ import annotations
+
+import functools
+import traceback
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from dist_utils import run_distributed  # noqa: E402
+from dist_utils import run_distributed, scratch_dir  # noqa: E402
 
 H, L, V = 32, 2, 96  # hidden, layers, vocabulary: tiny
 ATTN = dict(hidden_size=H, num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2, vocab_size=V,
@@ -124,7 +130,7 @@ def test_per_head_needs_the_attention_shape_and_gqa_fused_qkv_is_refused_by_dmuo
 
 
 def test_warn_no_muon_names_a_3d_parameter_left_to_adamw():
-    results = run_distributed(_warn_rank, 1, timeout_s=60)
+    results = _results(1, "warn")
     assert any("conv" in w and "AdamW" in w for w in results[0])
 
 
@@ -257,10 +263,9 @@ RUNS = [  # (family, ranks, cases, checkpoint): every family on 2 ranks, the MoE
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("family,world,cases,ckpt", RUNS, ids=[f"{f}-{w}r" for f, w, *_ in RUNS])
-def test_hf_model_distributed_equals_single_process_muon(family, world, cases, ckpt, tmp_path):
+def test_hf_model_distributed_equals_single_process_muon(family, world, cases, ckpt):
     want = reference(family, world)
-    results = run_distributed(run_family, world, args=(family, cases, str(tmp_path) if ckpt else None),
-                              timeout_s=240)
+    results = _results(world, ("run", family))
     for rank, got in enumerate(results):
         for case, weights in got.items():
             resumed = weights.pop("__resume_bitwise__", None)
@@ -278,8 +283,40 @@ def test_per_head_distributed_equals_single_process_per_head_muon(family):
     want = reference(family, 2, per_head=True)
     whole = reference(family, 2)
     assert max(rel(compared(n, whole[n]), compared(n, want[n])) for n in want) > 1e-3
-    cases = [("replicated", "dmuon"), ("fsdp2-sharded", "dmuon"), ("fsdp2-owner", "naive")]
-    for got in run_distributed(run_family, 2, args=(family, cases, None, True), timeout_s=240):
+    for got in _results(2, ("per_head", family)):
+        assert list(got) == PER_HEAD_CASES
         for case, weights in got.items():
             worst = max(rel(compared(n, weights[n]), compared(n, want[n])) for n in want)
             assert worst < 1e-5, f"{family} per head {case}: {worst:.2e} from single-process Muon"
+
+
+# ---- one spawn per rank count runs every distributed case (the module docstring) ----------------------
+PER_HEAD_CASES = [("replicated", "dmuon"), ("fsdp2-sharded", "dmuon"), ("fsdp2-owner", "naive")]
+
+
+def run_battery(rank: int, world: int, todo: list) -> dict:
+    out = {}
+    for key, args in todo:
+        try:
+            out[key] = _warn_rank(rank, world) if key == "warn" else run_family(rank, world, *args)
+        except Exception:  # noqa: BLE001 - reported by the case's own test
+            out[key] = {"failed": traceback.format_exc()}
+    return out
+
+
+@functools.cache
+def _battery(world: int) -> tuple:
+    todo = [(("run", f), (f, cases, scratch_dir(f"dmuon-hf-{f}-") if ckpt else None))
+            for f, w, cases, ckpt in RUNS if w == world]
+    if world == 1:
+        todo.append(("warn", ()))
+    if world == 2:
+        todo += [(("per_head", f), (f, PER_HEAD_CASES, None, True)) for f in ("gpt2", "phi3")]
+    return tuple(run_distributed(run_battery, world, (todo,), timeout_s=280))
+
+
+def _results(world: int, key) -> list:
+    per_rank = [r[key] for r in _battery(world)]
+    for rank, res in enumerate(per_rank):
+        assert "failed" not in res, f"{key} rank {rank}: {res['failed']}"
+    return per_rank

@@ -4,9 +4,16 @@ parameters replicated, under FSDP2 (fsdp2-owner keep / free, fsdp2-sharded) and 
 single-process Muon's weights (every expert its own matrix; dense gradients averaged over all ranks,
 expert gradients over their replica group) over several steps; the per-rank state dict resumes a run,
 and so does a sharded checkpoint at another ep and world size; bad set-ups fail with one-line errors
-naming what is accepted."""
+naming what is accepted.
+
+Every case runs in one spawn per rank count (`_battery`: 4 ranks, then 2), each case with its own model,
+optimizer and process sub-groups: a process start and the first step's imports cost seconds, a case a
+fraction of one; a case that raises is reported by its own test."""
 
 from __future__ import annotations
+
+import functools
+import traceback
 
 import pytest
 import torch
@@ -186,6 +193,7 @@ def run_case(rank: int, world: int, ep: int, case: dict) -> dict:
     out["expert_bytes"] = sum(p.numel() * p.element_size() for p in experts)
     out["momentum_rows"] = sum(opt.state[p]["momentum_buffer"].shape[0] for p in experts
                                if "momentum_buffer" in opt.state[p])
+    opt.close()
     return out
 
 
@@ -264,7 +272,7 @@ def case_id(world: int, ep: int, case: dict) -> str:
 
 @pytest.mark.parametrize("world,ep,case", CASES, ids=[case_id(*c) for c in CASES])
 def test_dmuon_ep_equals_single_process_muon(world, ep, case):
-    results = run_distributed(run_case, world, (ep, case), timeout_s=300)
+    results = _results(world, ("case", CASES.index((world, ep, case))))
     want = reference(world, ep, fused=case.get("fused", False))
     for rank, res in enumerate(results):
         assert res["layout"] == case["layout"] and res["plan_ep"] == ep
@@ -303,7 +311,9 @@ def run_checkpoint(rank: int, world: int, ep: int, case: dict, path: str, save: 
     else:
         dmuon.load_checkpoint(path, model, opt)
     train_step(model, opt, STEPS - 1, rank, ep)
-    return weights(model, opt)
+    out = weights(model, opt)
+    opt.close()
+    return out
 
 
 def test_sharded_checkpoint_resumes_at_any_ep_and_world_size():
@@ -311,13 +321,11 @@ def test_sharded_checkpoint_resumes_at_any_ep_and_world_size():
     fsdp2-sharded) and 4 ranks with ep 4 (replicated dense parameters) resume as single-process Muon does
     with the same schedule of ranks (experts re-sharded by DCP, momentum following each expert to its
     new owner)."""
-    path = scratch_dir("dmuon-ep-ckpt-")
-    saved = run_distributed(run_checkpoint, 4, (2, {"layout": "fsdp2-owner"}, path, True), timeout_s=300)
-    same = run_distributed(run_checkpoint, 4, (2, {"layout": "fsdp2-owner"}, path, False), timeout_s=300)
+    saved, same = _results(4, "ckpt_save"), _results(4, "ckpt_same")  # same: a fresh model and optimizer
     for a, b in zip(saved, same, strict=True):
         assert all(torch.equal(a[n], b[n]) for n in a)
     for world, ep, layout in ((2, 2, "fsdp2-sharded"), (4, 4, "replicated")):
-        got = run_distributed(run_checkpoint, world, (ep, {"layout": layout}, path, False), timeout_s=300)
+        got = _results(world, f"ckpt_{world}r_ep{ep}_{layout}")
         want = reference(world, ep, [(4, 2)] * (STEPS - 1) + [(world, ep)])
         for rank, res in enumerate(got):
             assert worst_error(res, want, rank, ep) < TOL, (world, ep, rank)
@@ -357,11 +365,12 @@ def run_errors(rank: int, world: int) -> dict:
         errs["nonfinite"] = str(e)
     after = weights(model, opt)
     errs["unchanged"] = all(torch.equal(before[n], after[n]) for n in before)
+    opt.close()
     return errs
 
 
 def test_bad_setups_say_what_is_accepted():
-    results = run_distributed(run_errors, 2, (), timeout_s=240)
+    results = _results(2, "errors")
     errs = results[0]
     assert "does not divide the 2 ranks; accepted: a divisor of the rank count" in errs["ep_not_divisor"]
     assert "ep must be an integer >= 1" in errs["ep_not_int"]
@@ -405,7 +414,7 @@ NAIVE_CASES = [(2, 2, {"layout": "replicated"}), (4, 2, {"layout": "replicated"}
 def test_naive_muon_ep_equals_single_process_muon(world, ep, case):
     """NaiveMuon(ep=2): each replica group all-reduces its experts' gradients (one all-reduce per layer,
     launched from backward), every rank runs momentum and NS on all of its local experts."""
-    results = run_distributed(run_naive, world, (ep, case), timeout_s=300)
+    results = _results(world, ("naive", NAIVE_CASES.index((world, ep, case))))
     want = reference(world, ep, fused=case.get("fused", False))
     for rank, res in enumerate(results):
         assert res["layout"] == case["layout"] and res["ep_plan"] is None
@@ -425,14 +434,60 @@ def test_naive_sharded_checkpoint_resumes_at_another_ep_and_layout():
     """NaiveMuon(ep=2) saved on 4 ranks (replicated): the same set-up resumes bitwise, 2 ranks (ep 2,
     fsdp2-sharded) as single-process Muon does with the same schedule of ranks (every rank's momentum of
     its local experts, whole)."""
-    path = scratch_dir("dmuon-naive-ep-ckpt-")
-    case = {"layout": "replicated", "naive": True}
-    saved = run_distributed(run_checkpoint, 4, (2, case, path, True), timeout_s=300)
-    same = run_distributed(run_checkpoint, 4, (2, case, path, False), timeout_s=300)
+    saved, same = _results(4, "naive_ckpt_save"), _results(4, "naive_ckpt_same")
     for a, b in zip(saved, same, strict=True):
         assert all(torch.equal(a[n], b[n]) for n in a)
-    got = run_distributed(run_checkpoint, 2, (2, {"layout": "fsdp2-sharded", "naive": True}, path, False),
-                          timeout_s=300)
+    got = _results(2, "naive_ckpt_2r")
     want = reference(2, 2, [(4, 2)] * (STEPS - 1) + [(2, 2)])
     for rank, res in enumerate(got):
         assert worst_error(res, want, rank, 2) < TOL, rank
+
+
+# ---- one spawn per rank count runs every case (the module docstring) ---------------------------------
+RUNNERS = {"case": run_case, "naive": run_naive, "ckpt": run_checkpoint, "errors": run_errors}
+
+
+def jobs(world: int, ckpt: str, naive_ckpt: str) -> list:
+    """(key, runner, args) in order: the 4-rank battery saves both checkpoints (and reloads them), the 2-rank
+    one loads them at another world size; run_errors (a NaN step) goes last."""
+    out = [(("case", i), "case", (ep, c)) for i, (w, ep, c) in enumerate(CASES) if w == world]
+    out += [(("naive", i), "naive", (ep, c)) for i, (w, ep, c) in enumerate(NAIVE_CASES) if w == world]
+    owner, naive = {"layout": "fsdp2-owner"}, {"layout": "replicated", "naive": True}
+    sharded, naive_sharded = {"layout": "fsdp2-sharded"}, {"layout": "fsdp2-sharded", "naive": True}
+    if world == 4:
+        return out + [("ckpt_save", "ckpt", (2, owner, ckpt, True)),
+                      ("ckpt_same", "ckpt", (2, owner, ckpt, False)),
+                      ("ckpt_4r_ep4_replicated", "ckpt", (4, {"layout": "replicated"}, ckpt, False)),
+                      ("naive_ckpt_save", "ckpt", (2, naive, naive_ckpt, True)),
+                      ("naive_ckpt_same", "ckpt", (2, naive, naive_ckpt, False))]
+    return out + [("ckpt_2r_ep2_fsdp2-sharded", "ckpt", (2, sharded, ckpt, False)),
+                  ("naive_ckpt_2r", "ckpt", (2, naive_sharded, naive_ckpt, False)), ("errors", "errors", ())]
+
+
+def run_battery(rank: int, world: int, todo: list) -> dict:
+    out = {}
+    for key, runner, args in todo:
+        try:
+            out[key] = RUNNERS[runner](rank, world, *args)
+        except Exception:  # noqa: BLE001 - reported by the case's own test
+            out[key] = {"failed": traceback.format_exc()}
+    return out
+
+
+@functools.cache
+def _checkpoints() -> tuple[str, str]:
+    return scratch_dir("dmuon-ep-ckpt-"), scratch_dir("dmuon-naive-ep-ckpt-")
+
+
+@functools.cache
+def _battery(world: int) -> tuple:
+    if world == 2:
+        _battery(4)  # writes the checkpoints the 2-rank battery loads
+    return tuple(run_distributed(run_battery, world, (jobs(world, *_checkpoints()),), timeout_s=300))
+
+
+def _results(world: int, key) -> list:
+    per_rank = [r[key] for r in _battery(world)]
+    for rank, res in enumerate(per_rank):
+        assert not (isinstance(res, dict) and "failed" in res), f"{key} rank {rank}: {res['failed']}"
+    return per_rank
