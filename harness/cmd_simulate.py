@@ -132,8 +132,9 @@ def print_comparison(console, c) -> None:
     """DMuon over AdamW under both schedules, then what each published mechanism costs at this layout."""
     from rich.table import Table
 
-    console.print(f"dmuon vs adamw: ours {c.overhead_pct('ours'):+.2f}%, published {c.overhead_pct('published'):+.2f}% "
-                  f"(published - ours: {c.overhead_pct('published') - c.overhead_pct('ours'):+.2f} points)")
+    ours, pub = c.overhead_pct("ours"), c.overhead_pct("published")
+    console.print(f"dmuon vs adamw: ours {ours:+.2f}%, published {pub:+.2f}% (published - ours: "
+                  f"{pub - ours:+.2f} points)")
     table = Table(title="what each published mechanism costs: the published step less it with that one off "
                         "(positive: the public code pays it, our schedule saves it; what each models: "
                         "simulator.programs.step_published, docs/simulator.md)")
@@ -143,9 +144,9 @@ def print_comparison(console, c) -> None:
     for m, sec in c.mechanism_s.items():
         table.add_row(m, f"{sec * 1e3:+,.1f}", f"{points[m]:+.2f}")
     console.print(table)
-    console.print(f"sum of the parts {sum(points.values()):+.2f} points; interaction (published - ours - sum) "
-                  f"{c.overhead_pct('published') - c.overhead_pct('ours') - sum(points.values()):+.2f}",
-                  highlight=False)
+    parts = sum(points.values())
+    console.print(f"sum of the parts {parts:+.2f} points; interaction (published - ours - sum) "
+                  f"{pub - ours - parts:+.2f}", highlight=False)
 
 
 def register(app, bench) -> None:
@@ -242,14 +243,18 @@ def register(app, bench) -> None:
         layouts, systems = split_list(layout, "layout"), split_list(system, "system")
         compare = len(systems) > 1
         if compare and sorted(systems) != ["ours", "published"]:
-            raise InputError(f"--system: {system!r}; accepted: ours, published, or ours,published (both side by "
-                             "side)")
+            raise InputError(f"--system: {system!r}; accepted: ours, published, or ours,published (both side "
+                             "by side)")
         if trace and (compare or len(layouts) > 1):
-            raise InputError("--trace writes one layout of one system; accepted: one --layout and one --system")
+            raise InputError("--trace writes one layout of one system; accepted: one --layout and one "
+                             "--system")
         strategies = strategies_of(strategy)
         if compare and "dmuon" not in strategies:
             raise InputError("--system ours,published compares dmuon's two schedules; accepted: --strategy "
                              "dmuon or all")
+        def system_of(s: str) -> str:  # ours,published: dmuon runs published here, ours in compare_systems
+            return ("published" if s == "dmuon" else "ours") if compare else systems[0]
+
         off = tuple(x for x in published_off.split(",") if x)
         on = tuple(x for x in published_on.split(",") if x)
         outputs = []
@@ -264,10 +269,10 @@ def register(app, bench) -> None:
                           cpu_threads=cpu_threads, bucket_numel=bucket_numel, max_split=max_split,
                           split_exchange=split_exchange, ep=ep, tp=tp, pp=pp, vpp=vpp, sp=sp,
                           microbatches=microbatches, recompute=recompute, param_dtype=param_dtype,
-                          jitter=jitter, system=sys_, published_off=off if sys_ == "published" else (),
-                          published_on=on if sys_ == "published" else ())
+                          jitter=jitter, system=system_of(s),
+                          published_off=off if system_of(s) == "published" else (),
+                          published_on=on if system_of(s) == "published" else ())
                 for s in strategies
-                for sys_ in ["published" if compare and s == "dmuon" else "ours" if compare else systems[0]]
             ]
             outputs.append(_simulate_layout(configs, trace, compare, bands))
         if json_out:
@@ -278,7 +283,7 @@ def register(app, bench) -> None:
             return
         for o in outputs:
             print_table(o["results"], o["labels"], o["comparison"])
-            for label, r in zip(o["labels"], o["results"]):
+            for label, r in zip(o["labels"], o["results"], strict=True):
                 if jitter > 0:
                     print(f"{label}: step p50 {r.step_s * 1e3:.1f} ms, p90 {r.step_p90_s * 1e3:.1f} ms "
                           f"(jitter {jitter:g})")
@@ -323,10 +328,10 @@ def _simulate_layout(configs, trace, compare: bool, bands: bool) -> dict:
     if bands:
         from simulator.calibration.bands import bands as band_of
 
-        band = {label: band_of(c) for label, c in zip(labels, band_cfgs)}
+        band = {label: band_of(c) for label, c in zip(labels, band_cfgs, strict=True)}
     rows = [{**r.to_dict(), **({"label": label} if compare else {}),
              **({"step_band_s": [band[label]["low"], band[label]["high"]]} if band else {})}
-            for label, r in zip(labels, results)]
+            for label, r in zip(labels, results, strict=True)]
     out = rows
     if compare:
         out = {"layout": configs[0].layout, "results": rows,

@@ -18,8 +18,8 @@ import csv
 from pathlib import Path
 
 from simulator.api import SimConfig
-from simulator.published_compare import compare_systems
 from simulator.programs.step_published import MECHANISMS
+from simulator.published_compare import compare_systems
 
 LAYOUTS = ("fsdp-keep", "fsdp-free", "hsdp-keep", "hsdp-free")  # FSDP-Z2, FSDP-Z3, HSDP-Z2, HSDP-Z3
 PUBLIC_NAME = {"fsdp-keep": "FSDP-Z2", "fsdp-free": "FSDP-Z3", "hsdp-keep": "HSDP-Z2", "hsdp-free": "HSDP-Z3"}
@@ -89,6 +89,11 @@ def paper_8gpu() -> None:
         big = ", ".join(f"{m} {o[m]:+.2f}" for m in MECHANISMS if abs(o[m]) > 0.5)
         print(f"{w:12} paper {paper:+6.2f}  ours {o['ours']:+6.2f} ({o['ours'] - paper:+5.2f})  published "
               f"{o['published']:+6.2f} ({o['published'] - paper:+5.2f})  [{big}]", flush=True)
+    print_errors(errs)
+
+
+def print_errors(errs: dict) -> None:
+    """Mean and largest |error| in points per system."""
     for k, v in errs.items():
         print(f"mean |error| {k}: {sum(abs(x) for x in v) / len(v):.2f} points, max {max(abs(x) for x in v):.2f}")
 
@@ -137,8 +142,7 @@ def main(argv=None) -> None:
         print(f"{row['workload']:10} {row['public_layout']:8} public {pub:+5.1f}  ours {o['ours']:+6.2f} "
               f"({o['ours'] - pub:+5.2f})  published {o['published']:+6.2f} ({o['published'] - pub:+5.2f})",
               flush=True)
-    for k, v in errs.items():
-        print(f"mean |error| {k}: {sum(abs(x) for x in v) / len(v):.2f} points, max {max(abs(x) for x in v):.2f}")
+    print_errors(errs)
 
 
 if __name__ == "__main__":

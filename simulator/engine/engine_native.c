@@ -109,9 +109,8 @@ static void untag(Loop *L)
     L->n_tagged = 0;
 }
 
-/* which of the metrics' phase ends op counts for (simulator.engine.metrics._phase_ends: 0 forward compute,
- * 1 backward compute, 2 optimizer, 3 backward on another stream, -1 none) and its step; the phase strings
- * are compared once per distinct object */
+/* which of the metrics' phase ends op counts for (engine_native_measure.h: phase_slot) and its step; the
+ * phase strings are classified once per distinct object */
 static void phase_kind(Loop *L, PyObject *op, OpRec *o, int compute)
 {
     PyObject *so = SLOT(op, L->o_step), *ph = SLOT(op, L->o_phase);
@@ -136,13 +135,13 @@ static void phase_kind(Loop *L, PyObject *op, OpRec *o, int compute)
     if (j < 8 && L->ph_obj[j] == ph) {
         k = L->ph_kind[j];
     } else {
-        k = !ph ? -1 : phase_is(ph, "opt") ? 2 : phase_is(ph, "fwd") ? 0 : phase_is(ph, "bwd") ? 1 : -1;
+        k = (char)phase_class(ph);
         if (j < 8) { /* borrowed: its ops hold it until the run ends */
             L->ph_obj[j] = ph;
             L->ph_kind[j] = k;
         }
     }
-    o->pk = k == 2 ? 2 : k < 0 ? -1 : compute ? k : k == 1 ? 3 : -1;
+    o->pk = (char)phase_slot(k, compute);
 }
 
 static int number_ops(Loop *L)

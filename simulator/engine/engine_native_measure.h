@@ -23,6 +23,20 @@ static int phase_is(PyObject *ph, const char *want)
     return PyUnicode_Check(ph) && PyUnicode_CompareWithASCIIString(ph, want) == 0;
 }
 
+/* the metrics' phase of an op (simulator.engine.metrics._phase_ends): its phase string's class (0 fwd,
+ * 1 bwd, 2 opt, -1 other), then the phase end it counts for on a compute stream or not (0 forward compute,
+ * 1 backward compute, 2 optimizer on any stream, 3 backward on another stream, -1 none); the compiled loop
+ * (engine_native.c: phase_kind) and `phase_ends` below both classify with these */
+static int phase_class(PyObject *ph)
+{
+    return !ph ? -1 : phase_is(ph, "opt") ? 2 : phase_is(ph, "fwd") ? 0 : phase_is(ph, "bwd") ? 1 : -1;
+}
+
+static int phase_slot(int cls, int compute)
+{
+    return cls == 2 ? 2 : cls < 0 ? -1 : compute ? cls : cls == 1 ? 3 : -1;
+}
+
 static PyObject *phase_ends(PyObject *self, PyObject *args)
 {
     PyObject *op_type, *queues;
@@ -61,10 +75,7 @@ static PyObject *phase_ends(PyObject *self, PyObject *args)
             if (s > step || e == Py_None) continue;
             if (s < 0 || !PyFloat_CheckExact(e)) goto python;
             double ev = PyFloat_AS_DOUBLE(e);
-            int k;
-            if (phase_is(ph, "opt")) k = 2;
-            else if (compute) k = phase_is(ph, "fwd") ? 0 : phase_is(ph, "bwd") ? 1 : -1;
-            else k = phase_is(ph, "bwd") ? 3 : -1;
+            int k = phase_slot(phase_class(ph), compute);
             if (k >= 0 && ev > val[k * n + s]) {
                 val[k * n + s] = ev;
                 best[k * n + s] = e;
